@@ -1,0 +1,63 @@
+"""Concatenate encoded samples into one THD pack (see packed_batch.py for the layout)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dfm.data.packed_batch import PackedBatch
+from dfm.data.sample import DiffusionSample
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def padded_lengths(lengths: Sequence[int], segment_multiple: int, total_multiple: int) -> list[int]:
+    """Per-sample lengths padded to ``segment_multiple``; the last one also pads the total to ``total_multiple``."""
+    padded = [round_up(max(n, 1), segment_multiple) for n in lengths]
+    padded[-1] += round_up(sum(padded), total_multiple) - sum(padded)
+    return padded
+
+
+def _cumulative(lengths: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(list(lengths)).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _scatter_segments(parts: Sequence[torch.Tensor], offsets: torch.Tensor, total: int) -> torch.Tensor:
+    out = parts[0].new_zeros((total, *parts[0].shape[1:]))
+    for part, start in zip(parts, offsets.tolist()):
+        out[start : start + part.shape[0]] = part
+    return out
+
+
+def pack_samples(
+    samples: Sequence[DiffusionSample], segment_multiple: int = 1, total_multiple: int = 1
+) -> PackedBatch:
+    """Pack samples along the sequence.
+
+    ``segment_multiple`` pads every sample's video segment (context parallelism needs 2*cp);
+    ``total_multiple`` pads the whole pack (sequence parallelism needs tp*cp). Padding is masked out.
+    """
+    if not samples:
+        raise ValueError("cannot pack an empty list of samples")
+    q_lens = [s.seq_len_q for s in samples]
+    kv_lens = [s.seq_len_kv for s in samples]
+    q_padded = padded_lengths(q_lens, segment_multiple, total_multiple)
+    kv_padded = padded_lengths(kv_lens, 1, 1)
+    q_offsets, kv_offsets = _cumulative(q_padded), _cumulative(kv_padded)
+    total_q, total_kv = int(q_offsets[-1]), int(kv_offsets[-1])
+    ones = [torch.ones(n) for n in q_lens]
+    return PackedBatch(
+        latents=_scatter_segments([s.tokens for s in samples], q_offsets, total_q),
+        context=_scatter_segments([s.text for s in samples], kv_offsets, total_kv),
+        cu_seqlens_q=_cumulative(q_lens),
+        cu_seqlens_q_padded=q_offsets,
+        cu_seqlens_kv=_cumulative(kv_lens),
+        cu_seqlens_kv_padded=kv_offsets,
+        pos_ids=_scatter_segments([s.pos_ids.long() for s in samples], q_offsets, total_q),
+        loss_mask=_scatter_segments(ones, q_offsets, total_q),
+        latent_shape=torch.tensor([list(s.latent_shape) for s in samples], dtype=torch.long),
+        sample_index=torch.tensor([s.sample_index for s in samples], dtype=torch.long),
+    )

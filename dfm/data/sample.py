@@ -1,0 +1,26 @@
+"""One encoded training sample, before packing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class DiffusionSample:
+    tokens: torch.Tensor  # [L, pt*ph*pw*C] patchified latent
+    pos_ids: torch.Tensor  # [L, 3] long (t, h, w) patch coordinates
+    text: torch.Tensor  # [L_kv, D_text] unpadded text embedding
+    latent_shape: tuple[int, int, int, int]  # (C, T, H, W) of the latent before patchify
+    sample_index: int  # global index in the data stream
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seq_len_q(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def seq_len_kv(self) -> int:
+        return int(self.text.shape[0])

@@ -1,0 +1,122 @@
+"""Core attention over THD-packed sequences: no token attends across samples.
+
+Plugs into megatron-core's ``SelfAttention`` / ``CrossAttention`` as the ``core_attention``
+submodule. We keep megatron's ``sbhd`` tensor layout (b == 1 for a pack) and read the sample
+boundaries from ``PackedSeqParams``, so per-token 3D RoPE is applied by megatron unchanged.
+
+Backends (all must agree; tests prove it):
+  * ``sdpa``: torch SDPA on each sample's segment, the reference.
+  * ``flex``: torch FlexAttention with a document block mask, one kernel per pack.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.module import MegatronModule
+from torch import Tensor
+
+BACKENDS = ("sdpa", "flex")
+
+
+def segment_bounds(params: PackedSeqParams, side: str) -> tuple[list[int], list[int]]:
+    """(starts, lengths) of each sample's real tokens on the 'q' or 'kv' side."""
+    real = getattr(params, f"cu_seqlens_{side}")
+    padded = getattr(params, f"cu_seqlens_{side}_padded")
+    offsets = padded if padded is not None else real
+    lengths = (real[1:] - real[:-1]).tolist()
+    return offsets[:-1].tolist(), lengths
+
+
+def sdpa_per_segment(query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams, scale: float) -> Tensor:
+    """query [sq, b, np, hn], key/value [sk, b, np, hn] -> [sq, b, np, hn]; padding rows are 0."""
+    out = torch.zeros_like(query)
+    q_starts, q_lens = segment_bounds(params, "q")
+    kv_starts, kv_lens = segment_bounds(params, "kv")
+    for q0, nq, k0, nk in zip(q_starts, q_lens, kv_starts, kv_lens):
+        if nq == 0 or nk == 0:
+            continue
+        q = query[q0 : q0 + nq].permute(1, 2, 0, 3)  # [b, np, nq, hn]
+        k = key[k0 : k0 + nk].permute(1, 2, 0, 3)
+        v = value[k0 : k0 + nk].permute(1, 2, 0, 3)
+        out[q0 : q0 + nq] = F.scaled_dot_product_attention(q, k, v, scale=scale).permute(2, 0, 1, 3)
+    return out
+
+
+def document_ids(starts: list[int], lengths: list[int], total: int, device: torch.device) -> Tensor:
+    """[total] long: sample index of each real token, -1 (q) on padding."""
+    ids = torch.full((total,), -1, dtype=torch.long, device=device)
+    for index, (start, length) in enumerate(zip(starts, lengths)):
+        ids[start : start + length] = index
+    return ids
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
+
+
+def flex_document_attention(query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams, scale: float) -> Tensor:
+    """Same contract as :func:`sdpa_per_segment`, one FlexAttention call with a document mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    sq, sk = query.shape[0], key.shape[0]
+    q_doc = document_ids(*segment_bounds(params, "q"), sq, query.device)
+    kv_doc = document_ids(*segment_bounds(params, "kv"), sk, query.device)
+
+    def same_sample(b, h, q_idx, kv_idx):
+        return (q_doc[q_idx] == kv_doc[kv_idx]) & (q_doc[q_idx] >= 0)
+
+    mask = create_block_mask(same_sample, B=None, H=None, Q_LEN=sq, KV_LEN=sk, device=query.device)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    out = _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale).permute(2, 0, 1, 3)
+    # Rows with no allowed key (padding) are undefined in flex; zero them as the reference does.
+    return out * (q_doc >= 0).to(out.dtype)[:, None, None, None]
+
+
+class PackedDotProductAttention(MegatronModule):
+    """megatron ``core_attention`` for packed samples; ``backend`` picks the kernel."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type=None,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        backend: str = "sdpa",
+    ):
+        super().__init__(config=config)
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown local attention backend {backend!r}; valid: {BACKENDS}")
+        self.backend = backend
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None = None,
+        attn_mask_type=None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
+        """query [sq, b, np, hn], key/value [sk, b, np, hn] -> [sq, b, np*hn]."""
+        if packed_seq_params is None:
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = F.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale).permute(2, 0, 1, 3)
+        elif self.backend == "flex":
+            out = flex_document_attention(query, key, value, packed_seq_params, self.softmax_scale)
+        else:
+            out = sdpa_per_segment(query, key, value, packed_seq_params, self.softmax_scale)
+        return out.reshape(out.shape[0], out.shape[1], -1)

@@ -1,0 +1,67 @@
+"""Our ModelConfig (+ precision) -> megatron-core TransformerConfig."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def build_transformer_config(model, precision: str = "fp32") -> TransformerConfig:
+    """``model`` is a dfm.config ModelConfig; ``precision`` in fp32 | bf16 | fp16."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    llama_style = model.architecture == "moviegen"
+    config = TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        ffn_hidden_size=model.effective_ffn_hidden_size,
+        kv_channels=model.hidden_size // model.num_attention_heads,
+        tensor_model_parallel_size=model.tensor_model_parallel_size,
+        pipeline_model_parallel_size=model.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=model.virtual_pipeline_model_parallel_size,
+        context_parallel_size=model.context_parallel_size,
+        sequence_parallel=model.sequence_parallel,
+        expert_model_parallel_size=model.expert_model_parallel_size,
+        num_moe_experts=model.num_moe_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=1e-3 if model.num_moe_experts else 0.0,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        layernorm_epsilon=model.layernorm_epsilon,
+        normalization="RMSNorm" if llama_style else "LayerNorm",
+        gated_linear_unit=llama_style,
+        activation_func=F.silu if llama_style else _gelu_tanh,
+        add_bias_linear=not llama_style,
+        qk_layernorm=model.qk_layernorm,
+        init_method_std=model.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        # Parameters are created on the CPU and filled by dfm.models.common.init (layout independent).
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        # Packs vary in length: pipeline stages exchange shapes before tensors.
+        variable_seq_lengths=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        recompute_granularity=model.recompute_granularity,
+        recompute_method=model.recompute_method if model.recompute_granularity == "full" else None,
+        recompute_num_layers=(model.recompute_num_layers or 1) if model.recompute_granularity == "full" else None,
+    )
+    # Timestep / text embedders are replicated on every pipeline stage; megatron all-reduces
+    # grads of params marked `pipeline_parallel` across stages when this flag is set.
+    config.has_cond_embedder = True
+    return config

@@ -1,0 +1,186 @@
+"""DiT on megatron-core: patch embed -> DiT blocks (built from a ModuleSpec) -> adaLN final layer.
+
+Inputs are THD packs (see dfm/data/packed_batch.py): tokens of several samples concatenated,
+b == 1. The timestep and text embedders live on every pipeline stage (their grads are
+all-reduced across stages by megatron), the patch embedding on the first, the final layer on the last.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from dfm.data.packed_batch import PackedBatch
+from dfm.models.common.adaln import AdaLNNorm, modulate
+from dfm.models.common.embeddings import (
+    FactorizedLearned3DEmbedding,
+    TimestepEmbedder,
+    rope_3d_freqs,
+    sincos_3d,
+)
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated norm + linear to patch features; zero-initialised as in DiT."""
+
+    def __init__(self, hidden_size: int, out_features: int, eps: float):
+        super().__init__()
+        self.norm = AdaLNNorm(hidden_size, eps)
+        self.adaln = nn.Linear(hidden_size, 2 * hidden_size)
+        self.linear = nn.Linear(hidden_size, out_features)
+
+    def forward(self, hidden: Tensor, cond: Tensor, token_sample_ids: Tensor) -> Tensor:
+        """hidden [s, b, h], cond [N, h] -> [s, b, out]."""
+        shift, scale = self.adaln(F.silu(cond))[token_sample_ids].unsqueeze(1).chunk(2, dim=-1)
+        return self.linear(modulate(self.norm(hidden), shift, scale))
+
+
+class TextEmbedder(nn.Module):
+    """T5 features [s_kv, D_text] -> [s_kv, h] (the cross-attention's key/value input)."""
+
+    def __init__(self, text_dim: int, hidden_size: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(text_dim, hidden_size), nn.GELU(approximate="tanh"), nn.Linear(hidden_size, hidden_size))
+
+    def forward(self, context: Tensor) -> Tensor:
+        return self.mlp(context)
+
+
+def _mark_replicated_across_stages(module: nn.Module) -> None:
+    for param in module.parameters():
+        param.pipeline_parallel = True
+
+
+def packed_seq_params(batch: PackedBatch, cross: bool) -> PackedSeqParams:
+    """Segment boundaries for self-attention (video-video) or cross-attention (video-text)."""
+    kv = "kv" if cross else "q"
+    return PackedSeqParams(
+        qkv_format="sbhd",
+        cu_seqlens_q=batch.cu_seqlens_q,
+        cu_seqlens_q_padded=batch.cu_seqlens_q_padded,
+        cu_seqlens_kv=getattr(batch, f"cu_seqlens_{kv}"),
+        cu_seqlens_kv_padded=getattr(batch, f"cu_seqlens_{kv}_padded"),
+    )
+
+
+class DiTModel(MegatronModule):
+    """Packed DiT: (x_in [S, D], c_noise [N], batch) -> raw prediction [S, D] (last stage)."""
+
+    def __init__(
+        self,
+        config,
+        layer_spec: ModuleSpec,
+        model_cfg,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: Optional[int] = None,
+    ):
+        super().__init__(config=config)
+        self.model_cfg = model_cfg
+        self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
+        h = config.hidden_size
+        self.patch_dim = model_cfg.in_channels * model_cfg.patch_temporal * model_cfg.patch_spatial**2
+        self.cross = model_cfg.architecture != "dit_adaln"
+        self.input_tensor: Optional[Tensor] = None
+
+        self.t_embedder = TimestepEmbedder(h)
+        _mark_replicated_across_stages(self.t_embedder)
+        if self.cross:
+            self.text_embedder = TextEmbedder(model_cfg.text_embed_dim, h)
+            _mark_replicated_across_stages(self.text_embedder)
+        if model_cfg.num_classes:
+            # One extra row is the null class for classifier-free guidance.
+            self.class_embedder = nn.Embedding(model_cfg.num_classes + 1, h)
+            _mark_replicated_across_stages(self.class_embedder)
+        if pre_process:
+            self.x_embedder = nn.Linear(self.patch_dim, h)
+            if model_cfg.pos_embedding == "learned3d":
+                self.pos_embedder = FactorizedLearned3DEmbedding(tuple(model_cfg.max_latent_thw), h)
+
+        self.layer_offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        num_local = get_num_layers_to_build(config, vp_stage=vp_stage)
+        self.layers = nn.ModuleList(
+            build_module(layer_spec, config=config, layer_number=self.layer_offset + i + 1) for i in range(num_local)
+        )
+        if post_process:
+            self.final_layer = FinalLayer(h, self.patch_dim, config.layernorm_epsilon)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Pipeline schedules hand the previous stage's output in here."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def global_param_name(self, name: str) -> str:
+        """Local parameter name -> its name in the whole (unpipelined) model."""
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            return f"layers.{self.layer_offset + int(index)}.{rest}"
+        return name
+
+    def conditioning(self, c_noise: Tensor, class_labels: Optional[Tensor]) -> Tensor:
+        """[N] noise levels (+ [N] labels) -> [N, h]."""
+        cond = self.t_embedder(c_noise)
+        if self.model_cfg.num_classes:
+            cond = cond + self.class_embedder(class_labels)
+        return cond
+
+    def embed_patches(self, x_in: Tensor, pos_ids: Tensor) -> Tensor:
+        """[S, D] -> [S, 1, h] with absolute positions added when configured."""
+        hidden = self.x_embedder(x_in.to(self.x_embedder.weight.dtype))
+        if self.model_cfg.pos_embedding == "sincos3d":
+            hidden = hidden + sincos_3d(pos_ids, hidden.shape[-1]).to(hidden.dtype)
+        elif self.model_cfg.pos_embedding == "learned3d":
+            hidden = hidden + self.pos_embedder(pos_ids)
+        return hidden.unsqueeze(1)
+
+    def forward(self, x_in: Tensor, c_noise: Tensor, batch: PackedBatch, class_labels: Optional[Tensor] = None) -> Tensor:
+        sp = self.config.sequence_parallel
+        token_ids = batch.token_sample_ids()
+        cond = self.conditioning(c_noise, class_labels)
+        context = None
+        if self.cross:
+            context = self.text_embedder(batch.context.to(cond.dtype)).unsqueeze(1)
+            if sp:
+                context = tensor_parallel.scatter_to_sequence_parallel_region(context)
+        if self.pre_process:
+            hidden = self.embed_patches(x_in, batch.pos_ids)
+            if sp:
+                hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)
+        else:
+            hidden = self.input_tensor
+        rope = None
+        if self.model_cfg.pos_embedding == "rope3d":
+            rope = rope_3d_freqs(batch.pos_ids, self.config.kv_channels)
+        local_ids = self.local_token_ids(token_ids) if sp else token_ids
+        hidden = self.run_layers(hidden, cond, local_ids, context, rope, batch)
+        if not self.post_process:
+            return hidden
+        if sp:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return self.final_layer(hidden, cond, token_ids)[:, 0]
+
+    def local_token_ids(self, token_ids: Tensor) -> Tensor:
+        """The slice of [S] ids held by this rank when the sequence is split over TP ranks."""
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        return token_ids.chunk(tp)[rank]
+
+    def run_layers(self, hidden, cond, token_ids, context, rope, batch) -> Tensor:
+        self_params = packed_seq_params(batch, cross=False)
+        cross_params = packed_seq_params(batch, cross=True) if self.cross else None
+        recompute = self.config.recompute_granularity == "full" and self.training
+        for layer in self.layers:
+            args = (hidden, cond, token_ids, context, rope, self_params, cross_params)
+            hidden = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
+        return hidden
