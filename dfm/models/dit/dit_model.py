@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
@@ -86,6 +87,7 @@ class DiTModel(MegatronModule):
         vp_stage: Optional[int] = None,
     ):
         super().__init__(config=config)
+        self.model_type = ModelType.encoder_or_decoder
         self.model_cfg = model_cfg
         self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
         h = config.hidden_size

@@ -1,0 +1,65 @@
+"""The megatron ``forward_step_func``: noise a pack with the pipeline, run the model, masked loss."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from functools import partial
+
+import torch
+
+from dfm.data.packed_batch import PackedBatch
+from dfm.diffusion.pipeline import DiffusionPipeline, cfg_drop_mask, null_dropped_context
+
+
+def sample_noise_generator(seed: int, iteration: int, sample_index: int) -> torch.Generator:
+    """Noise for a sample depends only on (seed, iteration, global sample index): layout independent."""
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{iteration}:{sample_index}".encode()))
+
+
+def draw_pack_noise(
+    pipeline: DiffusionPipeline, batch: PackedBatch, seed: int, iteration: int, cfg_dropout_prob: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> noise [S, D] (zero on padding), level [N], text dropped [N] bool; drawn on the CPU."""
+    starts = batch.cu_seqlens_q_padded[:-1].tolist()
+    lengths = (batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).tolist()
+    feature_dim = batch.latents.shape[1]
+    noise = torch.zeros(batch.latents.shape, dtype=torch.float32)
+    levels, dropped = [], []
+    for start, length, index in zip(starts, lengths, batch.sample_index.tolist()):
+        generator = sample_noise_generator(seed, iteration, index)
+        sample_noise, level = pipeline.draw_training_noise(1, (length, feature_dim), generator)
+        noise[start : start + length] = sample_noise
+        levels.append(level)
+        dropped.append(cfg_drop_mask(1, cfg_dropout_prob, generator))
+    return noise, torch.cat(levels), torch.cat(dropped)
+
+
+class DiffusionForwardStep:
+    """Callable as megatron's forward_step_func(data_iterator, model); ``iteration`` is set by the loop."""
+
+    def __init__(self, pipeline: DiffusionPipeline, seed: int, cfg_dropout_prob: float, device: torch.device):
+        self.pipeline = pipeline
+        self.seed = seed
+        self.cfg_dropout_prob = cfg_dropout_prob
+        self.device = device
+        self.iteration = 0
+
+    def prepare(self, batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
+        noise, level, dropped = draw_pack_noise(self.pipeline, batch, self.seed, self.iteration, self.cfg_dropout_prob)
+        context = null_dropped_context(batch.context, batch.cu_seqlens_kv_padded, dropped)
+        batch = dataclasses.replace(batch, context=context).to(self.device)
+        return batch, noise.to(self.device), level.to(self.device)
+
+    def __call__(self, data_iterator, model):
+        batch, noise, level = self.prepare(next(data_iterator))
+        sample_ids = batch.token_sample_ids()
+        x_in, c_noise = self.pipeline.model_input(batch.latents, noise, level, sample_ids)
+        output = model(x_in, c_noise, batch)
+        return output, partial(self.loss, batch, noise, level, sample_ids)
+
+    def loss(self, batch: PackedBatch, noise, level, sample_ids, output: torch.Tensor):
+        per_sample = self.pipeline.training_loss(output, batch.latents, noise, level, sample_ids, batch.loss_mask)
+        loss = per_sample.mean()
+        stats = torch.stack([loss.detach().float(), torch.tensor(float(batch.num_real_tokens()), device=loss.device)])
+        return loss, {"loss_and_tokens": stats}

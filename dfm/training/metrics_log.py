@@ -1,0 +1,58 @@
+"""Per-iteration metrics: one JSON line each in <log_dir>/metrics.jsonl and a readable console line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger("dfm.train")
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
+class MetricsLog:
+    """Writes on the logging rank only; other ranks hold a disabled instance."""
+
+    def __init__(self, log_dir: str, enabled: bool, tensorboard_dir: Optional[str] = None):
+        self.enabled = enabled
+        self.path = Path(log_dir) / "metrics.jsonl"
+        self.tb = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if tensorboard_dir:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(tensorboard_dir)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "iteration" and value is not None:
+                    self.tb.add_scalar(f"train/{key}", value, record["iteration"])
+        logger.info(self.console_line(record))
+
+    @staticmethod
+    def console_line(r: dict[str, Any]) -> str:
+        return (
+            f"iter {r['iteration']:>6}/{r['train_iters']} | loss {_fmt(r['loss'])} | lr {r['lr']:.3g} | "
+            f"grad norm {_fmt(r['grad_norm'])} | skipped {r['skipped_iterations']} | "
+            f"{r['step_time_s'] * 1000:.0f} ms/it | {_fmt(r['tokens_per_sec_per_gpu'])} tok/s/gpu | "
+            f"{_fmt(r['tflops_per_gpu'])} TFLOP/s/gpu | MFU {_fmt(r['mfu'])}"
+        )
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

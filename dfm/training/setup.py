@@ -1,0 +1,133 @@
+"""Build the pieces of a training run: model chunks (DDP-wrapped), optimizer, LR schedule, data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from dfm.config.container import ConfigContainer
+from dfm.data.mock import MockDataSettings, MockPackedLoader
+from dfm.models.build import build_model_chunk
+
+
+@dataclass
+class TrainState:
+    model: list[Any]  # DDP-wrapped model chunks (one per virtual pipeline stage)
+    optimizer: Any
+    scheduler: OptimizerParamScheduler
+    transformer_config: Any
+
+
+def data_parallel_info() -> tuple[int, int]:
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def num_microbatches(cfg: ConfigContainer) -> int:
+    _, dp = data_parallel_info()
+    per_step = cfg.train.micro_batch_size * dp
+    if cfg.train.global_batch_size % per_step:
+        raise ValueError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
+            f"micro_batch_size x data-parallel size = {cfg.train.micro_batch_size} x {dp}"
+        )
+    return cfg.train.global_batch_size // per_step
+
+
+def build_model(cfg: ConfigContainer, device: torch.device) -> tuple[list[Any], Any]:
+    """DDP-wrapped model chunks on ``device`` and the megatron TransformerConfig they share."""
+    vpp = cfg.model.virtual_pipeline_model_parallel_size or 1
+    chunks, tconfig = [], None
+    for vp_stage in range(vpp):
+        chunk, tconfig = build_model_chunk(
+            cfg.model, cfg.mixed_precision.precision, cfg.rng.seed, vp_stage if vpp > 1 else None
+        )
+        chunks.append(chunk.to(device))
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.ddp.grad_reduce_in_fp32,
+        overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,
+        overlap_param_gather=cfg.ddp.overlap_param_gather,
+        use_distributed_optimizer=cfg.ddp.use_distributed_optimizer,
+        average_in_collective=cfg.ddp.average_in_collective,
+    )
+    wrapped = [
+        DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+    for chunk in wrapped:
+        chunk.broadcast_params()
+    return wrapped, tconfig
+
+
+def build_optimizer(cfg: ConfigContainer, model: list[Any], tconfig) -> tuple[Any, OptimizerParamScheduler]:
+    o = cfg.optimizer
+    precision = cfg.mixed_precision.precision
+    opt_config = OptimizerConfig(
+        optimizer=o.optimizer,
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        params_dtype=tconfig.params_dtype,
+        use_distributed_optimizer=cfg.ddp.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, model)
+    s = cfg.scheduler
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if s.lr_warmup_iters else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=s.lr_warmup_iters,
+        lr_decay_steps=s.decay_iters(cfg.train.train_iters),
+        lr_decay_style=s.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=cfg.train.train_iters,
+        wd_incr_style="constant",
+    )
+    # The schedules call these hooks: grad sync + SP/PP reductions, and loss scaling.
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.grad_scale_func = optimizer.scale_loss
+    if cfg.ddp.overlap_grad_reduce:
+        tconfig.no_sync_func = [chunk.no_sync for chunk in model]
+        tconfig.no_sync_func = tconfig.no_sync_func[0] if len(model) == 1 else tconfig.no_sync_func
+    return optimizer, scheduler
+
+
+def padding_multiples(cfg: ConfigContainer) -> tuple[int, int]:
+    """(segment_multiple, total_multiple) a pack needs for this layout's CP and SP splits."""
+    cp, tp = cfg.model.context_parallel_size, cfg.model.tensor_model_parallel_size
+    segment = 2 * cp if cp > 1 else 1
+    total = (tp if cfg.model.sequence_parallel else 1) * segment
+    return segment, total
+
+
+def build_mock_loader(cfg: ConfigContainer) -> MockPackedLoader:
+    d, m = cfg.dataset, cfg.model
+    settings = MockDataSettings(
+        seed=cfg.rng.seed,
+        image_sizes=[tuple(s) for s in d.mock_image_sizes],
+        video_sizes=[tuple(s) for s in d.mock_video_sizes],
+        image_fraction=d.mock_image_fraction,
+        text_len_range=tuple(d.mock_text_len_range),
+        in_channels=m.in_channels,
+        text_embed_dim=m.text_embed_dim,
+        patch_temporal=m.patch_temporal,
+        patch_spatial=m.patch_spatial,
+    )
+    dp_rank, dp_size = data_parallel_info()
+    segment, total = padding_multiples(cfg)
+    return MockPackedLoader(
+        settings, dp_rank, dp_size, d.seq_length, segment, total, samples_per_pack=d.mock_samples_per_pack
+    )

@@ -1,0 +1,94 @@
+"""Prepare an energon dataset from a local folder of images/videos and captions.
+
+    python examples/megatron/recipes/dit/prepare_energon_dataset.py \
+        --input_dir raw/ --output_dir data/ --resolution_preset 256p --run_energon_prepare
+
+Multi-process: ``torchrun --nproc_per_node 8 ... prepare_energon_dataset.py ...`` (each rank writes
+its own shards), then ``energon prepare`` once (see docs/data.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional
+
+import torch
+
+from dfm.data.prepare.buckets import RESOLUTION_PRESETS
+from dfm.data.prepare.captions import CAPTION_FORMATS
+from dfm.data.prepare.pipeline import DEFAULT_T5, DEFAULT_VAE, PrepareSettings, prepare_dataset, settings_from_env
+
+
+def add_encoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared with the other preparation scripts (resolution, encoders, shards)."""
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--resolution_preset", choices=sorted(RESOLUTION_PRESETS))
+    size.add_argument("--max_pixels", type=int)
+    size.add_argument("--height", type=int, help="fixed bucket height (with --width)")
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--num_frames", type=int, default=17, help="frames per video before VAE compression")
+    parser.add_argument("--frame_stride", type=int, default=1)
+    parser.add_argument("--patch_spatial", type=int, default=2)
+    parser.add_argument("--t5", default=DEFAULT_T5, help="T5 hub name or local folder")
+    parser.add_argument("--t5_cache_dir")
+    parser.add_argument("--max_text_len", type=int, default=512)
+    parser.add_argument("--vae", default=DEFAULT_VAE, help="VAE hub name or local folder")
+    parser.add_argument("--vae_subfolder", default="vae", help="'' for a folder that is the VAE itself")
+    parser.add_argument("--vae_kind", choices=["auto", "wan", "kl"], default="auto")
+    parser.add_argument("--vae_cache_dir")
+    parser.add_argument("--tiny_random_encoders", action="store_true", help="tiny random T5 + VAE (tests)")
+    parser.add_argument("--shard_maxcount", type=int, default=1000)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--run_energon_prepare", action="store_true", help="run `energon prepare` afterwards")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input_dir", required=True)
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--caption_format", choices=CAPTION_FORMATS, help="default: try all, then the file name")
+    add_encoding_arguments(parser)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace, input_dir: Optional[str] = None) -> PrepareSettings:
+    if (args.height is None) != (args.width is None):
+        raise SystemExit("--height and --width go together")
+    return settings_from_env(
+        PrepareSettings(
+            input_dir=input_dir or args.input_dir,
+            output_dir=args.output_dir,
+            caption_format=getattr(args, "caption_format", None),
+            resolution_preset=args.resolution_preset,
+            max_pixels=args.max_pixels,
+            height=args.height,
+            width=args.width,
+            num_frames=args.num_frames,
+            frame_stride=args.frame_stride,
+            patch_spatial=args.patch_spatial,
+            t5_name_or_dir=args.t5,
+            t5_cache_dir=args.t5_cache_dir,
+            max_text_len=args.max_text_len,
+            vae_name_or_dir=args.vae,
+            vae_subfolder=args.vae_subfolder or None,
+            vae_kind=args.vae_kind,
+            vae_cache_dir=args.vae_cache_dir,
+            tiny_random_encoders=args.tiny_random_encoders,
+            shard_maxcount=args.shard_maxcount,
+            device=args.device,
+            run_energon_prepare=args.run_energon_prepare,
+        )
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    report = prepare_dataset(settings_from_args(build_parser().parse_args(argv)))
+    print(report.summary())
+    return 0 if report.written > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
