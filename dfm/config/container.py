@@ -1,0 +1,187 @@
+"""Typed config sections and the `ConfigContainer` that holds one of each.
+
+Adding a section is two steps: define its dataclass here and add one field to `ConfigContainer`.
+Every field needs a default so a recipe only states what differs from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+Architecture = Literal["dit_cross", "dit_adaln", "stdit", "moviegen"]
+PosEmbedding = Literal["rope3d", "sincos3d", "learned3d"]
+AttentionBackend = Literal["auto", "flex", "sdpa", "te"]
+DiffusionPipeline = Literal["edm", "flow"]
+RecomputeGranularity = Literal["full", "selective"]
+RecomputeMethod = Literal["uniform", "block"]
+LrDecayStyle = Literal["constant", "cosine", "linear"]
+Precision = Literal["fp32", "bf16", "fp16"]
+Fp8Format = Literal["e4m3", "hybrid"]
+
+
+@dataclass
+class ModelConfig:
+    """Architecture, embedding and model-parallel layout of the diffusion transformer."""
+
+    architecture: Architecture = "dit_cross"
+    num_layers: int = 12
+    hidden_size: int = 384
+    num_attention_heads: int = 6
+    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size
+    in_channels: int = 16
+    patch_spatial: int = 2
+    patch_temporal: int = 1
+    text_embed_dim: int = 4096
+    max_text_len: int = 512
+    qk_layernorm: bool = False
+    layernorm_epsilon: float = 1e-6
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    pos_embedding: PosEmbedding = "rope3d"
+    # [T, H, W] in latent units; sizes the learned / sincos position tables.
+    max_latent_thw: list[int] = field(default_factory=lambda: [32, 128, 128])
+    attention_backend: AttentionBackend = "auto"
+    pipeline: DiffusionPipeline = "edm"
+    num_classes: Optional[int] = None  # class-conditioned dit_adaln only
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    expert_model_parallel_size: int = 1
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    recompute_granularity: Optional[RecomputeGranularity] = None
+    recompute_method: Optional[RecomputeMethod] = "uniform"
+    recompute_num_layers: Optional[int] = None
+    init_method_std: float = 0.02
+
+    @property
+    def effective_ffn_hidden_size(self) -> int:
+        """`ffn_hidden_size`, or the usual 4x hidden when unset."""
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+
+@dataclass
+class TrainConfig:
+    """Loop length, batch sizes and the loop's safety nets."""
+
+    train_iters: int = 20
+    micro_batch_size: int = 1
+    global_batch_size: Optional[int] = None  # None: the trainer sets micro_batch_size * dp
+    eval_interval: Optional[int] = None
+    eval_iters: int = 2
+    max_consecutive_nonfinite: int = 5
+    exit_signal_handler: bool = True
+    manual_gc_interval: int = 0  # 0: leave Python's GC automatic
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer hyper-parameters, gradient clipping and EMA."""
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    ema_decay: Optional[float] = None  # None: no EMA weights
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate warmup and decay."""
+
+    lr_warmup_iters: int = 0
+    lr_decay_style: LrDecayStyle = "constant"
+    lr_decay_iters: Optional[int] = None  # None: train.train_iters
+
+    def decay_iters(self, train_iters: int) -> int:
+        """`lr_decay_iters`, or the run length when unset."""
+        return self.lr_decay_iters if self.lr_decay_iters is not None else train_iters
+
+
+@dataclass
+class DatasetConfig:
+    """Where samples come from (energon path or mock) and how they are packed."""
+
+    path: Optional[str] = None
+    seq_length: int = 4096  # packing limit, in video tokens
+    packing_buffer_size: Optional[int] = 100
+    num_workers: int = 2
+    mock_image_fraction: float = 0.5
+    # Latent sizes: images [H, W], videos [T, H, W].
+    mock_image_sizes: list[list[int]] = field(default_factory=lambda: [[16, 16], [32, 32], [16, 32]])
+    mock_video_sizes: list[list[int]] = field(default_factory=lambda: [[4, 16, 16], [8, 16, 16]])
+    mock_text_len_range: list[int] = field(default_factory=lambda: [8, 32])
+    mock_samples_per_pack: Optional[int] = None  # None: fill each pack up to seq_length
+    cfg_dropout_prob: float = 0.1
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and how often to save, and what to resume from."""
+
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    keep_last: Optional[int] = None  # None: keep every checkpoint
+    async_save: bool = False
+
+
+@dataclass
+class LoggerConfig:
+    """Console, TensorBoard and Weights & Biases logging."""
+
+    log_dir: str = "outputs/logs"
+    log_interval: int = 1
+    tensorboard_dir: Optional[str] = None
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+
+
+@dataclass
+class RNGConfig:
+    """Seed for every random stream (model init, mock data, noise)."""
+
+    seed: int = 1234
+
+
+@dataclass
+class DDPConfig:
+    """Megatron-core DistributedDataParallel and distributed-optimizer options."""
+
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    grad_reduce_in_fp32: bool = True
+    average_in_collective: bool = False
+
+
+@dataclass
+class MixedPrecisionConfig:
+    """Compute precision; fp8 needs Transformer Engine."""
+
+    precision: Precision = "fp32"
+    fp8: Optional[Fp8Format] = None
+
+
+@dataclass
+class ConfigContainer:
+    """The whole run configuration, one typed section per concern."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    rng: RNGConfig = field(default_factory=RNGConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)

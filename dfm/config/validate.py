@@ -1,0 +1,67 @@
+"""Cross-field checks run after every source (recipe, file, overrides) is applied.
+
+Type checks happen as values are set (see typecheck.py); these catch values of the right type
+that cannot work together, before any process group starts.
+"""
+
+from __future__ import annotations
+
+from dfm.config.container import ConfigContainer
+from dfm.config.errors import ConfigError
+
+
+def validate_config(cfg: ConfigContainer) -> None:
+    """Raise ConfigError naming the first key whose value cannot work."""
+    _check_model(cfg)
+    _check_dataset(cfg)
+    _check_positive(cfg.train.micro_batch_size, "train.micro_batch_size")
+    _check_at_least(cfg.train.train_iters, 0, "train.train_iters")
+    _check_positive(cfg.logger.log_interval, "logger.log_interval")
+
+
+def _check_model(cfg: ConfigContainer) -> None:
+    model = cfg.model
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "in_channels", "patch_spatial",
+                 "patch_temporal", "text_embed_dim", "max_text_len", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+        _check_positive(getattr(model, name), f"model.{name}")
+    if model.hidden_size % model.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size ({model.hidden_size}) must be divisible by "
+            f"model.num_attention_heads ({model.num_attention_heads})"
+        )
+    _check_sizes([model.max_latent_thw], 3, "model.max_latent_thw")
+
+
+def _check_dataset(cfg: ConfigContainer) -> None:
+    data = cfg.dataset
+    _check_positive(data.seq_length, "dataset.seq_length")
+    _check_sizes(data.mock_image_sizes, 2, "dataset.mock_image_sizes")
+    _check_sizes(data.mock_video_sizes, 3, "dataset.mock_video_sizes")
+    _check_sizes([data.mock_text_len_range], 2, "dataset.mock_text_len_range")
+    low, high = data.mock_text_len_range
+    if low > high:
+        raise ConfigError(f"dataset.mock_text_len_range must be [low, high] with low <= high, got {low} > {high}")
+    if high > cfg.model.max_text_len:
+        raise ConfigError(
+            f"dataset.mock_text_len_range high end ({high}) exceeds model.max_text_len ({cfg.model.max_text_len})"
+        )
+    for name in ("mock_image_fraction", "cfg_dropout_prob"):
+        value = getattr(data, name)
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"dataset.{name} must be in [0, 1], got {value}")
+
+
+def _check_sizes(sizes: list[list[int]], length: int, key: str) -> None:
+    for size in sizes:
+        if len(size) != length or any(n < 1 for n in size):
+            raise ConfigError(f"{key} entries must be {length} positive ints, got {size}")
+
+
+def _check_positive(value: int, key: str) -> None:
+    _check_at_least(value, 1, key)
+
+
+def _check_at_least(value: int, low: int, key: str) -> None:
+    if value < low:
+        raise ConfigError(f"{key} must be >= {low}, got {value}")
