@@ -30,6 +30,7 @@ class ModelConfig:
     num_attention_heads: int = 6
     ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size
     in_channels: int = 16
+    out_channels: Optional[int] = None  # None: in_channels; 2x for DiT's learned-sigma head
     patch_spatial: int = 2
     patch_temporal: int = 1
     text_embed_dim: int = 4096
@@ -75,6 +76,7 @@ class TrainConfig:
     eval_iters: int = 2
     max_consecutive_nonfinite: int = 5
     exit_signal_handler: bool = True
+    collective_timeout_minutes: int = 30  # a stuck collective fails after this, naming the rank
     manual_gc_interval: int = 0  # 0: leave Python's GC automatic
 
 

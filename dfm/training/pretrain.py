@@ -1,10 +1,11 @@
-"""The training loop: megatron-core schedule, DDP, optimizer; metrics per log interval."""
+"""The training loop: megatron-core schedule, DDP, optimizer; checkpoints, faults and metrics."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,13 +13,16 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dfm.config.container import ConfigContainer
-from dfm.config.loader import format_config, save_config_yaml
+from dfm.config.loader import config_to_dict, format_config, save_config_yaml
 from dfm.diffusion.pipeline import build_pipeline
 from dfm.models.dit.flops import dit_training_flops
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
+from dfm.training.checkpoint import load_checkpoint, save_checkpoint
+from dfm.training.data import build_train_loader
+from dfm.training.faults import NonFiniteGuard, PreemptionSignal, grads_are_finite
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.metrics_log import MetricsLog
-from dfm.training.setup import build_mock_loader, build_model, build_optimizer, num_microbatches
+from dfm.training.setup import build_model, build_optimizer, num_microbatches
 from dfm.training.throughput import device_peak_flops, mfu
 
 logger = logging.getLogger("dfm.train")
@@ -48,6 +52,21 @@ class RecordingIterator:
         packs, self.packs = self.packs, []
         return packs
 
+    def state_dict(self):
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.loader.load_state_dict(state)
+
+
+@dataclass
+class LogWindow:
+    """Work done since the last log line."""
+
+    start: float = field(default_factory=time.perf_counter)
+    iterations: int = 0
+    packs: list = field(default_factory=list)
+
 
 def finalize_defaults(cfg: ConfigContainer) -> None:
     """Fill settings that depend on the layout (known only once process groups exist)."""
@@ -56,15 +75,18 @@ def finalize_defaults(cfg: ConfigContainer) -> None:
         cfg.train.global_batch_size = cfg.train.micro_batch_size * dp
 
 
-def reduce_loss_and_tokens(losses_reduced: list[dict], device: torch.device) -> tuple[float, float]:
-    """Mean loss over micro-batches and DP ranks, real tokens summed; valid on every rank."""
-    stats = torch.zeros(3, device=device)  # loss sum, micro-batch count, tokens
-    is_reporting = (
+def is_loss_reporting_rank() -> bool:
+    return (
         parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         and parallel_state.get_tensor_model_parallel_rank() == 0
         and parallel_state.get_context_parallel_rank() == 0
     )
-    if is_reporting:
+
+
+def reduce_loss_and_tokens(losses_reduced: list[dict], device: torch.device) -> tuple[float, float]:
+    """Mean loss over micro-batches and DP ranks, real tokens summed; valid on every rank."""
+    stats = torch.zeros(3, device=device)  # loss sum, micro-batch count, tokens
+    if is_loss_reporting_rank():
         for item in losses_reduced:
             loss, tokens = item["loss_and_tokens"]
             stats += torch.stack([loss, torch.ones_like(loss), tokens])
@@ -72,12 +94,16 @@ def reduce_loss_and_tokens(losses_reduced: list[dict], device: torch.device) -> 
     return (stats[0] / stats[1].clamp(min=1)).item(), stats[2].item()
 
 
-def train_step(forward_step, data_iter, model, optimizer, scheduler, n_micro: int):
+def local_losses_finite(losses_reduced: list[dict]) -> bool:
+    return all(bool(torch.isfinite(item["loss_and_tokens"][0])) for item in losses_reduced)
+
+
+def train_step(forward_step, data_iter, model, optimizer, scheduler, n_micro: int, device) -> tuple:
+    """One optimizer step; a non-finite loss or gradient skips the update. -> (losses, updated, grad_norm)."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    forward_backward = get_forward_backward_func()
-    losses = forward_backward(
+    losses = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=[data_iter] * len(model) if len(model) > 1 else data_iter,
         model=model if len(model) > 1 else model[0],
@@ -86,6 +112,8 @@ def train_step(forward_step, data_iter, model, optimizer, scheduler, n_micro: in
         micro_batch_size=1,
         forward_only=False,
     )
+    if not grads_are_finite(model, local_losses_finite(losses), device):
+        return losses, False, None
     update_ok, grad_norm, _ = optimizer.step()
     if update_ok:
         scheduler.step(increment=1)
@@ -101,73 +129,116 @@ def pretrain(cfg: ConfigContainer, mock: bool) -> None:
         m.context_parallel_size,
         m.expert_model_parallel_size,
         seed=cfg.rng.seed,
+        timeout_minutes=cfg.train.collective_timeout_minutes,
     )
     try:
         run(cfg, mock, device)
+    except Exception:
+        logger.exception("rank %d failed", torch.distributed.get_rank())
+        raise
     finally:
         destroy_distributed()
+
+
+def announce_config(cfg: ConfigContainer) -> None:
+    logger.info("resolved config:\n%s", format_config(cfg))
+    for folder in {cfg.logger.log_dir, cfg.checkpoint.save}:
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            save_config_yaml(cfg, Path(folder) / "config.yaml")
 
 
 def run(cfg: ConfigContainer, mock: bool, device: torch.device) -> None:
     rank = torch.distributed.get_rank()
     finalize_defaults(cfg)
     if rank == 0:
-        logger.info("resolved config:\n%s", format_config(cfg))
-        Path(cfg.logger.log_dir).mkdir(parents=True, exist_ok=True)
-        save_config_yaml(cfg, Path(cfg.logger.log_dir) / "config.yaml")
-    if not mock:
-        raise NotImplementedError("energon data loading in the trainer is not wired yet; pass --mock")
-
+        announce_config(cfg)
     model, tconfig = build_model(cfg, device)
     optimizer, scheduler = build_optimizer(cfg, model, tconfig)
-    pipeline = build_pipeline(cfg.model.pipeline)
-    forward_step = DiffusionForwardStep(pipeline, cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
-    data_iter = RecordingIterator(build_mock_loader(cfg))
-    n_micro = num_microbatches(cfg)
-    world = torch.distributed.get_world_size()
-    peak = device_peak_flops(device)
-    metrics = MetricsLog(cfg.logger.log_dir, enabled=rank == 0, tensorboard_dir=cfg.logger.tensorboard_dir)
-    skipped, window_start, window_iters, window_packs = 0, time.perf_counter(), 0, []
-    for iteration in range(1, cfg.train.train_iters + 1):
-        forward_step.iteration = iteration
-        for chunk in model:
-            chunk.train()
-        losses, update_ok, grad_norm = train_step(forward_step, data_iter, model, optimizer, scheduler, n_micro)
-        skipped += int(not update_ok)
-        window_iters += 1
-        window_packs += data_iter.take()
-        if iteration % cfg.logger.log_interval and iteration != cfg.train.train_iters:
-            continue
-        loss, _ = reduce_loss_and_tokens(losses, device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - window_start
-        metrics.write(
-            iteration_record(cfg, iteration, loss, optimizer, grad_norm, skipped, elapsed, window_iters, window_packs, world, peak)
+    data_iter = RecordingIterator(build_train_loader(cfg, mock))
+    start = 0
+    if cfg.checkpoint.load:
+        start = load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, data_iter)
+    forward_step = DiffusionForwardStep(build_pipeline(cfg.model.pipeline), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
+    loop = TrainLoop(cfg, model, optimizer, scheduler, data_iter, forward_step, device)
+    loop.run(start)
+
+
+class TrainLoop:
+    def __init__(self, cfg, model, optimizer, scheduler, data_iter, forward_step, device):
+        self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
+        self.data_iter, self.forward_step, self.device = data_iter, forward_step, device
+        self.n_micro = num_microbatches(cfg)
+        self.peak = device_peak_flops(device)
+        self.metrics = MetricsLog(
+            cfg.logger.log_dir, enabled=torch.distributed.get_rank() == 0, tensorboard_dir=cfg.logger.tensorboard_dir
         )
-        window_start, window_iters, window_packs = time.perf_counter(), 0, []
-    metrics.close()
+        self.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite)
+        self.signal = PreemptionSignal(cfg.train.exit_signal_handler)
 
+    def run(self, start: int) -> None:
+        cfg, window = self.cfg, LogWindow()
+        try:
+            for iteration in range(start + 1, cfg.train.train_iters + 1):
+                self.forward_step.iteration = iteration
+                for chunk in self.model:
+                    chunk.train()
+                losses, updated, grad_norm = train_step(
+                    self.forward_step, self.data_iter, self.model, self.optimizer, self.scheduler, self.n_micro, self.device
+                )
+                self.guard.record(updated, iteration)
+                window.iterations += 1
+                window.packs += self.data_iter.take()
+                last = iteration == cfg.train.train_iters
+                if iteration % cfg.logger.log_interval == 0 or last:
+                    self.log(iteration, losses, grad_norm, window)
+                    window = LogWindow()
+                if self.signal.requested(self.device):
+                    logger.info("preemption signal received: saving at iteration %d and exiting", iteration)
+                    self.save(iteration)
+                    return
+                interval = cfg.checkpoint.save_interval
+                if last or (interval and iteration % interval == 0):
+                    self.save(iteration)
+        finally:
+            self.signal.restore()
+            self.metrics.close()
 
-def iteration_record(cfg, iteration, loss, optimizer, grad_norm, skipped, elapsed, iters, packs, world, peak) -> dict:
-    """One metrics.jsonl line. Packs were seen by this rank; scale to the whole run's work per GPU."""
-    dp = parallel_state.get_data_parallel_world_size()
-    video_lens = [n for q, _ in packs for n in q]
-    text_lens = [n for _, kv in packs for n in kv]
-    # Every model-parallel rank of a replica sees the same packs; the replica's work is split over them.
-    tokens_per_gpu = sum(video_lens) * dp / world
-    flops_per_gpu = dit_training_flops(cfg.model, video_lens, text_lens) * dp / world
-    tflops = flops_per_gpu / elapsed / 1e12
-    return {
-        "iteration": iteration,
-        "train_iters": cfg.train.train_iters,
-        "loss": loss,
-        "lr": optimizer.param_groups[0]["lr"],
-        "grad_norm": float(grad_norm) if grad_norm is not None and math.isfinite(float(grad_norm)) else None,
-        "skipped_iterations": skipped,
-        "step_time_s": elapsed / iters,
-        "tokens_per_sec_per_gpu": tokens_per_gpu / elapsed,
-        "tflops_per_gpu": tflops,
-        "mfu": mfu(tflops, peak),
-        "global_batch_size": cfg.train.global_batch_size,
-    }
+    def save(self, iteration: int) -> None:
+        if not self.cfg.checkpoint.save:
+            return
+        save_checkpoint(
+            self.cfg.checkpoint.save, iteration, self.model, self.optimizer, self.scheduler, self.data_iter,
+            config_to_dict(self.cfg), self.cfg.checkpoint.keep_last,
+        )
+
+    def log(self, iteration: int, losses, grad_norm, window: LogWindow) -> None:
+        loss, _ = reduce_loss_and_tokens(losses, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - window.start
+        self.metrics.write(self.record(iteration, loss, grad_norm, elapsed, window))
+
+    def record(self, iteration: int, loss: float, grad_norm, elapsed: float, window: LogWindow) -> dict:
+        """One metrics.jsonl line. Packs were seen by this rank; scaled to the work per GPU."""
+        dp = parallel_state.get_data_parallel_world_size()
+        world = torch.distributed.get_world_size()
+        video_lens = [n for q, _ in window.packs for n in q]
+        text_lens = [n for _, kv in window.packs for n in kv]
+        # Every model-parallel rank of a replica sees the same packs; the replica's work is split over them.
+        tokens_per_gpu = sum(video_lens) * dp / world
+        tflops = dit_training_flops(self.cfg.model, video_lens, text_lens) * dp / world / elapsed / 1e12
+        norm = float(grad_norm) if grad_norm is not None else None
+        return {
+            "iteration": iteration,
+            "train_iters": self.cfg.train.train_iters,
+            "loss": loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": norm if norm is not None and math.isfinite(norm) else None,
+            "skipped_iterations": self.guard.skipped,
+            "step_time_s": elapsed / window.iterations,
+            "tokens_per_sec_per_gpu": tokens_per_gpu / elapsed,
+            "tflops_per_gpu": tflops,
+            "mfu": mfu(tflops, self.peak),
+            "global_batch_size": self.cfg.train.global_batch_size,
+        }

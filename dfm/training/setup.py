@@ -6,14 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from dfm.config.container import ConfigContainer
-from dfm.data.mock import MockDataSettings, MockPackedLoader
 from dfm.models.build import build_model_chunk
+from dfm.training.data import data_parallel_info
 
 
 @dataclass
@@ -22,10 +21,6 @@ class TrainState:
     optimizer: Any
     scheduler: OptimizerParamScheduler
     transformer_config: Any
-
-
-def data_parallel_info() -> tuple[int, int]:
-    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
 def num_microbatches(cfg: ConfigContainer) -> int:
@@ -47,7 +42,9 @@ def build_model(cfg: ConfigContainer, device: torch.device) -> tuple[list[Any], 
         chunk, tconfig = build_model_chunk(
             cfg.model, cfg.mixed_precision.precision, cfg.rng.seed, vp_stage if vpp > 1 else None
         )
-        chunks.append(chunk.to(device))
+        # bf16/fp16 runs: the plain nn.Linear embedders and final layer too (as megatron's Float16Module
+        # does), so no fp32 activation meets a low-precision weight; fp32 runs are unchanged.
+        chunks.append(chunk.to(device=device, dtype=tconfig.params_dtype))
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.ddp.grad_reduce_in_fp32,
         overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,
@@ -103,31 +100,3 @@ def build_optimizer(cfg: ConfigContainer, model: list[Any], tconfig) -> tuple[An
         tconfig.no_sync_func = [chunk.no_sync for chunk in model]
         tconfig.no_sync_func = tconfig.no_sync_func[0] if len(model) == 1 else tconfig.no_sync_func
     return optimizer, scheduler
-
-
-def padding_multiples(cfg: ConfigContainer) -> tuple[int, int]:
-    """(segment_multiple, total_multiple) a pack needs for this layout's CP and SP splits."""
-    cp, tp = cfg.model.context_parallel_size, cfg.model.tensor_model_parallel_size
-    segment = 2 * cp if cp > 1 else 1
-    total = (tp if cfg.model.sequence_parallel else 1) * segment
-    return segment, total
-
-
-def build_mock_loader(cfg: ConfigContainer) -> MockPackedLoader:
-    d, m = cfg.dataset, cfg.model
-    settings = MockDataSettings(
-        seed=cfg.rng.seed,
-        image_sizes=[tuple(s) for s in d.mock_image_sizes],
-        video_sizes=[tuple(s) for s in d.mock_video_sizes],
-        image_fraction=d.mock_image_fraction,
-        text_len_range=tuple(d.mock_text_len_range),
-        in_channels=m.in_channels,
-        text_embed_dim=m.text_embed_dim,
-        patch_temporal=m.patch_temporal,
-        patch_spatial=m.patch_spatial,
-    )
-    dp_rank, dp_size = data_parallel_info()
-    segment, total = padding_multiples(cfg)
-    return MockPackedLoader(
-        settings, dp_rank, dp_size, d.seq_length, segment, total, samples_per_pack=d.mock_samples_per_pack
-    )

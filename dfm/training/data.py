@@ -1,0 +1,70 @@
+"""Training data for the loop: mock packs or an Energon dataset, sharded by data-parallel rank only."""
+
+from __future__ import annotations
+
+from megatron.core import parallel_state
+
+from dfm.config.container import ConfigContainer
+from dfm.data.mock import MockDataSettings, MockPackedLoader
+
+
+def data_parallel_info() -> tuple[int, int]:
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def padding_multiples(cfg: ConfigContainer) -> tuple[int, int]:
+    """(segment_multiple, total_multiple) a pack needs for this layout's CP and SP splits."""
+    cp, tp = cfg.model.context_parallel_size, cfg.model.tensor_model_parallel_size
+    segment = 2 * cp if cp > 1 else 1
+    total = (tp if cfg.model.sequence_parallel else 1) * segment
+    return segment, total
+
+
+def build_mock_loader(cfg: ConfigContainer) -> MockPackedLoader:
+    d, m = cfg.dataset, cfg.model
+    settings = MockDataSettings(
+        seed=cfg.rng.seed,
+        image_sizes=[tuple(s) for s in d.mock_image_sizes],
+        video_sizes=[tuple(s) for s in d.mock_video_sizes],
+        image_fraction=d.mock_image_fraction,
+        text_len_range=tuple(d.mock_text_len_range),
+        in_channels=m.in_channels,
+        text_embed_dim=m.text_embed_dim,
+        patch_temporal=m.patch_temporal,
+        patch_spatial=m.patch_spatial,
+    )
+    dp_rank, dp_size = data_parallel_info()
+    segment, total = padding_multiples(cfg)
+    return MockPackedLoader(
+        settings, dp_rank, dp_size, d.seq_length, segment, total, samples_per_pack=d.mock_samples_per_pack
+    )
+
+
+def build_energon_loader(cfg: ConfigContainer):
+    from dfm.data.energon.data_module import EnergonDataSettings, build_train_loader
+    from dfm.data.energon.task_encoder import PackingSettings
+
+    d, m = cfg.dataset, cfg.model
+    if not d.path:
+        raise ValueError("dataset.path is not set: point it at an energon dataset, or run with --mock")
+    segment, total = padding_multiples(cfg)
+    packing = PackingSettings(
+        seq_length=d.seq_length,
+        patch_temporal=m.patch_temporal,
+        patch_spatial=m.patch_spatial,
+        max_text_len=m.max_text_len,
+        segment_multiple=segment,
+        total_multiple=total,
+    )
+    settings = EnergonDataSettings(
+        path=d.path,
+        packing=packing,
+        packing_buffer_size=d.packing_buffer_size or 1,
+        num_workers=d.num_workers,
+        seed=cfg.rng.seed,
+    )
+    return build_train_loader(settings, *data_parallel_info())
+
+
+def build_train_loader(cfg: ConfigContainer, mock: bool):
+    return build_mock_loader(cfg) if mock else build_energon_loader(cfg)

@@ -1,0 +1,67 @@
+"""Fault handling: preemption signals and non-finite steps, agreed on by all ranks."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import torch
+
+
+class PreemptionSignal:
+    """Records SIGTERM / SIGUSR1 (Slurm preemption); ranks agree via ``requested()`` each step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, enabled: bool):
+        self.received: int | None = None
+        self.previous: dict[int, Any] = {}
+        if enabled:
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    def requested(self, device: torch.device) -> bool:
+        """True on every rank if any rank got a signal (one tiny all-reduce)."""
+        flag = torch.tensor([1.0 if self.received is not None else 0.0], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def grads_are_finite(model: list[Any], local_loss_finite: bool, device: torch.device) -> bool:
+    """True on every rank iff the loss and every gradient of every rank are finite."""
+    bad = 0.0 if local_loss_finite else 1.0
+    for chunk in model:
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+            if not torch.isfinite(buffer.grad_data).all():
+                bad = 1.0
+    flag = torch.tensor([bad], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return flag.item() == 0.0
+
+
+class NonFiniteGuard:
+    """Counts skipped steps; stops the run after ``limit`` non-finite steps in a row."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.skipped = 0
+        self.in_a_row = 0
+
+    def record(self, finite: bool, iteration: int) -> None:
+        if finite:
+            self.in_a_row = 0
+            return
+        self.skipped += 1
+        self.in_a_row += 1
+        if self.in_a_row >= self.limit:
+            raise RuntimeError(
+                f"stopping at iteration {iteration}: {self.in_a_row} consecutive iterations with a non-finite "
+                f"loss or gradient (train.max_consecutive_nonfinite={self.limit})"
+            )
