@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dfm.data.packed_batch import PackedBatch
 from dfm.models.common.adaln import AdaLNNorm, modulate
+from dfm.models.common.factorized_layout import factorized_params, sample_grids
 from dfm.models.common.embeddings import (
     FactorizedLearned3DEmbedding,
     TimestepEmbedder,
@@ -34,9 +35,9 @@ from dfm.models.common.embeddings import (
 class FinalLayer(nn.Module):
     """adaLN-modulated norm + linear to patch features; zero-initialised as in DiT."""
 
-    def __init__(self, hidden_size: int, out_features: int, eps: float):
+    def __init__(self, hidden_size: int, out_features: int, eps: float, norm: type = AdaLNNorm):
         super().__init__()
-        self.norm = AdaLNNorm(hidden_size, eps)
+        self.norm = norm(hidden_size, eps)
         self.adaln = nn.Linear(hidden_size, 2 * hidden_size)
         self.linear = nn.Linear(hidden_size, out_features)
 
@@ -88,10 +89,14 @@ class DiTModel(MegatronModule):
     ):
         super().__init__(config=config)
         self.model_type = ModelType.encoder_or_decoder
+        self.share_embeddings_and_output_weights = False  # read by megatron finalize_model_grads
         self.model_cfg = model_cfg
         self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
         h = config.hidden_size
-        self.patch_dim = model_cfg.in_channels * model_cfg.patch_temporal * model_cfg.patch_spatial**2
+        patch_volume = model_cfg.patch_temporal * model_cfg.patch_spatial**2
+        self.patch_dim = model_cfg.in_channels * patch_volume
+        # DiT's learned-sigma head predicts 2x channels; forward returns the first patch_dim (the mean).
+        self.out_dim = (model_cfg.out_channels or model_cfg.in_channels) * patch_volume
         self.cross = model_cfg.architecture != "dit_adaln"
         self.input_tensor: Optional[Tensor] = None
 
@@ -115,7 +120,7 @@ class DiTModel(MegatronModule):
             build_module(layer_spec, config=config, layer_number=self.layer_offset + i + 1) for i in range(num_local)
         )
         if post_process:
-            self.final_layer = FinalLayer(h, self.patch_dim, config.layernorm_epsilon)
+            self.final_layer = FinalLayer(h, self.out_dim, config.layernorm_epsilon, layer_spec.submodules.norm)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline schedules hand the previous stage's output in here."""
@@ -125,15 +130,27 @@ class DiTModel(MegatronModule):
 
     def global_param_name(self, name: str) -> str:
         """Local parameter name -> its name in the whole (unpipelined) model."""
-        if name.startswith("layers."):
-            _, index, rest = name.split(".", 2)
-            return f"layers.{self.layer_offset + int(index)}.{rest}"
-        return name
+        if not name.startswith("layers."):
+            return name
+        _, index, rest = name.split(".", 2)
+        if ".local_experts." in rest:
+            rest = self.global_expert_name(rest)
+        return f"layers.{self.layer_offset + int(index)}.{rest}"
+
+    def global_expert_name(self, name: str) -> str:
+        """``mlp.experts.local_experts.{i}.*`` -> the expert's index over all EP ranks."""
+        head, tail = name.split(".local_experts.", 1)
+        index, rest = tail.split(".", 1)
+        num_local = self.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+        first = parallel_state.get_expert_model_parallel_rank() * num_local
+        return f"{head}.local_experts.{first + int(index)}.{rest}"
 
     def conditioning(self, c_noise: Tensor, class_labels: Optional[Tensor]) -> Tensor:
-        """[N] noise levels (+ [N] labels) -> [N, h]."""
+        """[N] noise levels (+ [N] labels; None: the null class) -> [N, h]."""
         cond = self.t_embedder(c_noise)
         if self.model_cfg.num_classes:
+            if class_labels is None:
+                class_labels = torch.full_like(c_noise, self.model_cfg.num_classes, dtype=torch.long)
             cond = cond + self.class_embedder(class_labels)
         return cond
 
@@ -170,7 +187,7 @@ class DiTModel(MegatronModule):
             return hidden
         if sp:
             hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-        return self.final_layer(hidden, cond, token_ids)[:, 0]
+        return self.final_layer(hidden, cond, token_ids)[:, 0, : self.patch_dim]
 
     def local_token_ids(self, token_ids: Tensor) -> Tensor:
         """The slice of [S] ids held by this rank when the sequence is split over TP ranks."""
@@ -178,8 +195,15 @@ class DiTModel(MegatronModule):
         rank = parallel_state.get_tensor_model_parallel_rank()
         return token_ids.chunk(tp)[rank]
 
+    def self_attention_params(self, batch: PackedBatch):
+        """Per-sample segments; ST-DiT's factorized attention needs per-frame / per-position ones."""
+        if self.model_cfg.architecture != "stdit":
+            return packed_seq_params(batch, cross=False)
+        grids = sample_grids(batch.latent_shape, self.model_cfg.patch_temporal, self.model_cfg.patch_spatial)
+        return factorized_params(batch.cu_seqlens_q_padded, grids)
+
     def run_layers(self, hidden, cond, token_ids, context, rope, batch) -> Tensor:
-        self_params = packed_seq_params(batch, cross=False)
+        self_params = self.self_attention_params(batch)
         cross_params = packed_seq_params(batch, cross=True) if self.cross else None
         recompute = self.config.recompute_granularity == "full" and self.training
         for layer in self.layers:

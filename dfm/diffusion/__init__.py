@@ -1,0 +1,29 @@
+"""Diffusion formulations (EDM, flow matching), their samplers, and classifier-free guidance."""
+
+from dfm.diffusion.edm import EDMPipeline, EDMSettings
+from dfm.diffusion.flow import FlowPipeline, FlowSettings, shift_for_num_tokens
+from dfm.diffusion.packed_loss import masked_mean_per_sample, per_token
+from dfm.diffusion.pipeline import (
+    PIPELINE_NAMES,
+    DiffusionPipeline,
+    apply_cfg_dropout,
+    build_pipeline,
+    cfg_drop_mask,
+    null_dropped_context,
+)
+
+__all__ = [
+    "PIPELINE_NAMES",
+    "DiffusionPipeline",
+    "EDMPipeline",
+    "EDMSettings",
+    "FlowPipeline",
+    "FlowSettings",
+    "apply_cfg_dropout",
+    "build_pipeline",
+    "cfg_drop_mask",
+    "masked_mean_per_sample",
+    "null_dropped_context",
+    "per_token",
+    "shift_for_num_tokens",
+]

@@ -1,0 +1,181 @@
+"""EDM: Karras, Aittala, Aila, Laine, "Elucidating the Design Space of Diffusion-Based Generative
+Models" (NeurIPS 2022). Formulas follow Table 1 ("Ours" column); names follow the paper.
+
+    x = x0 + sigma n,          ln sigma ~ N(P_mean, P_std^2)
+    D(x; sigma) = c_skip(sigma) x + c_out(sigma) F(c_in(sigma) x; c_noise(sigma))
+    loss = lambda(sigma) || D(x; sigma) - x0 ||^2
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from dfm.diffusion.packed_loss import masked_mean_per_sample, per_token
+from dfm.diffusion.pipeline import (
+    DiffusionPipeline,
+    Net,
+    Shape,
+    at_least_fp32,
+    count_samples,
+    guided,
+    initial_noise,
+    per_sample_level,
+)
+from dfm.diffusion.samplers import Churn, edm_euler, edm_heun, karras_sigmas
+
+EDM_SAMPLERS = ("heun", "euler")
+
+
+@dataclass(frozen=True)
+class EDMSettings:
+    P_mean: float = -1.2  # training: ln sigma ~ N(P_mean, P_std^2)
+    P_std: float = 1.2
+    sigma_data: float = 0.5  # std of the (latent) data
+    sigma_min: float = 0.002  # sampling schedule
+    sigma_max: float = 80.0
+    rho: float = 7.0
+    S_churn: float = 0.0  # stochastic sampling (Algorithm 2); 0 = deterministic
+    S_min: float = 0.0
+    S_max: float = float("inf")
+    S_noise: float = 1.0
+    sampler: str = "heun"
+
+    def __post_init__(self) -> None:
+        if self.sampler not in EDM_SAMPLERS:
+            raise ValueError(f"unknown EDM sampler {self.sampler!r}; valid: {', '.join(EDM_SAMPLERS)}")
+        if not 0 < self.sigma_min < self.sigma_max:
+            raise ValueError(f"need 0 < sigma_min < sigma_max, got {self.sigma_min}, {self.sigma_max}")
+        if self.sigma_data <= 0 or self.P_std <= 0:
+            raise ValueError("sigma_data and P_std must be positive")
+
+
+class Preconditioning(NamedTuple):
+    c_skip: torch.Tensor
+    c_out: torch.Tensor
+    c_in: torch.Tensor
+    c_noise: torch.Tensor
+
+
+class EDMPipeline(DiffusionPipeline):
+    def __init__(self, settings: EDMSettings = EDMSettings()) -> None:
+        self.settings = settings
+
+    # --- Table 1 -------------------------------------------------------------------------------
+
+    def preconditioning(self, sigma: torch.Tensor) -> Preconditioning:
+        """Per-sample scalings for ``sigma [N]`` (each result [N])."""
+        sd = self.settings.sigma_data
+        return Preconditioning(
+            c_skip=sd**2 / (sigma**2 + sd**2),
+            c_out=sigma * sd / (sigma**2 + sd**2).sqrt(),
+            c_in=1 / (sigma**2 + sd**2).sqrt(),
+            c_noise=sigma.log() / 4,
+        )
+
+    def loss_weight(self, sigma: torch.Tensor) -> torch.Tensor:
+        """lambda(sigma) = (sigma^2 + sd^2) / (sigma sd)^2 = 1 / c_out^2: unit weight on F's target."""
+        sd = self.settings.sigma_data
+        return (sigma**2 + sd**2) / (sigma * sd) ** 2
+
+    def draw_sigma(self, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """[N] fp32 training noise levels, log-normal: ln sigma ~ N(P_mean, P_std^2)."""
+        device = generator.device if generator is not None else None
+        ln_sigma = torch.randn(num_samples, generator=generator, device=device)
+        return (self.settings.P_mean + self.settings.P_std * ln_sigma).exp()
+
+    # --- training pieces -------------------------------------------------------------------------
+
+    def draw_training_noise(
+        self,
+        num_samples: int,
+        shape: Shape,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (noise [S, *] ~ N(0, I), sigma [N] fp32)."""
+        sigma = self.draw_sigma(num_samples, generator)
+        gen_device = generator.device if generator is not None else None
+        noise = torch.randn(tuple(shape), generator=generator, device=gen_device, dtype=dtype)
+        return noise.to(device or noise.device), sigma.to(device or sigma.device)
+
+    def noisy(
+        self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor, sample_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """x = x0 + sigma n, in fp32 ([S, *])."""
+        return at_least_fp32(x0) + per_token(at_least_fp32(sigma), sample_ids, x0) * at_least_fp32(noise)
+
+    def model_input(
+        self, x0: torch.Tensor, noise: torch.Tensor, level: torch.Tensor, sample_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (c_in x [S, *] in x0's dtype, c_noise [N])."""
+        c = self.preconditioning(at_least_fp32(level))
+        x = self.noisy(x0, noise, level, sample_ids)
+        return (per_token(c.c_in, sample_ids, x) * x).to(x0.dtype), c.c_noise
+
+    def training_loss(
+        self,
+        raw_out: torch.Tensor,
+        x0: torch.Tensor,
+        noise: torch.Tensor,
+        level: torch.Tensor,
+        sample_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """lambda(sigma_i) * mean over sample i's real tokens of (D(x; sigma) - x0)^2 -> [N] fp32."""
+        sigma = at_least_fp32(level)
+        c = self.preconditioning(sigma)
+        x = self.noisy(x0, noise, sigma, sample_ids)
+        denoised = per_token(c.c_skip, sample_ids, x) * x + per_token(c.c_out, sample_ids, x) * at_least_fp32(raw_out)
+        squared_error = (denoised - at_least_fp32(x0)) ** 2
+        return self.loss_weight(sigma) * masked_mean_per_sample(squared_error, sample_ids, loss_mask, sigma.numel())
+
+    # --- inference -------------------------------------------------------------------------------
+
+    def denoise(
+        self, net: Net, x: torch.Tensor, level: torch.Tensor | float, sample_ids: torch.Tensor, **cond: Any
+    ) -> torch.Tensor:
+        """D(x; sigma) = c_skip x + c_out F(c_in x; c_noise). x: [S, *]; sigma: [N] or a scalar."""
+        # At least fp32 for the scalings: c_skip -> 1 and c_out -> 0 at small sigma.
+        sigma = per_sample_level(level, x, sample_ids)
+        x = x.to(sigma.dtype)
+        c = self.preconditioning(sigma)
+        raw = net(per_token(c.c_in, sample_ids, x) * x, c.c_noise, **cond)
+        return per_token(c.c_skip, sample_ids, x) * x + per_token(c.c_out, sample_ids, x) * raw.to(x.dtype)
+
+    @torch.no_grad()
+    def sample(
+        self,
+        net: Net,
+        noise: torch.Tensor | Shape,
+        sample_ids: torch.Tensor,
+        steps: int,
+        cond: dict[str, Any] | None = None,
+        uncond: dict[str, Any] | None = None,
+        guidance_scale: float = 1.0,
+        generator: torch.Generator | None = None,
+        sampler: str | None = None,
+    ) -> torch.Tensor:
+        """Integrate from sigma_max to 0 on the rho schedule; guidance acts on D(x; sigma).
+
+        noise: [S, *] standard normal (scaled by sigma_max here) or a shape to draw it for.
+        """
+        s = self.settings
+        num_samples = count_samples(sample_ids)
+
+        def guided_denoise(x: torch.Tensor, sigma: float) -> torch.Tensor:
+            sigma_per_sample = torch.full((num_samples,), sigma, dtype=x.dtype, device=x.device)
+            run = lambda kwargs: self.denoise(net, x, sigma_per_sample, sample_ids, **kwargs)
+            return guided(run, cond, uncond, guidance_scale)
+
+        sigmas = karras_sigmas(steps, s.sigma_min, s.sigma_max, s.rho)
+        x = at_least_fp32(initial_noise(noise, generator)) * sigmas[0]  # integrate in >= fp32
+        name = sampler or s.sampler
+        if name == "heun":
+            return edm_heun(guided_denoise, x, sigmas, Churn(s.S_churn, s.S_min, s.S_max, s.S_noise), generator)
+        if name == "euler":
+            return edm_euler(guided_denoise, x, sigmas)
+        raise ValueError(f"unknown EDM sampler {name!r}; valid: {', '.join(EDM_SAMPLERS)}")

@@ -1,0 +1,193 @@
+"""Flow matching with the straight (rectified-flow / conditional-OT) path, data at t = 0, noise at t = 1.
+
+    x_t = (1 - t) x0 + (sigma_min + (1 - sigma_min) t) n       (Lipman et al. 2023, time reversed)
+    v   = dx_t/dt = (1 - sigma_min) n - x0                       (= n - x0 for sigma_min = 0)
+    t  ~ U(0, 1) or sigmoid(N(m, s^2)), then t' = shift t / (1 + (shift - 1) t)   (Esser et al. 2024, SD3)
+
+The network predicts v from (x_t, c_noise = c_noise_scale * t); sampling integrates dx/dt = v
+from t = 1 to t = 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dfm.diffusion.packed_loss import masked_mean_per_sample, per_token
+from dfm.diffusion.pipeline import (
+    DiffusionPipeline,
+    Net,
+    Shape,
+    at_least_fp32,
+    count_samples,
+    guided,
+    initial_noise,
+    per_sample_level,
+)
+from dfm.diffusion.samplers import flow_euler, flow_heun, flow_timesteps, shift_timesteps
+
+FLOW_SAMPLERS = ("euler", "heun")
+TIMESTEP_SAMPLINGS = ("uniform", "logit_normal")
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    timestep_sampling: str = "logit_normal"  # training distribution of t before the shift
+    logit_mean: float = 0.0  # logit_normal: logit(t) ~ N(logit_mean, logit_std^2)
+    logit_std: float = 1.0
+    shift: float = 1.0  # training and sampling; see shift_for_num_tokens for a resolution-aware value
+    sigma_min: float = 0.0  # noise std left at t = 0
+    c_noise_scale: float = 1.0  # c_noise = c_noise_scale * t; 1000 for nets built for DDPM-style steps
+    sampler: str = "euler"
+
+    def __post_init__(self) -> None:
+        if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
+            raise ValueError(
+                f"unknown timestep_sampling {self.timestep_sampling!r}; valid: {', '.join(TIMESTEP_SAMPLINGS)}"
+            )
+        if self.sampler not in FLOW_SAMPLERS:
+            raise ValueError(f"unknown flow sampler {self.sampler!r}; valid: {', '.join(FLOW_SAMPLERS)}")
+        if self.shift <= 0 or not 0 <= self.sigma_min < 1:
+            raise ValueError(f"need shift > 0 and 0 <= sigma_min < 1, got {self.shift}, {self.sigma_min}")
+
+
+def shift_for_num_tokens(
+    num_tokens: float | torch.Tensor,
+    base_tokens: int = 256,
+    max_tokens: int = 4096,
+    base_log_shift: float = 0.5,
+    max_log_shift: float = 1.15,
+) -> float | torch.Tensor:
+    """Resolution-dependent shift: ln(shift) is linear in the token count through the two anchors
+    (base_tokens, base_log_shift) and (max_tokens, max_log_shift) (SD3/FLUX "dynamic shifting"
+    defaults). More tokens carry more redundant signal, so more time is spent at high noise.
+    """
+    slope = (max_log_shift - base_log_shift) / (max_tokens - base_tokens)
+    mu = base_log_shift + slope * (num_tokens - base_tokens)
+    return mu.exp() if isinstance(mu, torch.Tensor) else math.exp(mu)
+
+
+class FlowPipeline(DiffusionPipeline):
+    def __init__(self, settings: FlowSettings = FlowSettings()) -> None:
+        self.settings = settings
+
+    # --- the path ---------------------------------------------------------------------------------
+
+    def noise_scale(self, t: torch.Tensor) -> torch.Tensor:
+        """sigma_min + (1 - sigma_min) t, the std of the noise in x_t."""
+        return self.settings.sigma_min + (1 - self.settings.sigma_min) * t
+
+    def interpolate(
+        self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, sample_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """x_t = (1 - t) x0 + (sigma_min + (1 - sigma_min) t) n, fp32 [S, *]; t: [N]."""
+        t_tok = per_token(at_least_fp32(t), sample_ids, x0)
+        return (1 - t_tok) * at_least_fp32(x0) + self.noise_scale(t_tok) * at_least_fp32(noise)
+
+    def target_velocity(self, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """v = (1 - sigma_min) n - x0, fp32 [S, *]."""
+        return (1 - self.settings.sigma_min) * at_least_fp32(noise) - at_least_fp32(x0)
+
+    def c_noise(self, t: torch.Tensor) -> torch.Tensor:
+        return self.settings.c_noise_scale * t
+
+    def draw_t(
+        self, num_samples: int, generator: torch.Generator | None = None, shift: float | torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[N] fp32 training times; ``shift`` (scalar or [N]) overrides the settings' shift."""
+        s = self.settings
+        device = generator.device if generator is not None else None
+        if s.timestep_sampling == "uniform":
+            t = torch.rand(num_samples, generator=generator, device=device)
+        else:
+            t = torch.sigmoid(s.logit_mean + s.logit_std * torch.randn(num_samples, generator=generator, device=device))
+        return shift_timesteps(t, s.shift if shift is None else shift)
+
+    # --- training pieces -------------------------------------------------------------------------
+
+    def draw_training_noise(
+        self,
+        num_samples: int,
+        shape: Shape,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (noise [S, *] ~ N(0, I), t [N] fp32)."""
+        t = self.draw_t(num_samples, generator)
+        gen_device = generator.device if generator is not None else None
+        noise = torch.randn(tuple(shape), generator=generator, device=gen_device, dtype=dtype)
+        return noise.to(device or noise.device), t.to(device or t.device)
+
+    def model_input(
+        self, x0: torch.Tensor, noise: torch.Tensor, level: torch.Tensor, sample_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (x_t [S, *] in x0's dtype, c_noise [N])."""
+        return self.interpolate(x0, noise, level, sample_ids).to(x0.dtype), self.c_noise(at_least_fp32(level))
+
+    def training_loss(
+        self,
+        raw_out: torch.Tensor,
+        x0: torch.Tensor,
+        noise: torch.Tensor,
+        level: torch.Tensor,
+        sample_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Mean over sample i's real tokens of (v_hat - v)^2 -> [N] fp32 (unit weight)."""
+        squared_error = (at_least_fp32(raw_out) - self.target_velocity(x0, noise)) ** 2
+        return masked_mean_per_sample(squared_error, sample_ids, loss_mask, level.numel())
+
+    # --- inference -------------------------------------------------------------------------------
+
+    def velocity(
+        self, net: Net, x: torch.Tensor, level: torch.Tensor | float, sample_ids: torch.Tensor, **cond: Any
+    ) -> torch.Tensor:
+        """v_hat(x_t, t) [S, *]; t: [N] or a scalar."""
+        t = per_sample_level(level, x, sample_ids)
+        return net(x, self.c_noise(t), **cond).to(x.dtype)
+
+    def denoise(
+        self, net: Net, x: torch.Tensor, level: torch.Tensor | float, sample_ids: torch.Tensor, **cond: Any
+    ) -> torch.Tensor:
+        """x0_hat = (1 - sigma_min) x_t - (sigma_min + (1 - sigma_min) t) v_hat  [S, *]."""
+        t = per_sample_level(level, x, sample_ids)
+        v = self.velocity(net, x, t, sample_ids, **cond)
+        return (1 - self.settings.sigma_min) * x - per_token(self.noise_scale(t), sample_ids, x) * v
+
+    @torch.no_grad()
+    def sample(
+        self,
+        net: Net,
+        noise: torch.Tensor | Shape,
+        sample_ids: torch.Tensor,
+        steps: int,
+        cond: dict[str, Any] | None = None,
+        uncond: dict[str, Any] | None = None,
+        guidance_scale: float = 1.0,
+        generator: torch.Generator | None = None,
+        sampler: str | None = None,
+        shift: float | None = None,
+    ) -> torch.Tensor:
+        """Integrate dx/dt = v from t = 1 to 0 over the shifted schedule; guidance acts on v.
+
+        noise: [S, *] standard normal, or a shape to draw it for. ``shift`` overrides the settings'.
+        """
+        num_samples = count_samples(sample_ids)
+
+        def guided_velocity(x: torch.Tensor, t: float) -> torch.Tensor:
+            t_per_sample = torch.full((num_samples,), t, dtype=x.dtype, device=x.device)
+            run = lambda kwargs: self.velocity(net, x, t_per_sample, sample_ids, **kwargs)
+            return guided(run, cond, uncond, guidance_scale)
+
+        timesteps = flow_timesteps(steps, self.settings.shift if shift is None else shift)
+        x = at_least_fp32(initial_noise(noise, generator))  # integrate in >= fp32
+        name = sampler or self.settings.sampler
+        if name == "euler":
+            return flow_euler(guided_velocity, x, timesteps)
+        if name == "heun":
+            return flow_heun(guided_velocity, x, timesteps)
+        raise ValueError(f"unknown flow sampler {name!r}; valid: {', '.join(FLOW_SAMPLERS)}")

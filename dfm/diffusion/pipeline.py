@@ -1,0 +1,207 @@
+"""The interface every diffusion pipeline (EDM, flow matching) offers the trainer and the sampler.
+
+The network is ``net(x_in [S, D], c_noise [N], **cond) -> raw [S, D]``: tokens of N samples are
+packed along S and ``sample_ids [S]`` maps each token to its sample. The pipeline owns all
+preconditioning; the network never sees sigma or t except through ``c_noise``.
+
+Training is split in three pure pieces so that, under pipeline parallelism, the first stage can
+build the input and the last stage the loss, each from the same (noise, level):
+
+    noise, level = draw_training_noise(N, x0.shape, generator)      # level: sigma (EDM) or t (flow)
+    x_in, c_noise = model_input(x0, noise, level, sample_ids)
+    per_sample = training_loss(net(x_in, c_noise, **cond), x0, noise, level, sample_ids, loss_mask)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dfm.diffusion.samplers import classifier_free_guidance
+
+Net = Callable[..., torch.Tensor]
+Shape = Sequence[int] | torch.Size
+
+PIPELINE_NAMES = ("edm", "flow")
+
+
+class DiffusionPipeline(ABC):
+    """Noising, preconditioning, loss and sampling of one diffusion formulation."""
+
+    @abstractmethod
+    def draw_training_noise(
+        self,
+        num_samples: int,
+        shape: Shape,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (noise [S, *] standard normal of ``shape``, level [N])."""
+
+    @abstractmethod
+    def model_input(
+        self, x0: torch.Tensor, noise: torch.Tensor, level: torch.Tensor, sample_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (x_in [S, *], c_noise [N])."""
+
+    @abstractmethod
+    def training_loss(
+        self,
+        raw_out: torch.Tensor,
+        x0: torch.Tensor,
+        noise: torch.Tensor,
+        level: torch.Tensor,
+        sample_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """-> per-sample loss [N] (fp32): masked mean over real tokens and features, times the weight."""
+
+    @abstractmethod
+    def denoise(
+        self, net: Net, x: torch.Tensor, level: torch.Tensor | float, sample_ids: torch.Tensor, **cond: Any
+    ) -> torch.Tensor:
+        """-> x0_hat [S, *], the model's estimate of clean data from ``x`` at noise ``level``."""
+
+    @abstractmethod
+    def sample(
+        self,
+        net: Net,
+        noise: torch.Tensor | Shape,
+        sample_ids: torch.Tensor,
+        steps: int,
+        cond: dict[str, Any] | None = None,
+        uncond: dict[str, Any] | None = None,
+        guidance_scale: float = 1.0,
+        generator: torch.Generator | None = None,
+        sampler: str | None = None,
+    ) -> torch.Tensor:
+        """Generate clean samples [S, *] from standard-normal ``noise`` (or draw it for a shape)."""
+
+    def loss_for(
+        self,
+        net: Net,
+        x0: torch.Tensor,
+        sample_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        generator: torch.Generator | None = None,
+        num_samples: int | None = None,
+        **cond: Any,
+    ) -> torch.Tensor:
+        """All three training pieces chained (single-stage training): -> per-sample loss [N]."""
+        if num_samples is None:
+            num_samples = count_samples(sample_ids)
+        # fp32 noise whatever x0's dtype: the loss rebuilds x from it in fp32.
+        noise, level = self.draw_training_noise(num_samples, x0.shape, generator, x0.device)
+        x_in, c_noise = self.model_input(x0, noise, level, sample_ids)
+        raw_out = net(x_in, c_noise, **cond)
+        return self.training_loss(raw_out, x0, noise, level, sample_ids, loss_mask)
+
+
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Losses and noising in fp32 (or fp64 when given), whatever the activations' dtype."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def per_sample_level(level: torch.Tensor | float, x: torch.Tensor, sample_ids: torch.Tensor) -> torch.Tensor:
+    """Sigma or t as [N], in at least fp32 and at least the precision of ``x``, from [N] or a scalar."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    if isinstance(level, torch.Tensor):
+        dtype = torch.promote_types(dtype, level.dtype)
+    level = torch.as_tensor(level, dtype=dtype, device=x.device)
+    return level.expand(count_samples(sample_ids)) if level.dim() == 0 else level
+
+
+def count_samples(sample_ids: torch.Tensor) -> int:
+    """N for ids 0..N-1 (syncs with the device once; pass N explicitly in hot loops)."""
+    return int(sample_ids.max().item()) + 1 if sample_ids.numel() else 0
+
+
+def initial_noise(
+    noise: torch.Tensor | Shape, generator: torch.Generator | None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Standard-normal starting noise: ``noise`` itself, or drawn from ``generator`` for a shape."""
+    if isinstance(noise, torch.Tensor):
+        return noise
+    device = generator.device if generator is not None else None
+    return torch.randn(tuple(noise), generator=generator, device=device, dtype=dtype)
+
+
+def guided(
+    predict: Callable[[dict[str, Any]], torch.Tensor],
+    cond: dict[str, Any] | None,
+    uncond: dict[str, Any] | None,
+    guidance_scale: float,
+) -> torch.Tensor:
+    """Classifier-free guidance around one prediction: uncond + s (cond - uncond).
+
+    ``predict(kwargs)`` runs the model with the given conditioning. Without ``uncond`` this is the
+    conditional prediction (no guidance); with it the formula is always applied, so s = 1 costs an
+    extra forward pass but equals the conditional prediction.
+    """
+    cond_out = predict(cond or {})
+    if uncond is None:
+        return cond_out
+    return classifier_free_guidance(cond_out, predict(uncond), guidance_scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Conditioning dropout (shared by all pipelines)
+# ---------------------------------------------------------------------------------------------
+
+
+def cfg_drop_mask(num_samples: int, prob: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[N] bool, True where a sample's text is replaced by the null embedding."""
+    device = generator.device if generator is not None else None
+    return torch.rand(num_samples, generator=generator, device=device) < prob
+
+
+def null_dropped_context(
+    context: torch.Tensor, cu_seqlens_kv_padded: torch.Tensor, dropped: torch.Tensor
+) -> torch.Tensor:
+    """Zero (the null embedding) every text token of the ``dropped [N]`` samples of ``context [S_kv, D]``."""
+    lengths = (cu_seqlens_kv_padded[1:] - cu_seqlens_kv_padded[:-1]).long()
+    if int(lengths.sum()) != context.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_kv_padded covers {int(lengths.sum())} text tokens but context has {context.shape[0]}; "
+            "pass the padded offsets"
+        )
+    token_dropped = torch.repeat_interleave(dropped.to(lengths.device), lengths).to(context.device)
+    return torch.where(token_dropped[:, None], torch.zeros_like(context), context)
+
+
+def apply_cfg_dropout(
+    context: torch.Tensor,
+    cu_seqlens_kv_padded: torch.Tensor,
+    prob: float,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Drop each sample's text with probability ``prob`` (deterministic given ``generator``).
+
+    context: [S_kv, D] packed text; cu_seqlens_kv_padded: [N+1] segment offsets, [-1] == S_kv.
+    """
+    num_samples = cu_seqlens_kv_padded.numel() - 1
+    if prob <= 0:
+        return context
+    return null_dropped_context(context, cu_seqlens_kv_padded, cfg_drop_mask(num_samples, prob, generator))
+
+
+# ---------------------------------------------------------------------------------------------
+# Factory
+# ---------------------------------------------------------------------------------------------
+
+
+def build_pipeline(name: str, **settings: Any) -> DiffusionPipeline:
+    """``build_pipeline("edm", sigma_data=1.0)`` or ``build_pipeline("flow", shift=3.0)``."""
+    # Imported here because both modules import this one for the base class.
+    from dfm.diffusion.edm import EDMPipeline, EDMSettings
+    from dfm.diffusion.flow import FlowPipeline, FlowSettings
+
+    if name == "edm":
+        return EDMPipeline(EDMSettings(**settings))
+    if name == "flow":
+        return FlowPipeline(FlowSettings(**settings))
+    raise ValueError(f"unknown diffusion pipeline {name!r}; valid: {', '.join(PIPELINE_NAMES)}")
