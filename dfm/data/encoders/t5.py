@@ -1,0 +1,60 @@
+"""T5 text encoder: captions -> unpadded embeddings [L_i, D]."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import AutoTokenizer, T5EncoderModel
+
+
+class T5TextEncoder:
+    def __init__(self, tokenizer, model: T5EncoderModel, name: str, max_length: int = 512) -> None:
+        self.tokenizer = tokenizer
+        self.model = model.eval().requires_grad_(False)
+        self.name = name
+        self.max_length = max_length
+
+    @classmethod
+    def from_pretrained_or_cache(
+        cls,
+        name_or_dir: str | Path,
+        cache_dir: Optional[str | Path] = None,
+        max_length: int = 512,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> "T5TextEncoder":
+        """Load from a local folder (tokenizer + model saved together) or a hub name via ``cache_dir``."""
+        source = str(name_or_dir)
+        cache = str(cache_dir) if cache_dir is not None else None
+        tokenizer = AutoTokenizer.from_pretrained(source, cache_dir=cache)
+        model = T5EncoderModel.from_pretrained(source, cache_dir=cache, torch_dtype=dtype).to(device)
+        return cls(tokenizer, model, name=source, max_length=max_length)
+
+    @property
+    def embed_dim(self) -> int:
+        return int(self.model.config.d_model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def encode_padded(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (embeddings [B, max_length, D] with zeros past each length, lengths [B]).
+
+        Texts are padded or truncated to ``max_length`` tokens; ``lengths`` keeps the true
+        (post-truncation) token count.
+        """
+        tokens = self.tokenizer(
+            list(texts), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(self.device)
+        hidden = self.model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).last_hidden_state
+        mask = tokens.attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return hidden * mask, tokens.attention_mask.sum(dim=1)
+
+    def encode(self, texts: list[str]) -> list[torch.Tensor]:
+        """-> one unpadded [L_i, D] float32 CPU tensor per text."""
+        hidden, lengths = self.encode_padded(texts)
+        return [h[: int(n)].float().cpu() for h, n in zip(hidden, lengths)]

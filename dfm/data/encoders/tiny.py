@@ -1,0 +1,81 @@
+"""Tiny, randomly initialised T5 and VAEs, built and saved locally (tests and smoke runs; no download).
+
+Each saved folder holds a ``tiny_random_encoders.json`` marker, so data preparation can record
+``tiny_random_encoders: true`` in the shard metadata and nobody mistakes the latents for real ones.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, AutoencoderKLWan
+from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+
+MARKER_FILE = "tiny_random_encoders.json"
+
+
+@dataclass
+class TinyEncoderPaths:
+    t5_dir: Path
+    wan_vae_dir: Path  # video + image VAE (AutoencoderKLWan): spatial 8x, temporal 4x
+    kl_vae_dir: Path  # image VAE (AutoencoderKL): spatial 8x
+
+
+def is_tiny_random(folder: str | Path) -> bool:
+    return (Path(folder) / MARKER_FILE).is_file()
+
+
+def _mark(folder: Path, what: str, seed: int) -> None:
+    (folder / MARKER_FILE).write_text(json.dumps({"tiny_random_encoders": True, "model": what, "seed": seed}))
+
+
+def build_tiny_t5(out_dir: Path, seed: int, text_dim: int) -> Path:
+    torch.manual_seed(seed)
+    tokenizer = ByT5Tokenizer()  # byte-level: needs no vocabulary file
+    config = T5Config(
+        vocab_size=len(tokenizer), d_model=text_dim, d_kv=8, d_ff=2 * text_dim, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, dropout_rate=0.0,
+    )
+    T5EncoderModel(config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    _mark(out_dir, "T5EncoderModel", seed)
+    return out_dir
+
+
+def build_tiny_wan_vae(out_dir: Path, seed: int, latent_channels: int) -> Path:
+    torch.manual_seed(seed)
+    model = AutoencoderKLWan(
+        base_dim=8, z_dim=latent_channels, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
+        temperal_downsample=[False, True, True], latents_mean=[0.0] * latent_channels,
+        latents_std=[1.0] * latent_channels,
+    )
+    model.save_pretrained(out_dir)
+    _mark(out_dir, "AutoencoderKLWan", seed)
+    return out_dir
+
+
+def build_tiny_kl_vae(out_dir: Path, seed: int, latent_channels: int) -> Path:
+    torch.manual_seed(seed)
+    model = AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[8, 8, 16, 16], layers_per_block=1,
+        latent_channels=latent_channels, norm_num_groups=4, sample_size=64,
+    )
+    model.save_pretrained(out_dir)
+    _mark(out_dir, "AutoencoderKL", seed)
+    return out_dir
+
+
+def build_tiny_random_encoders(
+    out_dir: str | Path, seed: int = 0, text_dim: int = 32, latent_channels: int = 4
+) -> TinyEncoderPaths:
+    """Build and save a tiny T5 (ByT5 tokenizer) and tiny Wan and KL VAEs under ``out_dir``."""
+    out_dir = Path(out_dir)
+    paths = TinyEncoderPaths(t5_dir=out_dir / "t5", wan_vae_dir=out_dir / "vae_wan", kl_vae_dir=out_dir / "vae_kl")
+    build_tiny_t5(paths.t5_dir, seed, text_dim)
+    build_tiny_wan_vae(paths.wan_vae_dir, seed, latent_channels)
+    build_tiny_kl_vae(paths.kl_vae_dir, seed, latent_channels)
+    return paths

@@ -1,0 +1,145 @@
+"""Train / validation loaders over energon datasets (a prepared folder or a metadataset yaml).
+
+The WorkerConfig's rank and world size are the DATA-PARALLEL rank and size, passed in by the
+trainer: TP/CP/PP ranks of one model replica build identical loaders and see identical packs.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from megatron.energon import (
+    WorkerConfig,
+    get_loader,
+    get_savable_loader,
+    get_train_dataset,
+    get_val_dataset,
+    log_exception,
+    reraise_exception,
+)
+
+from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings
+from dfm.data.packed_batch import PackedBatch
+
+STATE_FORMAT = "dfm-energon-loader/v1"
+
+
+@dataclass
+class EnergonDataSettings:
+    path: str  # energon dataset folder or metadataset .yaml
+    packing: PackingSettings
+    packing_buffer_size: int = 256  # samples per first-fit-decreasing round
+    num_workers: int = 2
+    shuffle_buffer_size: int = 100
+    max_samples_per_sequence: Optional[int] = 100  # shard-local runs before jumping to another shard
+    seed: int = 1234  # energon's seed_offset: shard order and shuffling
+    val_path: Optional[str] = None  # defaults to ``path`` (its "val" split)
+    val_limit: Optional[int] = None  # max validation packs per pass
+    skip_bad_samples: bool = False  # False: a broken sample stops the run with its shard and key
+    prefetch_factor: int = 2
+    extra_worker_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def build_worker_config(settings: EnergonDataSettings, dp_rank: int, dp_size: int) -> WorkerConfig:
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
+    return WorkerConfig(
+        rank=dp_rank,
+        world_size=dp_size,
+        num_workers=settings.num_workers,
+        seed_offset=settings.seed,
+        global_error_handler=log_exception if settings.skip_bad_samples else reraise_exception,
+        **settings.extra_worker_kwargs,
+    )
+
+
+def build_train_dataset(settings: EnergonDataSettings, dp_rank: int, dp_size: int):
+    return get_train_dataset(
+        settings.path,
+        split_part="train",
+        worker_config=build_worker_config(settings, dp_rank, dp_size),
+        batch_size=1,
+        packing_buffer_size=settings.packing_buffer_size,
+        shuffle_buffer_size=settings.shuffle_buffer_size,
+        max_samples_per_sequence=settings.max_samples_per_sequence,
+        task_encoder=DiffusionTaskEncoder(settings.packing),
+    )
+
+
+class EnergonTrainLoader:
+    """Infinite iterator of PackedBatches for one DP rank, with checkpointable state."""
+
+    def __init__(self, settings: EnergonDataSettings, dp_rank: int, dp_size: int) -> None:
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.loader = get_savable_loader(
+            build_train_dataset(settings, dp_rank, dp_size), prefetch_factor=settings.prefetch_factor
+        )
+        self._iterator: Optional[Iterator[PackedBatch]] = None
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        return self
+
+    def __next__(self) -> PackedBatch:
+        if self._iterator is None:
+            self._iterator = iter(self.loader)
+        return next(self._iterator)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain types only (the energon state is pickled to bytes) so it sits in any checkpoint."""
+        return {
+            "format": STATE_FORMAT,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "energon_state": pickle.dumps(self.loader.save_state_rank()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore before the first ``next``: iteration then continues with exactly the next pack."""
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"loader state has format {state.get('format')!r}, expected {STATE_FORMAT!r}")
+        for key, value in (("dp_rank", self.dp_rank), ("dp_size", self.dp_size)):
+            if state[key] != value:
+                raise ValueError(f"loader state was saved with {key}={state[key]}, this loader has {key}={value}")
+        if self._iterator is not None:
+            raise RuntimeError("load_state_dict must be called before the loader is iterated")
+        self.loader.restore_state_rank(pickle.loads(state["energon_state"]))
+
+
+def build_train_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int) -> EnergonTrainLoader:
+    return EnergonTrainLoader(settings, dp_rank, dp_size)
+
+
+def build_val_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int):
+    """One pass over the "val" split (of ``val_path`` or ``path``), packed like training."""
+    dataset = get_val_dataset(
+        settings.val_path or settings.path,
+        split_part="val",
+        worker_config=build_worker_config(settings, dp_rank, dp_size),
+        batch_size=1,
+        packing_buffer_size=settings.packing_buffer_size,
+        limit=settings.val_limit,
+        task_encoder=DiffusionTaskEncoder(settings.packing),
+    )
+    return get_loader(dataset, prefetch_factor=settings.prefetch_factor)
+
+
+def write_blend_metadataset(
+    yaml_path: str | Path, datasets: Sequence[tuple[str | Path, float]], val_datasets: Sequence[str | Path] = ()
+) -> Path:
+    """Write an energon MetadatasetV2 yaml blending ``(dataset folder, weight)`` pairs for training."""
+    if not datasets:
+        raise ValueError(f"{yaml_path}: a blend needs at least one dataset")
+    yaml_path = Path(yaml_path)
+    splits: dict[str, Any] = {
+        "train": {"blend": [{"weight": float(w), "path": str(Path(p).resolve())} for p, w in datasets]}
+    }
+    if val_datasets:
+        splits["val"] = {"blend": [{"path": str(Path(p).resolve()), "subflavors": {}} for p in val_datasets]}
+    yaml_path.write_text(yaml.safe_dump({"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": splits}))
+    return yaml_path

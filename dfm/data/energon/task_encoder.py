@@ -1,0 +1,123 @@
+"""Energon TaskEncoder for diffusion: cook -> encode (patchify) -> pack (first-fit decreasing) -> batch.
+
+With packing, energon's micro-batch size is 1: one PackedBatch holds several samples.
+Each PackedBatch also carries ``sample_metadata`` (a plain attribute, one dict per sample with
+the shard key and the ``.json`` metadata such as the caption) for logging and tests.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.energon import TaskEncoder, WorkerConfig, stateless
+
+from dfm.data.energon.cooker import CookedDiffusionSample, diffusion_cookers
+from dfm.data.energon.pack_selection import first_fit_decreasing
+from dfm.data.packed_batch import PackedBatch
+from dfm.data.packing import pack_samples
+from dfm.data.sample import DiffusionSample
+from dfm.models.common.patchify import patchify
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PackingSettings:
+    seq_length: int  # max tokens per pack, padding included
+    patch_temporal: int = 1
+    patch_spatial: int = 2
+    max_text_len: int = 512  # longer text embeddings are truncated
+    segment_multiple: int = 1  # per-sample padding (2 * CP size with context parallelism)
+    total_multiple: int = 1  # whole-pack padding (TP * CP with sequence parallelism)
+
+    def __post_init__(self) -> None:
+        if self.seq_length <= 0 or self.seq_length % self.total_multiple != 0:
+            raise ValueError(
+                f"seq_length={self.seq_length} must be positive and a multiple of total_multiple={self.total_multiple}"
+            )
+        if self.max_text_len <= 0:
+            raise ValueError(f"max_text_len must be positive, got {self.max_text_len}")
+
+
+def sample_metadata(batch: PackedBatch) -> list[dict[str, Any]]:
+    """Per-sample metadata attached by DiffusionTaskEncoder ([] for batches built elsewhere)."""
+    return list(getattr(batch, "sample_metadata", []))
+
+
+def encode_cooked_sample(
+    sample: CookedDiffusionSample, settings: PackingSettings, sample_index: int
+) -> tuple[DiffusionSample, bool]:
+    """Patchify the latent and cap the text; returns (sample, whether the text was truncated)."""
+    tokens, pos_ids = patchify(sample.latent, settings.patch_temporal, settings.patch_spatial)
+    text = sample.text_embeddings
+    truncated = text.shape[0] > settings.max_text_len
+    encoded = DiffusionSample(
+        tokens=tokens,
+        pos_ids=pos_ids,
+        text=text[: settings.max_text_len],
+        latent_shape=tuple(int(v) for v in sample.latent.shape),
+        sample_index=sample_index,
+        metadata={**sample.metadata, "key": sample.__key__},
+    )
+    # energon keeps buffered samples restorable through these keys (packing buffer state).
+    encoded.__key__ = sample.__key__
+    encoded.__restore_key__ = sample.__restore_key__
+    return encoded, truncated
+
+
+class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, PackedBatch, PackedBatch]):
+    cookers = diffusion_cookers()
+
+    def __init__(self, settings: PackingSettings) -> None:
+        self.settings = settings
+        # Diagnostics, per worker process; not part of the loader state.
+        self.skipped_too_long = 0
+        self.truncated_texts = 0
+
+    def global_sample_index(self) -> int:
+        """A data-parallel-unique index: energon's per-rank index interleaved over DP ranks.
+
+        energon restores its sample counters on resume, so the index (which seeds the noise)
+        is reproduced exactly; it depends on the DP size and num_workers, not on TP/CP/PP.
+        """
+        config = WorkerConfig.active_worker_config
+        return self.current_sample_index * config.world_size + config.rank
+
+    @stateless
+    def encode_sample(self, sample: CookedDiffusionSample) -> DiffusionSample:
+        encoded, truncated = encode_cooked_sample(sample, self.settings, self.global_sample_index())
+        if truncated:
+            self.truncated_texts += 1
+            logger.warning(
+                "key %s: text embedding length %d truncated to max_text_len=%d (%d truncated so far)",
+                sample.__key__, sample.text_embeddings.shape[0], self.settings.max_text_len, self.truncated_texts,
+            )
+        return encoded
+
+    def select_samples_to_pack(self, samples: list[DiffusionSample]) -> list[list[DiffusionSample]]:
+        plan = first_fit_decreasing(
+            [s.seq_len_q for s in samples], self.settings.seq_length, self.settings.segment_multiple
+        )
+        for i in plan.too_long:
+            self.skipped_too_long += 1
+            logger.warning(
+                "key %s: %d tokens exceed seq_length=%d: sample skipped (%d skipped so far)",
+                samples[i].metadata.get("key"), samples[i].seq_len_q, self.settings.seq_length,
+                self.skipped_too_long,
+            )
+        return [[samples[i] for i in pack] for pack in plan.packs]
+
+    @stateless
+    def pack_selected_samples(self, samples: list[DiffusionSample]) -> PackedBatch:
+        batch = pack_samples(samples, self.settings.segment_multiple, self.settings.total_multiple)
+        batch.sample_metadata = [s.metadata for s in samples]
+        return batch
+
+    @stateless
+    def batch(self, samples: list[PackedBatch]) -> PackedBatch:
+        if len(samples) != 1:
+            raise ValueError(f"with sequence packing the micro-batch size must be 1, got {len(samples)} packs")
+        return samples[0]
+

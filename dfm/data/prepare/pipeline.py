@@ -1,0 +1,189 @@
+"""Preparation core: media folder -> encoded shards (+ optionally ``energon prepare``).
+
+Every file is read, bucketed, VAE-encoded and caption-encoded once. Files that cannot be read or
+encoded are skipped, counted, logged as warnings and listed in the report (and in
+``prepare_report.rank<R>.json``). Under torchrun each rank takes every WORLD_SIZE-th file and
+writes its own shards (``rank<R>-NNNNNN.tar``); sample keys are global file indices, unique across ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+from tqdm import tqdm
+
+from dfm.data.encoders.t5 import T5TextEncoder
+from dfm.data.encoders.tiny import build_tiny_random_encoders, is_tiny_random
+from dfm.data.encoders.vae import VideoVAE
+from dfm.data.prepare.buckets import ResolutionPolicy, resize_center_crop
+from dfm.data.prepare.captions import CaptionFormat, CaptionLookup
+from dfm.data.prepare.energon_prepare import run_energon_prepare
+from dfm.data.prepare.media import MediaItem, find_media_files, read_media
+from dfm.data.prepare.shards import AtomicShardWriter, encode_sample_parts
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_T5 = "google/t5-v1_1-xxl"
+DEFAULT_VAE = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+
+
+@dataclass
+class PrepareSettings:
+    input_dir: str
+    output_dir: str
+    caption_format: Optional[CaptionFormat] = None  # None: sidecar, then jsonl, then meta.json
+    resolution_preset: Optional[str] = None  # 256p | 512p | 768p | 1024p
+    max_pixels: Optional[int] = None
+    height: Optional[int] = None
+    width: Optional[int] = None
+    num_frames: int = 17  # per video, before VAE compression (cut to 1 + k * temporal factor)
+    frame_stride: int = 1
+    patch_spatial: int = 2  # bucket sizes are multiples of patch_spatial * VAE spatial factor
+    t5_name_or_dir: str = DEFAULT_T5
+    t5_cache_dir: Optional[str] = None
+    max_text_len: int = 512  # T5 tokens; shards keep the unpadded length
+    vae_name_or_dir: str = DEFAULT_VAE
+    vae_subfolder: Optional[str] = "vae"
+    vae_kind: Literal["auto", "wan", "kl"] = "auto"
+    vae_cache_dir: Optional[str] = None
+    tiny_random_encoders: bool = False  # build tiny random T5 + VAE locally instead (tests, smoke runs)
+    shard_maxcount: int = 1000
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+    run_energon_prepare: bool = False  # only rank 0 of a single-process run; see docs/data.md
+
+    def resolution_policy(self, multiple: int) -> ResolutionPolicy:
+        preset = self.resolution_preset
+        if preset is None and self.max_pixels is None and self.height is None and self.width is None:
+            preset = "256p"
+        return ResolutionPolicy.from_args(multiple, preset, self.max_pixels, self.height, self.width)
+
+
+@dataclass
+class PrepareReport:
+    written: int = 0
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+    shards: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return f"{self.written} samples written to {len(self.shards)} shards, {len(self.skipped)} files skipped"
+
+
+@dataclass
+class Encoders:
+    text: T5TextEncoder
+    vae: VideoVAE
+    tiny_random: bool
+
+
+def settings_from_env(settings: PrepareSettings) -> PrepareSettings:
+    """Take RANK / WORLD_SIZE from torchrun's environment when present."""
+    settings.rank = int(os.environ.get("RANK", settings.rank))
+    settings.world_size = int(os.environ.get("WORLD_SIZE", settings.world_size))
+    return settings
+
+
+def load_encoders(settings: PrepareSettings) -> Encoders:
+    t5_source, vae_source, subfolder, kind = (
+        settings.t5_name_or_dir, settings.vae_name_or_dir, settings.vae_subfolder, settings.vae_kind
+    )
+    if settings.tiny_random_encoders:
+        # Per rank, so concurrent ranks never write the same files.
+        paths = build_tiny_random_encoders(Path(settings.output_dir) / ".tiny_random_encoders" / f"rank{settings.rank}")
+        use_kl = settings.vae_kind == "kl"
+        t5_source, vae_source, subfolder = paths.t5_dir, paths.kl_vae_dir if use_kl else paths.wan_vae_dir, None
+        kind = "kl" if use_kl else "wan"
+    text = T5TextEncoder.from_pretrained_or_cache(
+        t5_source, settings.t5_cache_dir, max_length=settings.max_text_len, device=settings.device
+    )
+    vae = VideoVAE.from_pretrained_or_cache(
+        vae_source, settings.vae_cache_dir, kind=kind, subfolder=subfolder, device=settings.device
+    )
+    tiny = is_tiny_random(t5_source) or is_tiny_random(Path(vae_source) / (subfolder or ""))
+    return Encoders(text=text, vae=vae, tiny_random=tiny)
+
+
+def sample_metadata(
+    item: MediaItem, settings: PrepareSettings, encoders: Encoders, caption, bucket: tuple[int, int],
+    latent: torch.Tensor, text_len: int,
+) -> dict:
+    return {
+        "caption": caption.text,
+        "caption_source": caption.source,
+        "source_path": item.path.relative_to(settings.input_dir).as_posix(),
+        "media_type": "video" if item.is_video else "image",
+        "original_height": item.height,
+        "original_width": item.width,
+        "bucket_height": bucket[0],
+        "bucket_width": bucket[1],
+        "num_frames": int(item.frames.shape[0]),
+        "source_frames": item.source_frames,
+        "frame_stride": settings.frame_stride if item.is_video else 1,
+        "fps": item.fps,
+        "latent_shape": list(latent.shape),
+        "text_len": text_len,
+        "t5_encoder": encoders.text.name,
+        "vae": encoders.vae.name,
+        "vae_kind": encoders.vae.kind,
+        "tiny_random_encoders": encoders.tiny_random,
+    }
+
+
+def encode_file(
+    path: Path, key: str, settings: PrepareSettings, encoders: Encoders, captions: CaptionLookup,
+    policy: ResolutionPolicy,
+) -> dict:
+    """One media file -> the shard parts of its sample."""
+    item = read_media(path, settings.num_frames, settings.frame_stride, encoders.vae.temporal_compression)
+    bucket = policy.bucket(item.height, item.width)
+    video = resize_center_crop(item.frames, *bucket).unsqueeze(0)
+    latent = encoders.vae.encode(video)[0].float().cpu()
+    caption = captions.caption(path)
+    text = encoders.text.encode([caption.text])[0]
+    metadata = sample_metadata(item, settings, encoders, caption, bucket, latent, int(text.shape[0]))
+    return encode_sample_parts(key, latent, text, metadata)
+
+
+def log_skipped(report: PrepareReport) -> None:
+    if not report.skipped:
+        return
+    listing = "\n".join(f"  {path}: {reason}" for path, reason in report.skipped)
+    logger.warning("skipped %d unreadable or unencodable files:\n%s", len(report.skipped), listing)
+
+
+def prepare_dataset(settings: PrepareSettings) -> PrepareReport:
+    """Encode this rank's share of ``input_dir`` into shards under ``output_dir``."""
+    files = find_media_files(settings.input_dir)
+    encoders = load_encoders(settings)
+    policy = settings.resolution_policy(settings.patch_spatial * encoders.vae.spatial_compression)
+    captions = CaptionLookup(settings.input_dir, settings.caption_format)
+    report = PrepareReport()
+    key_width = max(8, len(str(len(files))))
+    mine = list(enumerate(files))[settings.rank :: settings.world_size]
+    with AtomicShardWriter(settings.output_dir, f"rank{settings.rank:03d}", settings.shard_maxcount) as writer:
+        for index, path in tqdm(mine, desc=f"prepare rank {settings.rank}", position=settings.rank):
+            try:
+                parts = encode_file(path, f"{index:0{key_width}d}", settings, encoders, captions, policy)
+            except Exception as error:  # noqa: BLE001 - any unreadable input is skipped and reported
+                report.skipped.append((str(path), f"{type(error).__name__}: {error}"))
+                logger.warning("skipping %s: %s: %s", path, type(error).__name__, error)
+                continue
+            writer.write(parts)
+            report.written += 1
+    report.shards = [str(p) for p in writer.finished]
+    log_skipped(report)
+    logger.info("rank %d: %s", settings.rank, report.summary())
+    report_file = Path(settings.output_dir) / f"prepare_report.rank{settings.rank}.json"
+    report_file.write_text(json.dumps(asdict(report), indent=1))
+    if settings.run_energon_prepare:
+        if settings.world_size > 1:
+            raise ValueError("run energon prepare once after all ranks finish, not with world_size > 1")
+        run_energon_prepare(settings.output_dir)
+    return report

@@ -1,0 +1,72 @@
+"""Writing samples to webdataset ``.tar`` shards in the DFM-compatible layout, never half-written.
+
+Per sample: ``<key>.pth`` (torch.save of the latent [C, T, H, W]), ``<key>.pickle`` (pickled float32
+numpy T5 embeddings [L, D]) and ``<key>.json`` (metadata). A shard is written as ``*.tar.partial``
+and renamed to ``*.tar`` once closed; on an error the partial file is deleted.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import webdataset as wds
+
+PARTIAL_SUFFIX = ".partial"
+
+
+def encode_sample_parts(key: str, latent: torch.Tensor, text: torch.Tensor, metadata: dict[str, Any]) -> dict:
+    if latent.dim() != 4:
+        raise ValueError(f"sample {key}: latent must be [C, T, H, W], got {tuple(latent.shape)}")
+    if text.dim() != 2:
+        raise ValueError(f"sample {key}: text embeddings must be [L, D], got {tuple(text.shape)}")
+    buffer = io.BytesIO()
+    torch.save(latent.detach().cpu().contiguous(), buffer)
+    return {
+        "__key__": key,
+        "pth": buffer.getvalue(),
+        "pickle": pickle.dumps(text.detach().float().cpu().numpy()),
+        "json": json.dumps(metadata).encode("utf-8"),
+    }
+
+
+class AtomicShardWriter:
+    """Context manager over webdataset's ShardWriter: shards appear in ``out_dir`` only when complete."""
+
+    def __init__(self, out_dir: str | Path, prefix: str, maxcount: int) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.pattern = str(self.out_dir / f"{prefix}-%06d.tar{PARTIAL_SUFFIX}")
+        self.maxcount = maxcount
+        self.finished: list[Path] = []
+        self.writer: wds.ShardWriter | None = None
+
+    def _publish(self, partial_name: str) -> None:
+        final = Path(partial_name[: -len(PARTIAL_SUFFIX)])
+        Path(partial_name).rename(final)
+        self.finished.append(final)
+
+    def write(self, sample: dict) -> None:
+        if self.writer is None:
+            # Opened lazily: ShardWriter opens a file on construction, which would leave an empty shard.
+            self.writer = wds.ShardWriter(self.pattern, maxcount=self.maxcount, post=self._publish, verbose=0)
+        self.writer.write(sample)
+
+    def __enter__(self) -> "AtomicShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.writer is None:
+            return
+        if exc_type is None:
+            self.writer.close()
+            return
+        partial = self.writer.fname
+        self.writer.post = None
+        self.writer.close()
+        if partial is not None:
+            Path(partial).unlink(missing_ok=True)
