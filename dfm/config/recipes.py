@@ -6,11 +6,13 @@ Adding a recipe: write a function returning a ConfigContainer, then add one line
 from __future__ import annotations
 
 import difflib
+import functools
 from types import MappingProxyType
 from typing import Callable, Mapping
 
 from dfm.config.container import ConfigContainer, DatasetConfig, LoggerConfig, ModelConfig, OptimizerConfig, TrainConfig
 from dfm.config.errors import ConfigError
+from dfm.models.presets import PRESETS
 
 
 def dit_recipe() -> ConfigContainer:
@@ -41,10 +43,16 @@ def dit_tiny_recipe() -> ConfigContainer:
     )
 
 
+def preset_recipe(name: str) -> ConfigContainer:
+    """Every default, with the model of the published preset ``name`` (dfm/models/presets.py)."""
+    return ConfigContainer(model=ModelConfig(**PRESETS[name]))
+
+
 _RECIPES: Mapping[str, Callable[[], ConfigContainer]] = MappingProxyType(
     {
         "dit": dit_recipe,
         "dit_tiny": dit_tiny_recipe,
+        **{name: functools.partial(preset_recipe, name) for name in PRESETS},
     }
 )
 

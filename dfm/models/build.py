@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Optional
 
 import torch
@@ -10,7 +11,13 @@ from megatron.core import parallel_state
 from dfm.models.common.init import init_params
 from dfm.models.common.transformer_config import build_transformer_config
 from dfm.models.dit.dit_model import DiTModel
-from dfm.models.dit.dit_spec import dit_layer_local_spec
+from dfm.models.dit.dit_spec import dit_layer_spec, local_modules, te_modules
+
+ARCHITECTURES = ("dit_adaln", "dit_cross", "stdit", "moviegen")
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def resolve_attention_backend(requested: str) -> str:
@@ -18,28 +25,32 @@ def resolve_attention_backend(requested: str) -> str:
     if requested != "auto":
         return requested
     if torch.cuda.is_available():
-        return "flex"
+        return "te" if transformer_engine_available() else "flex"
     return "sdpa"
 
 
 def layer_spec_for(model_cfg):
+    if model_cfg.architecture not in ARCHITECTURES:
+        raise NotImplementedError(f"model.architecture={model_cfg.architecture!r}; valid: {ARCHITECTURES}")
+    if model_cfg.architecture == "stdit" and model_cfg.sequence_parallel:
+        raise NotImplementedError("stdit regroups tokens per frame / position; sequence_parallel is not supported")
     backend = resolve_attention_backend(model_cfg.attention_backend)
-    if backend == "te":
-        raise NotImplementedError("the Transformer Engine layer spec is not implemented yet; use flex or sdpa")
-    if model_cfg.architecture in ("dit_cross", "dit_adaln"):
-        return dit_layer_local_spec(
-            cross_attention=model_cfg.architecture == "dit_cross",
-            qk_layernorm=model_cfg.qk_layernorm,
-            attention_backend=backend,
-        )
-    raise NotImplementedError(f"model.architecture={model_cfg.architecture!r} is not implemented yet")
+    modules = te_modules() if backend == "te" else local_modules(backend)
+    return dit_layer_spec(model_cfg.architecture, modules, model_cfg.qk_layernorm, model_cfg.num_moe_experts)
 
 
-def build_model_chunk(model_cfg, precision: str, seed: int, vp_stage: Optional[int] = None):
-    """One (virtual) pipeline stage of the model, initialised layout-independently from ``seed``."""
+def build_model(model_cfg, precision: str, vp_stage: Optional[int] = None):
+    """One (virtual) pipeline stage, parameters allocated but not initialised (use under
+    ``torch.device('meta')`` to count parameters without memory)."""
     tconfig = build_transformer_config(model_cfg, precision)
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = DiTModel(tconfig, layer_spec_for(model_cfg), model_cfg, pre_process=pre, post_process=post, vp_stage=vp_stage)
+    return model, tconfig
+
+
+def build_model_chunk(model_cfg, precision: str, seed: int, vp_stage: Optional[int] = None):
+    """One (virtual) pipeline stage of the model, initialised layout-independently from ``seed``."""
+    model, tconfig = build_model(model_cfg, precision, vp_stage)
     init_params(model, seed, model.global_param_name, std=model_cfg.init_method_std)
     return model, tconfig

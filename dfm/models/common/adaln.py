@@ -52,6 +52,13 @@ class AdaLNNorm(nn.LayerNorm):
         super().__init__(hidden_size, eps=eps, elementwise_affine=False)
 
 
+class AdaLNRMSNorm(nn.RMSNorm):
+    """RMSNorm without affine parameters (Llama-style blocks): adaLN supplies scale and shift."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps=eps, elementwise_affine=False)
+
+
 class QKRMSNorm(nn.RMSNorm):
     """RMSNorm on each head's queries or keys (megatron builds it with hidden_size=head dim)."""
 

@@ -15,7 +15,8 @@ import torch
 from megatron.core import parallel_state
 from torch import nn
 
-ZERO_INIT = re.compile(r"(adaln\.linear\.|final_layer\.(adaln|linear)\.)")
+# adaLN-Zero (DiT) plus the cross-attention output (PixArt): every fresh block is the identity.
+ZERO_INIT = re.compile(r"(adaln\.linear\.|final_layer\.(adaln|linear)\.|cross_attention\.linear_proj\.)")
 
 
 def name_seed(seed: int, name: str) -> int:

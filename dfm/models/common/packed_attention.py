@@ -61,22 +61,47 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
 
 
-def flex_document_attention(query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams, scale: float) -> Tensor:
-    """Same contract as :func:`sdpa_per_segment`, one FlexAttention call with a document mask."""
+def document_ids_on_device(params: PackedSeqParams, side: str, total: int, device: torch.device) -> Tensor:
+    """Like :func:`document_ids`, computed from the cu_seqlens tensors with no host sync."""
+    real = getattr(params, f"cu_seqlens_{side}").to(device)
+    padded = getattr(params, f"cu_seqlens_{side}_padded")
+    padded = real if padded is None else padded.to(device)
+    positions = torch.arange(total, device=device)
+    ids = torch.searchsorted(padded[1:].contiguous(), positions, right=True).clamp(max=len(real) - 2)
+    lengths = (real[1:] - real[:-1])[ids]
+    return torch.where(positions - padded[ids] < lengths, ids, -1)
+
+
+def document_block_mask(params: PackedSeqParams, sq: int, sk: int, device: torch.device):
+    """(BlockMask, q_valid [sq]) for this pack, built once per pack and kept on ``params``.
+
+    The model hands every layer the same ``params`` object, so caching there turns one mask
+    build per attention call into one per forward (measured: docs/performance.md).
+    """
+    cached = getattr(params, "_dfm_flex_mask", None)
+    if cached is not None and cached[0] == (sq, sk, device):
+        return cached[1], cached[2]
     from torch.nn.attention.flex_attention import create_block_mask
 
-    sq, sk = query.shape[0], key.shape[0]
-    q_doc = document_ids(*segment_bounds(params, "q"), sq, query.device)
-    kv_doc = document_ids(*segment_bounds(params, "kv"), sk, query.device)
+    q_doc = document_ids_on_device(params, "q", sq, device)
+    kv_doc = document_ids_on_device(params, "kv", sk, device)
 
     def same_sample(b, h, q_idx, kv_idx):
         return (q_doc[q_idx] == kv_doc[kv_idx]) & (q_doc[q_idx] >= 0)
 
-    mask = create_block_mask(same_sample, B=None, H=None, Q_LEN=sq, KV_LEN=sk, device=query.device)
+    mask = create_block_mask(same_sample, B=None, H=None, Q_LEN=sq, KV_LEN=sk, device=device)
+    q_valid = (q_doc >= 0)[:, None, None, None]
+    params._dfm_flex_mask = ((sq, sk, device), mask, q_valid)
+    return mask, q_valid
+
+
+def flex_document_attention(query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams, scale: float) -> Tensor:
+    """Same contract as :func:`sdpa_per_segment`, one FlexAttention call with a document mask."""
+    mask, q_valid = document_block_mask(params, query.shape[0], key.shape[0], query.device)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     out = _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale).permute(2, 0, 1, 3)
     # Rows with no allowed key (padding) are undefined in flex; zero them as the reference does.
-    return out * (q_doc >= 0).to(out.dtype)[:, None, None, None]
+    return out * q_valid.to(out.dtype)
 
 
 class PackedDotProductAttention(MegatronModule):

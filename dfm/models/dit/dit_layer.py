@@ -1,10 +1,14 @@
 """The DiT block on megatron-core modules: modulate, attend, gate.
 
     x = x + gate_msa * SelfAttn(modulate(norm1(x), shift_msa, scale_msa))
-    x = x + CrossAttn(norm2(x), text)                        # text-conditioned variant only
+    x = x + CrossAttn(norm2(x), text)                        # text-conditioned variants only
     x = x + gate_mlp * MLP(modulate(norm3(x), shift_mlp, scale_mlp))
 
-Attention, MLP and modulation are built from a ``ModuleSpec`` (local or Transformer Engine).
+ST-DiT replaces the self-attention line with a spatial (per-frame) and a temporal (per-position)
+one, each modulated and gated on its own.
+
+Attention, MLP (dense or MoE), norms and modulation come from a ``ModuleSpec`` (local or
+Transformer Engine), so DiT, MovieGen-style Llama blocks and ST-DiT share this code.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor
 
 from dfm.models.common.adaln import AdaLNNorm, modulate
+from dfm.models.common.factorized_layout import FactorizedAttentionParams
 
 
 @dataclass
@@ -26,6 +31,8 @@ class DiTLayerSubmodules:
     self_attention: Union[ModuleSpec, type]
     mlp: Union[ModuleSpec, type]
     cross_attention: Optional[Union[ModuleSpec, type]] = None
+    temporal_attention: Optional[Union[ModuleSpec, type]] = None  # ST-DiT only
+    norm: type = AdaLNNorm  # affine-free: LayerNorm (DiT) or RMSNorm (Llama-style)
 
 
 def _add_bias(output_and_bias: tuple[Tensor, Optional[Tensor]]) -> Tensor:
@@ -36,19 +43,23 @@ def _add_bias(output_and_bias: tuple[Tensor, Optional[Tensor]]) -> Tensor:
 class DiTLayer(MegatronModule):
     """One DiT block. hidden [s, b, h] -> [s, b, h]."""
 
+    num_modulations = 6
+
     def __init__(self, config, submodules: DiTLayerSubmodules, layer_number: int = 1):
         super().__init__(config=config)
         self.layer_number = layer_number
-        h, eps = config.hidden_size, config.layernorm_epsilon
-        self.adaln = build_module(submodules.adaln, config=config, num_chunks=6)
-        self.norm1 = AdaLNNorm(h, eps)
+        norm, h, eps = submodules.norm, config.hidden_size, config.layernorm_epsilon
+        self.adaln = build_module(submodules.adaln, config=config, num_chunks=self.num_modulations)
+        self.norm1 = norm(h, eps)
         self.self_attention = build_module(submodules.self_attention, config=config, layer_number=layer_number)
         self.cross_attention = None
         if submodules.cross_attention is not None:
-            self.norm2 = AdaLNNorm(h, eps)
+            self.norm2 = norm(h, eps)
             self.cross_attention = build_module(submodules.cross_attention, config=config, layer_number=layer_number)
-        self.norm3 = AdaLNNorm(h, eps)
-        self.mlp = build_module(submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size)
+        self.norm3 = norm(h, eps)
+        # A dense MLP is sized by the config's ffn; an MoE layer sizes its experts itself.
+        mlp_size = {"layer_number": layer_number} if config.num_moe_experts else {"ffn_hidden_size": config.ffn_hidden_size}
+        self.mlp = build_module(submodules.mlp, config=config, **mlp_size)
 
     def forward(
         self,
@@ -61,16 +72,54 @@ class DiTLayer(MegatronModule):
         cross_attn_params: Optional[PackedSeqParams],
     ) -> Tensor:
         """hidden [s, b, h]; cond [N, h] per sample; token_sample_ids [s]; context [s_kv, b, h]."""
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln(cond, token_sample_ids)
-        attn_in = modulate(self.norm1(hidden), shift_msa, scale_msa)
-        attn_out = self.self_attention(
-            attn_in, attention_mask=None, rotary_pos_emb=rotary_pos_emb, packed_seq_params=self_attn_params
+        *attn_mod, shift_mlp, scale_mlp, gate_mlp = self.adaln(cond, token_sample_ids)
+        hidden = self.self_attend(hidden, attn_mod, rotary_pos_emb, self_attn_params)
+        hidden = self.cross_attend(hidden, context, cross_attn_params)
+        return self.feed_forward(hidden, shift_mlp, scale_mlp, gate_mlp)
+
+    def self_attend(self, hidden: Tensor, modulation: list[Tensor], rotary_pos_emb, params: PackedSeqParams) -> Tensor:
+        """modulation: (shift, scale, gate), each [s, 1, h]."""
+        return self.attend(self.self_attention, self.norm1, hidden, *modulation, rotary_pos_emb, params)
+
+    def attend(self, attention, norm, hidden, shift, scale, gate, rotary_pos_emb, params, order=None) -> Tensor:
+        """Gated residual self-attention. ``order`` = (gather [s], scatter [s]) puts tokens into
+        the order the segments in ``params`` refer to, and back."""
+        attn_in = modulate(norm(hidden), shift, scale)
+        if order is not None:
+            attn_in = attn_in[order[0]]
+            rotary_pos_emb = None if rotary_pos_emb is None else rotary_pos_emb[order[0]]
+        out = _add_bias(attention(attn_in, attention_mask=None, rotary_pos_emb=rotary_pos_emb, packed_seq_params=params))
+        if order is not None:
+            out = out[order[1]]
+        return hidden + gate * out
+
+    def cross_attend(self, hidden: Tensor, context: Optional[Tensor], params: Optional[PackedSeqParams]) -> Tensor:
+        if self.cross_attention is None:
+            return hidden
+        out = self.cross_attention(self.norm2(hidden), attention_mask=None, key_value_states=context, packed_seq_params=params)
+        return hidden + _add_bias(out)
+
+    def feed_forward(self, hidden: Tensor, shift: Tensor, scale: Tensor, gate: Tensor) -> Tensor:
+        return hidden + gate * _add_bias(self.mlp(modulate(self.norm3(hidden), shift, scale)))
+
+
+class STDiTLayer(DiTLayer):
+    """ST-DiT block: spatial self-attention within each frame, then temporal self-attention at
+    each (h, w) position, each with its own adaLN shift / scale / gate; then cross-attention, MLP."""
+
+    num_modulations = 9
+
+    def __init__(self, config, submodules: DiTLayerSubmodules, layer_number: int = 1):
+        super().__init__(config, submodules, layer_number)
+        self.norm_temporal = submodules.norm(config.hidden_size, config.layernorm_epsilon)
+        self.temporal_attention = build_module(submodules.temporal_attention, config=config, layer_number=layer_number)
+
+    def self_attend(
+        self, hidden: Tensor, modulation: list[Tensor], rotary_pos_emb, params: FactorizedAttentionParams
+    ) -> Tensor:
+        """Spatial then temporal attention; modulation: (shift, scale, gate) of each, [s, 1, h]."""
+        hidden = self.attend(self.self_attention, self.norm1, hidden, *modulation[0:3], rotary_pos_emb, params.spatial)
+        order = (params.to_temporal, params.to_token)
+        return self.attend(
+            self.temporal_attention, self.norm_temporal, hidden, *modulation[3:6], rotary_pos_emb, params.temporal, order
         )
-        hidden = hidden + gate_msa * _add_bias(attn_out)
-        if self.cross_attention is not None:
-            cross_out = self.cross_attention(
-                self.norm2(hidden), attention_mask=None, key_value_states=context, packed_seq_params=cross_attn_params
-            )
-            hidden = hidden + _add_bias(cross_out)
-        mlp_out = self.mlp(modulate(self.norm3(hidden), shift_mlp, scale_mlp))
-        return hidden + gate_mlp * _add_bias(mlp_out)

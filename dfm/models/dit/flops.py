@@ -1,39 +1,72 @@
-"""Model FLOPs of a DiT pack: forward + backward (3x forward), attention included, recompute excluded."""
+"""Model FLOPs of a pack: forward + backward (3x forward), attention included, recompute excluded.
+
+2 FLOPs per multiply-add, real tokens only (padding is not useful work). Counted per
+architecture from the same pieces the model is built of; a test checks the total against
+``torch.utils.flop_counter`` on a small instance.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
+
+TIMESTEP_FREQUENCY_DIM = 256  # dfm.models.common.embeddings.TimestepEmbedder
 
 
-def dit_forward_flops(
-    model_cfg,
-    video_lens: Sequence[int],
-    text_lens: Sequence[int],
-) -> float:
-    """Forward FLOPs (2 per multiply-add) of one pack with the given per-sample token counts."""
+def mlp_flops_per_token(model_cfg) -> float:
+    """Dense MLP (GELU: 2 matmuls, SwiGLU: 3) or MoE (router + top-k SwiGLU experts)."""
     h = model_cfg.hidden_size
-    ffn = model_cfg.effective_ffn_hidden_size
-    layers = model_cfg.num_layers
-    patch_dim = model_cfg.in_channels * model_cfg.patch_temporal * model_cfg.patch_spatial**2
-    cross = model_cfg.architecture != "dit_adaln"
-    gated = model_cfg.architecture == "moviegen"
-    mlp_matmuls = 3 if gated else 2
-    topk = model_cfg.moe_router_topk if model_cfg.num_moe_experts else 1
-    moe_ffn = model_cfg.moe_ffn_hidden_size or ffn
+    matmuls = 3 if model_cfg.architecture == "moviegen" else 2
+    if not model_cfg.num_moe_experts:
+        return 2 * matmuls * h * model_cfg.effective_ffn_hidden_size
+    expert_ffn = model_cfg.moe_ffn_hidden_size or model_cfg.effective_ffn_hidden_size
+    return 2 * h * model_cfg.num_moe_experts + model_cfg.moe_router_topk * 2 * matmuls * h * expert_ffn
 
-    per_token_layer = 2 * (4 * h * h + (2 * h * h if cross else 0))  # qkv + proj (+ cross q + proj)
-    per_token_layer += 2 * mlp_matmuls * h * (moe_ffn * topk if model_cfg.num_moe_experts else ffn)
-    total = 0.0
-    for n, m in zip(video_lens, text_lens):
-        attn = 2 * 2 * n * n * h + (2 * 2 * n * m * h if cross else 0)
-        kv_proj = 2 * 2 * m * h * h if cross else 0
-        adaln = 2 * h * 6 * h
-        total += layers * (n * per_token_layer + attn + kv_proj + adaln)
-        total += 2 * n * patch_dim * h * 2  # patch embed + final linear
-        if cross:
-            total += 2 * m * (model_cfg.text_embed_dim * h + h * h)
+
+def self_attention_flops(h: int, tokens: int, segment_len: int) -> float:
+    """qkv + out projections over ``tokens``, plus QK^T and AV within segments of ``segment_len``."""
+    return 8 * tokens * h * h + 4 * tokens * segment_len * h
+
+
+def layer_flops(model_cfg, n: int, m: int, frames: int) -> float:
+    """One block on one sample of n video tokens (in ``frames`` frames) and m text tokens."""
+    h = model_cfg.hidden_size
+    arch = model_cfg.architecture
+    if arch == "stdit":
+        attention = self_attention_flops(h, n, n // frames) + self_attention_flops(h, n, frames)
+        modulations = 9
+    else:
+        attention = self_attention_flops(h, n, n)
+        modulations = 6
+    cross = 0 if arch == "dit_adaln" else 4 * n * h * h + 4 * m * h * h + 4 * n * m * h
+    return attention + cross + n * mlp_flops_per_token(model_cfg) + 2 * h * modulations * h
+
+
+def embedding_flops(model_cfg, n: int, m: int) -> float:
+    """Patch embedding, final layer, timestep MLP and text MLP for one sample."""
+    h = model_cfg.hidden_size
+    patch_volume = model_cfg.patch_temporal * model_cfg.patch_spatial**2
+    patch_in = model_cfg.in_channels * patch_volume
+    patch_out = (model_cfg.out_channels or model_cfg.in_channels) * patch_volume
+    total = 2 * n * h * (patch_in + patch_out) + 2 * h * 2 * h + 2 * (TIMESTEP_FREQUENCY_DIM * h + h * h)
+    if model_cfg.architecture != "dit_adaln":
+        total += 2 * m * (model_cfg.text_embed_dim * h + h * h)
     return total
 
 
-def dit_training_flops(model_cfg, video_lens: Sequence[int], text_lens: Sequence[int]) -> float:
-    return 3.0 * dit_forward_flops(model_cfg, video_lens, text_lens)
+def dit_forward_flops(
+    model_cfg, video_lens: Sequence[int], text_lens: Sequence[int], frames: Optional[Sequence[int]] = None
+) -> float:
+    """Forward FLOPs of one pack. ``frames``: per-sample token-grid T (ST-DiT needs it; default 1)."""
+    frames = frames if frames is not None else [1] * len(video_lens)
+    return sum(
+        model_cfg.num_layers * layer_flops(model_cfg, n, m, t) + embedding_flops(model_cfg, n, m)
+        for n, m, t in zip(video_lens, text_lens, frames)
+    )
+
+
+def dit_training_flops(
+    model_cfg, video_lens: Sequence[int], text_lens: Sequence[int], frames: Optional[Sequence[int]] = None
+) -> float:
+    """Forward + backward FLOPs of one pack (backward = 2x forward)."""
+    return 3.0 * dit_forward_flops(model_cfg, video_lens, text_lens, frames)

@@ -1,0 +1,64 @@
+"""Segments for factorized (ST-DiT) attention over a THD pack.
+
+Spatial attention: one segment per frame (the H*W tokens of one t), in token order.
+Temporal attention: one segment per (h, w) position (its T tokens); tokens are first gathered
+into (h, w, t) order per sample so each segment is contiguous, then scattered back.
+The last segment of a sample absorbs the sample's padding (as TE's padded THD layout expects);
+padding tokens are never inside a real segment, so they attend to nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from torch import Tensor
+
+
+@dataclass
+class FactorizedAttentionParams:
+    spatial: PackedSeqParams  # per-frame segments, token order
+    temporal: PackedSeqParams  # per-(h, w) segments, temporal order
+    to_temporal: Tensor  # [S] long: temporal-order position i holds token to_temporal[i]
+    to_token: Tensor  # [S] long: the inverse permutation
+
+
+def _cumulative(lengths: list[Tensor], device) -> Tensor:
+    lengths = torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device=device, dtype=torch.int32)
+
+
+def _segments(starts: list[Tensor], lengths: list[Tensor], total: int, device) -> PackedSeqParams:
+    """Segments given by their starts and real lengths; each padded segment runs to the next start."""
+    offsets = torch.cat([torch.cat(starts), torch.tensor([total])]).to(device=device, dtype=torch.int32)
+    cu = _cumulative(lengths, device)
+    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           cu_seqlens_q_padded=offsets, cu_seqlens_kv_padded=offsets)
+
+
+def sample_grids(latent_shape: Tensor, patch_temporal: int, patch_spatial: int) -> list[tuple[int, int, int]]:
+    """latent_shape [N, 4] (C, T, H, W) -> per-sample token grid (t, h, w)."""
+    return [(t // patch_temporal, h // patch_spatial, w // patch_spatial) for _, t, h, w in latent_shape.tolist()]
+
+
+def factorized_params(cu_seqlens_padded: Tensor, grids: list[tuple[int, int, int]]) -> FactorizedAttentionParams:
+    """Spatial / temporal segments and the temporal permutation for a pack of samples."""
+    offsets = cu_seqlens_padded.tolist()
+    total, device = offsets[-1], cu_seqlens_padded.device
+    to_temporal = torch.arange(total)
+    spatial_starts, spatial_lens, temporal_starts, temporal_lens = [], [], [], []
+    for start, (t, h, w) in zip(offsets[:-1], grids):
+        hw = h * w
+        spatial_starts.append(start + hw * torch.arange(t))
+        spatial_lens.append(torch.full((t,), hw))
+        temporal_starts.append(start + t * torch.arange(hw))
+        temporal_lens.append(torch.full((hw,), t))
+        # Token (tt, p) sits at tt*hw + p; in temporal order it goes to p*t + tt.
+        to_temporal[start : start + t * hw] = start + torch.arange(t * hw).reshape(t, hw).T.reshape(-1)
+    return FactorizedAttentionParams(
+        spatial=_segments(spatial_starts, spatial_lens, total, device),
+        temporal=_segments(temporal_starts, temporal_lens, total, device),
+        to_temporal=to_temporal.to(device),
+        to_token=torch.argsort(to_temporal).to(device),
+    )

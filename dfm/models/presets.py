@@ -1,0 +1,47 @@
+"""Published model shapes, by name. Each entry is a set of ``ModelConfig`` fields;
+``dfm.config.recipes`` turns every entry into a recipe of the same name (``recipe: DiT-XL/2``).
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+# facebookresearch/DiT: class-conditional ImageNet 256x256 -> 32x32x4 SD-VAE latents,
+# fixed sin-cos positions, learned-sigma head (2x output channels), a null class for CFG.
+_DIT_IMAGENET = dict(
+    architecture="dit_adaln", patch_spatial=2, patch_temporal=1, in_channels=4, out_channels=8,
+    num_classes=1000, pos_embedding="sincos3d", max_latent_thw=[1, 32, 32],
+)
+# NVIDIA's video DiT configs: text cross-attention (T5-XXL, 4096-d), 3D RoPE, QK RMSNorm.
+_VIDEO = dict(
+    patch_spatial=2, patch_temporal=1, in_channels=16, text_embed_dim=4096, max_text_len=512,
+    pos_embedding="rope3d", qk_layernorm=True,
+)
+
+
+def _shape(layers: int, hidden: int, heads: int, **extra) -> dict:
+    return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, **extra)
+
+
+PRESETS = MappingProxyType(
+    {
+        "DiT-S/2": _shape(12, 384, 6, **_DIT_IMAGENET),
+        "DiT-B/2": _shape(12, 768, 12, **_DIT_IMAGENET),
+        "DiT-L/2": _shape(24, 1024, 16, **_DIT_IMAGENET),
+        "DiT-XL/2": _shape(28, 1152, 16, **_DIT_IMAGENET),
+        "DiT-7B": _shape(32, 4096, 32, architecture="dit_cross", **_VIDEO),
+        "DiT-28B": _shape(48, 6144, 48, architecture="dit_cross", **_VIDEO),
+        # Open-Sora 1.0 STDiT-XL/2: SD-VAE latents, T5 captions of 120 tokens, sin-cos positions.
+        "STDiT-XL/2": _shape(
+            28, 1152, 16, architecture="stdit", patch_spatial=2, patch_temporal=1, in_channels=4,
+            out_channels=8, text_embed_dim=4096, max_text_len=120, pos_embedding="sincos3d",
+        ),
+        "STDiT-30B": _shape(28, 6144, 48, architecture="stdit", **_VIDEO),
+        # MovieGen Video (Polyak et al. 2024), 30B: Llama-style blocks, 48 x 6144, 48 heads, FFN 16384.
+        "MovieGen-30B": _shape(48, 6144, 48, architecture="moviegen", ffn_hidden_size=16384, **_VIDEO),
+    }
+)
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)

@@ -1,0 +1,77 @@
+"""Packed equals unpacked: a pack of samples with different (T, H, W) and text lengths gives the
+same outputs and parameter gradients as running each sample alone, for every architecture and
+local attention backend. Run in float64 so the tolerance can be tight: max error <= 1e-9 x the
+tensor's max (only summation order differs). FlexAttention has no CPU backward: its gradients are
+compared where CUDA exists, its outputs everywhere."""
+
+import dataclasses
+
+import pytest
+import torch
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+from dfm.models.common.packed_attention import BACKENDS
+from dfm.platform.device import compute_device
+from tests.models._helpers import ARCHITECTURES, build_random_model, conditioning, make_samples, pack_samples, tiny_config
+
+TOLERANCE = 1e-9  # max |packed - single| relative to max |single|, per tensor
+
+
+def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Relative to the tensor's own scale: gradients are long sums whose size varies per tensor."""
+    error = (actual - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert error <= TOLERANCE * max(scale, 1e-6), f"{what}: max error {error:.3g} at scale {scale:.3g}"
+
+
+def as_double(batch, device):
+    return dataclasses.replace(batch, latents=batch.latents.double(), context=batch.context.double()).to(device)
+
+
+def parameter_grads(model) -> dict[str, torch.Tensor]:
+    grads = {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.fixture(autouse=True)
+def no_moe_aux_loss_grad():
+    # The load-balancing loss is a statistic of the whole pack, so its gradient legitimately
+    # differs from per-sample runs; the model's own outputs and gradients must not.
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.0))
+    yield
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_packed_equals_unpacked(dist, name, backend):
+    cfg = tiny_config(name, attention_backend=backend)
+    device = compute_device()
+    with_grads = backend != "flex" or device.type == "cuda"
+    model = build_random_model(cfg).double().to(device)
+    samples = make_samples(cfg)
+    c_noise, labels = (t.to(device) for t in conditioning(len(samples)))
+    pack = pack_samples(samples, segment_multiple=8)
+    assert (torch.diff(pack.cu_seqlens_q_padded) > torch.diff(pack.cu_seqlens_q)).any()  # padded segments
+    pack = as_double(pack, device)
+
+    with torch.set_grad_enabled(with_grads):
+        out = model(pack.latents, c_noise.double(), pack, labels)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype).to(device)
+        if with_grads:
+            (out * weights * pack.loss_mask[:, None]).sum().backward()
+        packed_grads = parameter_grads(model)
+
+        for i, sample in enumerate(samples):
+            alone = as_double(pack_samples([sample]), device)
+            start, length = int(pack.cu_seqlens_q_padded[i]), sample.seq_len_q
+            single_out = model(alone.latents, c_noise[i : i + 1].double(), alone, labels[i : i + 1])
+            assert_close_scaled(out[start : start + length], single_out, f"output of sample {i}")
+            if with_grads:
+                (single_out * weights[start : start + length]).sum().backward()  # grads accumulate over samples
+        single_grads = parameter_grads(model)
+
+    assert packed_grads.keys() == single_grads.keys()
+    for param_name, grad in packed_grads.items():
+        assert_close_scaled(grad, single_grads[param_name], f"grad of {param_name}")

@@ -1,0 +1,82 @@
+"""ST-DiT locality by autograd: d out_i / d in_j is zero wherever attention must not mix.
+
+Spatial attention mixes only tokens of the same frame of the same sample, temporal only tokens at
+the same (h, w) of the same sample; padding mixes with nothing. The dependency pattern is read
+from the Jacobian of each branch (and of a whole block) of a randomly initialised layer.
+"""
+
+import pytest
+import torch
+
+from dfm.models.common.embeddings import rope_3d_freqs
+from dfm.models.dit.dit_model import packed_seq_params
+from tests.models._helpers import build_random_model, conditioning, make_samples, pack_samples, tiny_config
+
+
+@pytest.fixture(scope="module")
+def setup(dist):
+    cfg = tiny_config("stdit", hidden_size=16, num_attention_heads=2, num_layers=1)
+    model = build_random_model(cfg).double()
+    pack = pack_samples(make_samples(cfg)[:3], segment_multiple=8)
+    pack.context = pack.context.double()
+    c_noise, _ = conditioning(pack.num_samples)
+    hidden = torch.randn(pack.seq_len, 1, cfg.hidden_size, dtype=torch.double)
+    return model, pack, c_noise.double(), hidden
+
+
+def dependency(fn, hidden) -> torch.Tensor:
+    """[S, S] bool: output token i depends on input token j."""
+    jacobian = torch.autograd.functional.jacobian(fn, hidden)  # [S, 1, h, S, 1, h]
+    return jacobian.abs().sum(dim=(1, 2, 4, 5)) > 0
+
+
+def expected(pack, same_group) -> torch.Tensor:
+    """Real tokens of one sample that share the group mix; everything depends on itself."""
+    sample = pack.token_sample_ids()
+    real = pack.loss_mask.bool()
+    allowed = (sample[:, None] == sample[None]) & real[:, None] & real[None] & same_group
+    return allowed | torch.eye(pack.seq_len, dtype=torch.bool)
+
+
+def branches(model, pack, c_noise):
+    layer = model.layers[0]
+    layout = model.self_attention_params(pack)
+    mods = layer.adaln(model.conditioning(c_noise, None), pack.token_sample_ids())
+    rope = rope_3d_freqs(pack.pos_ids, model.config.kv_channels).double()
+
+    def spatial(x):
+        return layer.attend(layer.self_attention, layer.norm1, x, *mods[0:3], rope, layout.spatial)
+
+    def temporal(x):
+        order = (layout.to_temporal, layout.to_token)
+        return layer.attend(layer.temporal_attention, layer.norm_temporal, x, *mods[3:6], rope, layout.temporal, order)
+
+    return spatial, temporal
+
+
+def test_spatial_attention_mixes_only_within_a_frame(setup):
+    model, pack, c_noise, hidden = setup
+    spatial, _ = branches(model, pack, c_noise)
+    t = pack.pos_ids[:, 0]
+    assert torch.equal(dependency(spatial, hidden), expected(pack, t[:, None] == t[None]))
+
+
+def test_temporal_attention_mixes_only_at_one_position(setup):
+    model, pack, c_noise, hidden = setup
+    _, temporal = branches(model, pack, c_noise)
+    hw = pack.pos_ids[:, 1:]
+    assert torch.equal(dependency(temporal, hidden), expected(pack, (hw[:, None] == hw[None]).all(-1)))
+
+
+def test_a_block_mixes_only_within_a_sample(setup):
+    model, pack, c_noise, hidden = setup
+    layer = model.layers[0]
+    cond = model.conditioning(c_noise, None)
+    context = model.text_embedder(pack.context).unsqueeze(1)
+    layout, cross = model.self_attention_params(pack), packed_seq_params(pack, cross=True)
+
+    def block(x):
+        return layer(x, cond, pack.token_sample_ids(), context, None, layout, cross)
+
+    everything = torch.ones(pack.seq_len, pack.seq_len, dtype=torch.bool)
+    assert torch.equal(dependency(block, hidden), expected(pack, everything))
