@@ -22,6 +22,8 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.transformer.utils import sharded_state_dict_default
 
+from dfm.platform.megatron_compat import ensure_adam_state, patch_distrib_optimizer_step_copy, unshare_adam_steps
+
 logger = logging.getLogger("dfm.checkpoint")
 
 LATEST = "latest"
@@ -116,7 +118,9 @@ def full_sharded_state_dict(model, optimizer, loader, is_loading: bool, with_ran
         chunk_state = model_sharded_state_dict(chunk.module)
         state[f"model{index}"] = chunk_state
         model_state.update({f"{index}.{k}": v for k, v in chunk_state.items()})
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+    # Fully reshardable: optimizer state in model space, loadable into any TP/PP/DP layout. The
+    # memory-efficient variant gathers over gloo groups on the host, the same on CPU and GPU.
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True}
     state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)
     if with_rank_state:
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -148,7 +152,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, load
         mark_latest(root, iteration)
         prune_checkpoints(root, keep_last)
     torch.distributed.barrier()
-    logger.info("saved checkpoint %s", target)
+    if rank == 0:
+        logger.info("saved checkpoint %s", target)
     return target
 
 
@@ -172,6 +177,8 @@ def load_checkpoint(path: str, model, optimizer, scheduler, loader) -> int:
         logger.info("no checkpoint under %s: starting from scratch", path)
         return 0
     common = dist_checkpointing.load_common_state_dict(str(directory))
+    ensure_adam_state(optimizer)
+    patch_distrib_optimizer_step_copy()
     same_layout = common.get("layout") == layout()
     same_dp = common.get("layout", {}).get("dp") == layout()["dp"]
     state = full_sharded_state_dict(model, optimizer, loader, is_loading=True, with_rank_state=same_layout)
@@ -182,6 +189,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, loader) -> int:
     for index, chunk in enumerate(model):
         chunk.module.load_state_dict(loaded[f"model{index}"], strict=True)
     optimizer.load_state_dict(loaded["optimizer"])
+    unshare_adam_steps(optimizer)
     scheduler.load_state_dict(loaded["scheduler"])
     if same_layout:
         set_rng_state(loaded["rng"])

@@ -2,31 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-RECIPE_DIR = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recipes" / "dit"
-ENTRY = RECIPE_DIR / "pretrain_dit_model.py"
-TINY = RECIPE_DIR / "conf" / "dit_tiny.yaml"
-
-
-def run_entry(nproc: int, overrides: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    if nproc == 1:
-        cmd = [sys.executable, str(ENTRY)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(ENTRY)]
-    cmd += ["--config-file", str(TINY), "--mock", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=RECIPE_DIR)
-
-
-def read_metrics(log_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+from entry import read_metrics, run_entry
 
 
 def test_misspelt_override_exits_before_training(tmp_path):

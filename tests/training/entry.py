@@ -1,0 +1,38 @@
+"""Run the real pretrain entry point (optionally under torchrun) from tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+RECIPE_DIR = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recipes" / "dit"
+ENTRY = RECIPE_DIR / "pretrain_dit_model.py"
+FAULT_ENTRY = Path(__file__).resolve().parent / "_fault_entry.py"
+TINY = RECIPE_DIR / "conf" / "dit_tiny.yaml"
+
+
+def entry_command(nproc: int, overrides: list[str], entry: Path = ENTRY, config: Path = TINY) -> list[str]:
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return [*launcher, str(entry), "--config-file", str(config), "--mock", *overrides]
+
+
+def entry_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
+
+
+def run_entry(
+    nproc: int, overrides: list[str], entry: Path = ENTRY, env: dict[str, str] | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        entry_command(nproc, overrides, entry), capture_output=True, text=True, timeout=timeout,
+        env=entry_env(env), cwd=RECIPE_DIR,
+    )
+
+
+def read_metrics(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]

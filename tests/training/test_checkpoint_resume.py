@@ -1,0 +1,109 @@
+"""Checkpoints through the real entry point: exact resume, crash during save, resharding, faults."""
+
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from entry import FAULT_ENTRY, RECIPE_DIR, entry_command, entry_env, read_metrics, run_entry
+
+DP2 = ["ddp.use_distributed_optimizer=true", "dataset.mock_samples_per_pack=2"]
+TP2_PP2 = ["model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2"]
+
+
+def train(tmp: Path, name: str, nproc: int, overrides: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, Path]:
+    log_dir = tmp / name
+    result = run_entry(nproc, [*overrides, f"logger.log_dir={log_dir}"], **kwargs)
+    return result, log_dir
+
+
+def losses(log_dir: Path) -> dict[int, float]:
+    return {r["iteration"]: r["loss"] for r in read_metrics(log_dir)}
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def straight_and_resumed(tmp: Path, nproc: int, layout: list[str]) -> tuple[dict, dict]:
+    """10 iterations straight (saving at 5), then 5 more resumed from the iteration-5 checkpoint."""
+    save = tmp / "ckpt"
+    result, straight = train(tmp, "straight", nproc, [*layout, "train.train_iters=10", f"checkpoint.save={save}", "checkpoint.save_interval=5"])
+    assert_ok(result)
+    result, resumed = train(tmp, "resumed", nproc, [*layout, "train.train_iters=10", f"checkpoint.load={save}/iter_0000005"])
+    assert_ok(result)
+    return losses(straight), losses(resumed)
+
+
+@pytest.fixture(scope="module")
+def dp2_runs(tmp_path_factory):
+    return straight_and_resumed(tmp_path_factory.mktemp("dp2"), 2, DP2)
+
+
+def test_exact_resume_dp2(dp2_runs):
+    straight, resumed = dp2_runs
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    assert all(resumed[i] == straight[i] for i in resumed), (straight, resumed)  # bitwise on CPU
+
+
+def test_exact_resume_tp2_pp2(tmp_path):
+    straight, resumed = straight_and_resumed(tmp_path, 4, TP2_PP2)
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    assert all(resumed[i] == straight[i] for i in resumed), (straight, resumed)
+
+
+def test_kill_during_save_keeps_previous_latest(tmp_path, dp2_runs):
+    save = tmp_path / "ckpt"
+    overrides = [*DP2, "train.train_iters=6", f"checkpoint.save={save}", "checkpoint.save_interval=2"]
+    result, _ = train(tmp_path, "crash", 2, overrides, entry=FAULT_ENTRY, env={"DFM_TEST_FAULT": "kill_during_save:1:4"})
+    assert result.returncode != 0
+    assert (save / "latest").read_text().strip() == "2"
+    result, resumed = train(tmp_path, "resumed", 2, [*DP2, "train.train_iters=4", f"checkpoint.load={save}"])
+    assert_ok(result)
+    straight, _ = dp2_runs
+    assert losses(resumed) == {3: straight[3], 4: straight[4]}
+
+
+def test_tp2_checkpoint_loads_into_tp1_pp2(tmp_path):
+    save = tmp_path / "ckpt"
+    result, tp2 = train(tmp_path, "tp2", 2, ["model.tensor_model_parallel_size=2", "train.train_iters=3", f"checkpoint.save={save}", "checkpoint.save_interval=2"])
+    assert_ok(result)
+    result, pp2 = train(tmp_path, "pp2", 2, ["model.pipeline_model_parallel_size=2", "train.train_iters=3", f"checkpoint.load={save}/iter_0000002"])
+    assert_ok(result)
+    assert losses(pp2)[3] == pytest.approx(losses(tp2)[3], rel=1e-5)
+
+
+def test_nonfinite_loss_skips_the_update(tmp_path):
+    env = {"DFM_TEST_FAULT": "nonfinite_loss:3"}
+    result, log_dir = train(tmp_path, "nan", 1, ["train.train_iters=5"], entry=FAULT_ENTRY, env=env)
+    assert_ok(result)
+    records = {r["iteration"]: r for r in read_metrics(log_dir)}
+    assert math.isnan(records[3]["loss"]) and records[3]["grad_norm"] is None
+    assert records[5]["skipped_iterations"] == 1
+    assert math.isfinite(records[4]["loss"]) and math.isfinite(records[5]["loss"])
+
+
+def test_consecutive_nonfinite_steps_stop_the_run(tmp_path):
+    env = {"DFM_TEST_FAULT": "nonfinite_loss:2,3"}
+    result, _ = train(tmp_path, "nan", 1, ["train.train_iters=5", "train.max_consecutive_nonfinite=2"], entry=FAULT_ENTRY, env=env)
+    assert result.returncode != 0
+    assert "2 consecutive iterations with a non-finite loss" in result.stderr
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    save, log_dir = tmp_path / "ckpt", tmp_path / "logs"
+    cmd = entry_command(1, ["train.train_iters=100000", f"checkpoint.save={save}", f"logger.log_dir={log_dir}"])
+    proc = subprocess.Popen(cmd, cwd=RECIPE_DIR, env=entry_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (log_dir / "metrics.jsonl").exists() or len(read_metrics(log_dir)) < 3:
+        assert proc.poll() is None and time.time() < deadline, "training did not start"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-4000:]
+    stopped_at = int((save / "latest").read_text())
+    assert read_metrics(log_dir)[-1]["iteration"] == stopped_at < 100000
