@@ -1,0 +1,109 @@
+"""The benchmark ladders: named lists of configurations, each a recipe plus config overrides.
+
+Token counts below are video tokens per sample after 2x2 spatial patching of the latent:
+an image latent [H, W] gives H*W/4 tokens, a video latent [T, H, W] gives T*H*W/4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TINY_YAML = "examples/megatron/recipes/dit/conf/dit_tiny.yaml"
+
+
+@dataclass
+class Rung:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+    config_file: str | None = None
+    recipe: str | None = None
+    variant: str = "default"  # a named speed experiment applied to dfm only (benchmarks/variants.py)
+    reference: bool = True  # also time the plain-PyTorch reference on the same packs
+
+
+def model(hidden: int, heads: int, layers: int, architecture: str = "dit_cross") -> list[str]:
+    return [
+        f"model.hidden_size={hidden}",
+        f"model.num_attention_heads={heads}",
+        f"model.num_layers={layers}",
+        f"model.architecture={architecture}",
+    ]
+
+
+def data(seq_length: int, images: list, videos: list, image_fraction: float, packs_per_step: int = 1) -> list[str]:
+    """Mock data: each step is ``packs_per_step`` micro-batches, each a pack of <= seq_length tokens."""
+    return [
+        f"dataset.seq_length={seq_length}",
+        f"dataset.mock_image_sizes={images or [[8, 8]]}".replace(" ", ""),
+        f"dataset.mock_video_sizes={videos or [[1, 8, 8]]}".replace(" ", ""),
+        f"dataset.mock_image_fraction={image_fraction}",
+        f"train.global_batch_size={packs_per_step}",
+    ]
+
+
+BF16 = ["mixed_precision.precision=bf16"]
+LATENT = ["model.in_channels=4", "model.text_embed_dim=4096", "dataset.mock_text_len_range=[64,128]"]
+# DiT-XL/2 as in the paper: 28 layers, hidden 1152, 16 heads, 32x32x4 latents (256 tokens).
+XL2 = model(1152, 16, 28, "dit_adaln") + ["model.in_channels=4"]
+
+
+def cpu_ladder() -> list[Rung]:
+    tiny = [
+        Rung("tiny-256-mix", config_file=TINY_YAML),
+        Rung("tiny-256-image", ["dataset.mock_image_fraction=1.0"], config_file=TINY_YAML),
+        Rung("tiny-1k-mix", ["dataset.seq_length=1024"], config_file=TINY_YAML),
+    ]
+    small = model(256, 4, 4) + ["model.in_channels=4", "model.text_embed_dim=64"]
+    return tiny + [
+        Rung("small-4k-video", small + data(4096, [], [[4, 32, 32]], 0.0)),
+        Rung("small-4k-mix", small + data(4096, [[32, 32], [16, 32]], [[4, 32, 32], [2, 32, 32]], 0.5)),
+    ]
+
+
+def gpu_smoke_ladder() -> list[Rung]:
+    """A cheap first GPU call: imports, one small model through every backend."""
+    small = model(512, 8, 4) + LATENT + BF16
+    mix = data(8192, [[32, 32], [64, 64]], [[4, 32, 32]], 0.5)
+    return [
+        Rung("smoke-8k-mix-flex", small + mix + ["model.attention_backend=flex"]),
+        Rung("smoke-8k-mix-sdpa", small + mix + ["model.attention_backend=sdpa"], reference=False),
+        Rung("smoke-8k-mix-nomaskcache", small + mix + ["model.attention_backend=flex"], variant="flex_mask_per_call", reference=False),
+        Rung("smoke-8k-mix-compiled-modulate", small + mix + ["model.attention_backend=flex"], variant="compiled_modulate", reference=False),
+    ]
+
+
+def gpu_ladder() -> list[Rung]:
+    h4096 = LATENT + BF16 + ["model.attention_backend=flex"]
+    # 8k tokens per sample: a 2x128x128 latent video (2 * 64 * 64 tokens).
+    one_8k_video = data(8192, [], [[2, 128, 128]], 0.0, packs_per_step=2)
+    xl2 = XL2 + BF16 + ["model.attention_backend=flex"] + data(16384, [[32, 32]], [], 1.0, packs_per_step=4)
+    cross = model(1152, 16, 28) + LATENT + BF16 + ["model.attention_backend=flex"]
+    fixed_1k = data(16384, [[64, 64]], [], 1.0, packs_per_step=2)  # 16 images of 1k tokens per pack
+    mixed = data(16384, [[32, 32], [64, 64]], [[4, 64, 64], [2, 64, 64]], 0.5, packs_per_step=2)
+    return [
+        Rung("h4096-8k-L8", model(4096, 32, 8) + h4096 + one_8k_video),
+        Rung("h4096-8k-L6", model(4096, 32, 6) + h4096 + one_8k_video),
+        Rung("xl2-256-img", xl2),
+        Rung("cross-1k-img-fixed", cross + fixed_1k),
+        Rung("cross-16k-mix-packed", cross + mixed),
+        Rung("xl2-256-img-nomaskcache", xl2, variant="flex_mask_per_call", reference=False),
+        Rung("xl2-256-img-compiled-modulate", xl2, variant="compiled_modulate", reference=False),
+        Rung("h4096-8k-L6-compiled-modulate", model(4096, 32, 6) + h4096 + one_8k_video, variant="compiled_modulate", reference=False),
+        Rung("h4096-8k-L6-adaln-matmul", model(4096, 32, 6) + h4096 + one_8k_video, variant="adaln_matmul_broadcast", reference=False),
+        Rung("xl2-256-img-adaln-matmul", xl2, variant="adaln_matmul_broadcast", reference=False),
+        Rung("h4096-8k-L6-uniform-sdpa", model(4096, 32, 6) + h4096 + one_8k_video, variant="uniform_segments_sdpa", reference=False),
+        Rung("xl2-256-img-uniform-sdpa", xl2, variant="uniform_segments_sdpa", reference=False),
+        Rung("cross-64k-video", cross + data(65536, [], [[16, 128, 128]], 0.0, packs_per_step=1)),
+        Rung("cross-64k-video-L12", cross + ["model.num_layers=12"] + data(65536, [], [[16, 128, 128]], 0.0, packs_per_step=1)),
+        Rung("xl2-256-img-sdpa", XL2 + BF16 + ["model.attention_backend=sdpa"] + data(16384, [[32, 32]], [], 1.0, 4), reference=False),
+        Rung("cross-16k-mix-sdpa", model(1152, 16, 28) + LATENT + BF16 + ["model.attention_backend=sdpa"] + mixed, reference=False),
+    ]
+
+
+LADDERS = {"cpu": cpu_ladder, "gpu-smoke": gpu_smoke_ladder, "gpu": gpu_ladder}
+
+
+def get_ladder(name: str) -> list[Rung]:
+    if name not in LADDERS:
+        raise SystemExit(f"unknown ladder {name!r}; valid: {sorted(LADDERS)}")
+    return LADDERS[name]()

@@ -1,0 +1,69 @@
+"""Turn timings into the results table: tokens/s/GPU, TFLOP/s/GPU, MFU, memory, ratio."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from benchmarks.timing import Timing
+from dfm.models.dit.flops import dit_training_flops
+
+
+def side_metrics(cfg, timing: Timing, gpus_sharing: int, peak: Optional[float]) -> dict:
+    """Per-GPU figures of one side; ``gpus_sharing`` = GPUs that split these packs (TP x CP x PP)."""
+    flops = dit_training_flops(cfg.model, timing.video_lens, timing.text_lens) / gpus_sharing
+    tflops = flops / timing.elapsed_s / 1e12
+    return {
+        "step_time_s": timing.step_time_s,
+        "tokens_per_sec_per_gpu": sum(timing.video_lens) / gpus_sharing / timing.elapsed_s,
+        "samples_per_sec_per_gpu": len(timing.video_lens) / gpus_sharing / timing.elapsed_s,
+        "tflops_per_gpu": tflops,
+        "mfu": None if peak is None else tflops * 1e12 / peak,
+        "peak_mem_gib": timing.peak_mem_gib,
+    }
+
+
+def ratio(dfm: dict, reference: Optional[dict]) -> Optional[float]:
+    """dfm / reference throughput on the same samples (tokens/s per GPU)."""
+    if not reference or "error" in reference or "error" in dfm:
+        return None
+    return dfm["tokens_per_sec_per_gpu"] / reference["tokens_per_sec_per_gpu"]
+
+
+def _fmt(value, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}" if abs(value) >= 0.01 or value == 0 else f"{value:.2e}"
+    return str(value)
+
+
+COLUMNS = (
+    ("rung", None, "config"),
+    ("variant", None, "variant"),
+    ("tokens/sample", None, "tokens_per_sample"),
+    ("step s", "dfm", "step_time_s", 3),
+    ("tok/s/GPU", "dfm", "tokens_per_sec_per_gpu", 0),
+    ("samples/s/GPU", "dfm", "samples_per_sec_per_gpu", 1),
+    ("TFLOP/s/GPU", "dfm", "tflops_per_gpu", 2),
+    ("MFU", "dfm", "mfu", 3),
+    ("peak GiB", "dfm", "peak_mem_gib", 1),
+    ("ref step s", "reference", "step_time_s", 3),
+    ("ref tok/s/GPU", "reference", "tokens_per_sec_per_gpu", 0),
+    ("ref TFLOP/s", "reference", "tflops_per_gpu", 2),
+    ("ref GiB", "reference", "peak_mem_gib", 1),
+    ("dfm/ref", None, "ratio", 2),
+)
+
+
+def _cell(row: dict, side, key, digits=1) -> str:
+    source = row if side is None else (row.get(side) or {})
+    if "error" in source and side is not None:
+        return source["error"][:24]
+    return _fmt(source.get(key), digits)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    header = "| " + " | ".join(c[0] for c in COLUMNS) + " |"
+    rule = "|" + "|".join(" --- " for _ in COLUMNS) + "|"
+    body = ["| " + " | ".join(_cell(row, *c[1:]) for c in COLUMNS) + " |" for row in rows]
+    return "\n".join([header, rule, *body])

@@ -1,0 +1,136 @@
+"""Mock-data benchmark ladder: dfm against the plain-PyTorch reference, in one process, side by side.
+
+    python -m benchmarks.run_benchmarks --ladder cpu --out outputs/bench
+    torchrun --nproc-per-node 2 -m benchmarks.run_benchmarks --ladder cpu --only tiny-256-mix \\
+        --set model.tensor_model_parallel_size=2
+    python -m benchmarks.run_benchmarks --ladder gpu --out $OUT
+
+Each rung times dfm (the trainer's own model/optimizer/forward-step/schedule) and then the reference
+on the same packs and device, and reports dfm/reference: on a noisy machine both sides see the
+same noise, so the ratio holds where absolute numbers do not. Writes results.json and results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import traceback
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make `benchmarks` and `dfm` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.dfm_runner import time_dfm
+from benchmarks.ladders import Rung, get_ladder
+from benchmarks.reference_runner import time_reference
+from benchmarks.report import markdown_table, ratio, side_metrics
+from benchmarks.variants import apply_variant
+from dfm.config.loader import build_config
+from dfm.platform.distributed import destroy_distributed, initialize_distributed
+from dfm.training.throughput import device_peak_flops
+
+REPO = Path(__file__).resolve().parents[1]
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ladder", default="cpu", help="cpu | gpu-smoke | gpu (benchmarks/ladders.py)")
+    parser.add_argument("--only", default="", help="comma-separated rung names to run (default: all)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation, allocator warm-up)")
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per side")
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides for every rung (e.g. the layout)")
+    parser.add_argument("--no-reference", action="store_true", help="time dfm only")
+    parser.add_argument("--out", default="outputs/benchmarks", help="folder for results.json / results.md")
+    return parser.parse_args(argv)
+
+
+def rung_config(rung: Rung, extra: list[str]):
+    config_file = str(REPO / rung.config_file) if rung.config_file else None
+    return build_config(rung.recipe, config_file, [*rung.overrides, *extra])
+
+
+def model_parallel_size(cfg) -> int:
+    m = cfg.model
+    return m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+
+
+def timed_side(label: str, timer, cfg, device, args, gpus_sharing: int, peak) -> dict:
+    """Run one side; a failure (out of memory, say) becomes the row's entry, not the ladder's end."""
+    try:
+        return side_metrics(cfg, timer(cfg, device, args.warmup, args.steps), gpus_sharing, peak)
+    except Exception as error:  # noqa: BLE001 - reported in the table, traceback on stderr
+        traceback.print_exc()
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_rung(rung: Rung, args, device, peak) -> dict:
+    cfg = rung_config(rung, args.set)
+    row = {"config": rung.name, "variant": rung.variant, "overrides": rung.overrides + args.set}
+    with apply_variant(rung.variant):
+        row["dfm"] = timed_side("dfm", time_dfm, cfg, device, args, model_parallel_size(cfg), peak)
+    if rung.reference and not args.no_reference:
+        # Every process runs its own copy on its own packs: a single-device reference, per GPU.
+        row["reference"] = timed_side("reference", time_reference, rung_config(rung, args.set), device, args, 1, peak)
+    row["ratio"] = ratio(row["dfm"], row.get("reference"))
+    tokens = row["dfm"].get("tokens_per_sec_per_gpu"), row["dfm"].get("samples_per_sec_per_gpu")
+    row["tokens_per_sample"] = round(tokens[0] / tokens[1]) if None not in tokens else None
+    return row
+
+
+def environment(device, argv) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": name,
+        "world_size": torch.distributed.get_world_size(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_threads": torch.get_num_threads(),
+        "command": " ".join(["python -m benchmarks.run_benchmarks", *argv]),
+    }
+
+
+def write_results(out: Path, env: dict, rows: list[dict]) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2))
+    header = f"{env['date']} | {env['device']} x{env['world_size']} | torch {env['torch']}\n`{env['command']}`\n\n"
+    table = header + markdown_table(rows) + "\n"
+    (out / "results.md").write_text(table)
+    return table
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    rungs = get_ladder(args.ladder)
+    if args.only:
+        wanted = args.only.split(",")
+        rungs = [r for r in rungs if r.name in wanted]
+    # One process-group setup for the whole ladder: every rung shares the layout given in --set.
+    layout = rung_config(rungs[0], args.set).model
+    device = initialize_distributed(*(getattr(layout, k) for k in LAYOUT_KEYS[:2]), None, layout.context_parallel_size)
+    torch._dynamo.config.cache_size_limit = 64  # many shapes across rungs: keep compiled kernels
+    try:
+        peak, env, rows = device_peak_flops(device), environment(device, argv), []
+        for rung in rungs:
+            rows.append(run_rung(rung, args, device, peak))
+            if torch.distributed.get_rank() == 0:  # written after every rung: a cut-off run keeps its rows
+                print(json.dumps(rows[-1]), flush=True)
+                table = write_results(Path(args.out), env, rows)
+        if torch.distributed.get_rank() == 0:
+            print(table)
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
