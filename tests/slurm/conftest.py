@@ -1,0 +1,177 @@
+"""A real one-node Slurm cluster on localhost (Debian's slurm-wlm + munge), started once per session.
+
+Everything (munge key and socket, slurm.conf, state, logs, pid files) lives in one temporary directory;
+the daemons run as root on free ports, without cgroups (proctrack/linuxproc, task/none), and are stopped
+at the end. The packages are installed with apt-get when missing; no root or no apt: the tests skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+PACKAGES = ("slurm-wlm", "munge")
+
+
+@dataclass
+class SlurmCluster:
+    root: Path
+    env: dict[str, str]
+
+    def run(self, *cmd: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+        kwargs.setdefault("env", self.env)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+    def job_field(self, job_id: str, name: str) -> str:
+        """A field of `scontrol show job` (JobState, Restarts, ...); jobs stay listed MinJobAge (300 s) after ending."""
+        out = self.run("scontrol", "-o", "show", "job", job_id).stdout
+        return dict(f.split("=", 1) for f in out.split() if "=" in f).get(name, "")
+
+    def logs(self) -> str:
+        return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.root / "log").glob("*.log")))
+
+
+def _install_packages() -> str | None:
+    """None when the daemons are there (installing them if needed), else why not."""
+    if all(shutil.which(d) for d in DAEMONS) and shutil.which("sbatch"):
+        return None
+    if os.geteuid() != 0:
+        return "Slurm is not installed and installing it needs root"
+    if not shutil.which("apt-get"):
+        return "Slurm is not installed and there is no apt-get"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
+    result = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:  # stale package lists: refresh once
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        return f"apt-get install {' '.join(PACKAGES)} failed: {result.stderr.strip()[-500:]}"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slurm_conf(root: Path, host: str, cpus: int) -> str:
+    return f"""\
+ClusterName=dfmtest
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={root}/munge.socket,cred_expire=5
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+MpiDefault=none
+KillWait=10
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def _stop(root: Path) -> None:
+    for name in reversed(DAEMONS):
+        pid_file = root / f"{name}.pid"
+        try:
+            pid = int(pid_file.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, signal.SIGTERM)
+            for _ in range(50):
+                os.kill(pid, 0)
+                time.sleep(0.1)
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    if sys.platform != "linux":
+        pytest.skip("Slurm tests need Linux")
+    if os.geteuid() != 0:
+        pytest.skip("starting slurmctld/slurmd/munged here needs root")
+    reason = _install_packages()
+    if reason:
+        pytest.skip(reason)
+
+    root = Path(tempfile.mkdtemp(prefix="dfm-slurm-"))
+    root.chmod(0o755)
+    for sub in ("state", "spool", "log"):
+        (root / sub).mkdir()
+    host = socket.gethostname().split(".")[0]
+    conf = root / "slurm.conf"
+    conf.write_text(_slurm_conf(root, host, max(2, os.cpu_count() or 1)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+    env["SLURM_CONF"] = str(conf)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}:/usr/sbin:/sbin"
+    try:
+        socket.gethostbyname(host)  # the launcher's rendezvous address is the first node's name
+    except OSError:
+        env["MASTER_ADDR"] = "127.0.0.1"
+    cluster = SlurmCluster(root, env)
+
+    starts = [
+        ["mungekey", "--create", f"--keyfile={root}/munge.key"],
+        ["munged", "--force", f"--socket={root}/munge.socket", f"--key-file={root}/munge.key",
+         f"--log-file={root}/log/munged.log", f"--pid-file={root}/munged.pid", f"--seed-file={root}/munged.seed"],
+        ["slurmctld", "-i"],
+        ["slurmd", "-N", host],
+    ]
+    try:
+        for cmd in starts:
+            result = cluster.run(*cmd, timeout=30)
+            if result.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} exited {result.returncode}: {result.stderr.strip()}")
+        deadline = time.monotonic() + 30
+        while cluster.run("sinfo", "-h", "-o", "%t").stdout.strip() != "idle":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node not idle after 30 s: {cluster.run('sinfo').stdout}")
+            time.sleep(0.5)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
+        logs = cluster.logs()
+        _stop(root)
+        shutil.rmtree(root, ignore_errors=True)
+        pytest.skip(f"could not start Slurm: {error}\n{logs}")
+
+    yield cluster
+
+    cluster.run("scancel", "--user=root", timeout=30)
+    deadline = time.monotonic() + 30
+    while cluster.run("squeue", "-h").stdout.strip() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    _stop(root)
+    shutil.rmtree(root, ignore_errors=True)
