@@ -33,7 +33,7 @@ class RecordingIterator:
 
     def __init__(self, loader):
         self.loader = loader
-        self.packs: list[tuple[list[int], list[int]]] = []
+        self.packs: list[tuple[list[int], list[int], list[int]]] = []  # video lens, text lens, latent frames
 
     def __iter__(self):
         return self
@@ -44,11 +44,12 @@ class RecordingIterator:
             (
                 (batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).tolist(),
                 (batch.cu_seqlens_kv[1:] - batch.cu_seqlens_kv[:-1]).tolist(),
+                batch.latent_shape[:, 1].tolist(),
             )
         )
         return batch
 
-    def take(self) -> list[tuple[list[int], list[int]]]:
+    def take(self) -> list[tuple[list[int], list[int], list[int]]]:
         packs, self.packs = self.packs, []
         return packs
 
@@ -223,11 +224,12 @@ class TrainLoop:
         """One metrics.jsonl line. Packs were seen by this rank; scaled to the work per GPU."""
         dp = parallel_state.get_data_parallel_world_size()
         world = torch.distributed.get_world_size()
-        video_lens = [n for q, _ in window.packs for n in q]
-        text_lens = [n for _, kv in window.packs for n in kv]
+        video_lens = [n for q, _, _ in window.packs for n in q]
+        text_lens = [n for _, kv, _ in window.packs for n in kv]
+        frames = [t // self.cfg.model.patch_temporal for _, _, ts in window.packs for t in ts]
         # Every model-parallel rank of a replica sees the same packs; the replica's work is split over them.
         tokens_per_gpu = sum(video_lens) * dp / world
-        tflops = dit_training_flops(self.cfg.model, video_lens, text_lens) * dp / world / elapsed / 1e12
+        tflops = dit_training_flops(self.cfg.model, video_lens, text_lens, frames) * dp / world / elapsed / 1e12
         norm = float(grad_norm) if grad_norm is not None else None
         return {
             "iteration": iteration,
