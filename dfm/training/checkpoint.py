@@ -64,7 +64,10 @@ def model_sharded_state_dict(chunk) -> dict[str, Any]:
                 for key, value in layer.sharded_state_dict(prefix=global_prefix).items():
                     state[f"layers.{local}." + key[len(global_prefix):]] = value
             continue
-        part = sharded_state_dict_default(child, prefix=f"{name}.")
+        # tp_group given explicitly: megatron 0.16.1 otherwise marks every TP rank a main replica.
+        part = sharded_state_dict_default(
+            child, prefix=f"{name}.", tp_group=parallel_state.get_tensor_model_parallel_group()
+        )
         if any(getattr(p, "pipeline_parallel", False) for p in child.parameters()):
             _bump_replica_for_stage(part)
         state.update(part)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recipes" / "dit"
@@ -28,10 +30,28 @@ def entry_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def run_entry(
     nproc: int, overrides: list[str], entry: Path = ENTRY, env: dict[str, str] | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        entry_command(nproc, overrides, entry), capture_output=True, text=True, timeout=timeout,
-        env=entry_env(env), cwd=RECIPE_DIR,
-    )
+    """Run to exit. Output goes through files, not pipes: a rank killed mid-save orphans
+    dist_checkpointing's helper processes, which would hold a pipe open forever; the whole
+    process group is killed afterwards for the same reason."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            entry_command(nproc, overrides, entry), stdout=out, stderr=err, text=True,
+            env=entry_env(env), cwd=RECIPE_DIR, start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            kill_group(proc.pid)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def read_metrics(log_dir: Path) -> list[dict]:

@@ -1,0 +1,72 @@
+"""Load a trained DiT for generation: config from the checkpoint, model weights only, one process.
+
+Training saves model, optimizer, RNG and data position; generation needs only the model part.
+dist_checkpointing stores global tensor names, so a TP=2 / PP=2 checkpoint reshards into the
+single-process (TP=1, PP=1) model built here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+from megatron.core import dist_checkpointing
+
+from dfm.config.container import ConfigContainer
+from dfm.config.loader import apply_mapping, build_config
+from dfm.models.build import build_model_chunk
+from dfm.training.checkpoint import model_sharded_state_dict, resolve_load_dir
+
+logger = logging.getLogger("dfm.inference")
+
+SINGLE_PROCESS_LAYOUT = dict(
+    tensor_model_parallel_size=1,
+    pipeline_model_parallel_size=1,
+    virtual_pipeline_model_parallel_size=None,
+    context_parallel_size=1,
+    sequence_parallel=False,
+    expert_model_parallel_size=1,
+    recompute_granularity=None,  # no backward pass, nothing to recompute
+)
+
+
+def checkpoint_directory(path: str | Path) -> Path:
+    """A checkpoint directory itself, or the one ``<root>/latest`` names."""
+    directory = resolve_load_dir(path)
+    if directory is None:
+        raise FileNotFoundError(f"no checkpoint at {path}: expected an iter_N directory or a root with 'latest'")
+    return directory
+
+
+def checkpoint_config(directory: Path) -> ConfigContainer:
+    """The training config saved in the checkpoint's common state (else the root's config.yaml)."""
+    common = dist_checkpointing.load_common_state_dict(str(directory))
+    if isinstance(common, dict) and common.get("config"):
+        cfg = ConfigContainer()
+        apply_mapping(cfg, common["config"])
+        return cfg
+    yaml_file = directory.parent / "config.yaml"
+    if yaml_file.is_file():
+        return build_config(None, str(yaml_file))
+    raise FileNotFoundError(f"{directory} holds no 'config' in its common state and {yaml_file} does not exist")
+
+
+def single_process_config(cfg: ConfigContainer) -> ConfigContainer:
+    """A copy of ``cfg`` whose model runs unsharded in one process (TP = PP = CP = EP = 1)."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **SINGLE_PROCESS_LAYOUT))
+
+
+def load_model(cfg: ConfigContainer, directory: Path, device: torch.device) -> torch.nn.Module:
+    """Build the (TP=1, PP=1) model of ``cfg`` and fill it with the checkpoint's weights; eval mode.
+
+    Needs megatron's parallel state initialised (``initialize_distributed()``).
+    """
+    model, tconfig = build_model_chunk(cfg.model, cfg.mixed_precision.precision, cfg.rng.seed)
+    model = model.to(device=device, dtype=tconfig.params_dtype)
+    # Only the model part is requested: optimizer, RNG and data states stay on disk.
+    loaded = dist_checkpointing.load({"model0": model_sharded_state_dict(model)}, str(directory))
+    model.load_state_dict(loaded["model0"], strict=True)
+    logger.info("loaded model weights from %s", directory)
+    return model.eval().requires_grad_(False)

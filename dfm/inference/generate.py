@@ -1,0 +1,102 @@
+"""Text-to-video / image generation from a dfm DiT checkpoint (single process).
+
+    python inference_dit_model.py --checkpoint_path CKPT --prompt "..." [--num_video_frames 17] \
+        [--height 256 --width 256] [--num_steps 35 --guidance_scale 7 --sampler heun] [--video_save_path out.mp4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from dfm.data.prepare.pipeline import DEFAULT_T5, DEFAULT_VAE
+from dfm.diffusion.pipeline import build_pipeline
+from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
+from dfm.inference.encoders import EncoderSources, check_encoders_match, load_encoders, tiny_random_encoders
+from dfm.inference.generation_batch import draw_noise, generation_batch, latent_shape_for
+from dfm.inference.media import check_output_path, to_uint8_frames, write_media
+from dfm.inference.sampling import sample_latent
+
+logger = logging.getLogger("dfm.inference")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint_path", required=True, help="an iter_N checkpoint directory or a root with 'latest'")
+    p.add_argument("--prompt", default="a red panda eating bamboo in a misty forest")
+    p.add_argument("--height", type=int, default=256, help="pixels; a multiple of VAE compression x patch size")
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--num_video_frames", type=int, default=1, help="1: an image; else 1 + 4k for the Wan VAE")
+    p.add_argument("--fps", type=int, default=16)
+    p.add_argument("--num_steps", type=int, default=35)
+    p.add_argument("--guidance_scale", type=float, default=7.0, help="classifier-free guidance; 1 disables it")
+    p.add_argument("--sampler", default=None, help="edm: heun|euler; flow: euler|heun (default: the pipeline's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--video_save_path", default=None, help="default: outputs/dit_sample.mp4 (or .png for 1 frame)")
+    p.add_argument("--t5", default=DEFAULT_T5, help="T5 hub name or local folder")
+    p.add_argument("--t5_cache_dir")
+    p.add_argument("--vae", default=DEFAULT_VAE, help="VAE hub name or local folder")
+    p.add_argument("--vae_subfolder", default="vae", help="'' for a folder that is the VAE itself")
+    p.add_argument("--vae_kind", choices=["auto", "wan", "kl"], default="auto")
+    p.add_argument("--vae_cache_dir")
+    p.add_argument("--tiny_random_encoders", action="store_true", help="tiny random T5 + VAE shaped to the checkpoint (tests)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.video_save_path is None:
+        args.video_save_path = "outputs/dit_sample" + (".mp4" if args.num_video_frames > 1 else ".png")
+    check_output_path(args.video_save_path, args.num_video_frames)  # fail before loading anything
+    return args
+
+
+def encoders_for(args: argparse.Namespace, model_cfg, device: torch.device, scratch: Path):
+    if args.tiny_random_encoders:
+        return tiny_random_encoders(model_cfg, scratch / "tiny_encoders", model_cfg.max_text_len, device, args.seed)
+    sources = EncoderSources(
+        t5=args.t5, t5_cache_dir=args.t5_cache_dir, vae=args.vae, vae_subfolder=args.vae_subfolder or None,
+        vae_kind=args.vae_kind, vae_cache_dir=args.vae_cache_dir,
+    )
+    return load_encoders(sources, model_cfg.max_text_len, device)
+
+
+def generate(args: argparse.Namespace, device: torch.device) -> Path:
+    """Checkpoint + prompt -> written file. Needs ``initialize_distributed()`` done (TP = PP = 1)."""
+    directory = checkpoint_directory(args.checkpoint_path)
+    cfg = single_process_config(checkpoint_config(directory))
+    model = load_model(cfg, directory, device)
+    with tempfile.TemporaryDirectory(prefix="dfm_inference_") as scratch:
+        encoders = encoders_for(args, cfg.model, device, Path(scratch))
+    check_encoders_match(encoders, cfg.model)
+    shape = latent_shape_for(encoders.vae, cfg.model, args.height, args.width, args.num_video_frames)
+    text = encoders.text.encode([args.prompt])[0]
+    batch = generation_batch(draw_noise(shape, args.seed), text, cfg.model).to(device)
+    logger.info("sampling a latent of shape %s (%d tokens)", shape, batch.seq_len)
+    latent = sample_latent(
+        model, build_pipeline(cfg.model.pipeline), cfg.model.pipeline, batch, cfg.model,
+        args.num_steps, args.guidance_scale, args.sampler, args.seed,
+    )
+    video = encoders.vae.decode(latent.unsqueeze(0))[0]  # [3, T, H, W] in [-1, 1]
+    path = write_media(to_uint8_frames(video), args.video_save_path, args.fps)
+    logger.info("wrote %s", path)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    from dfm.platform.distributed import destroy_distributed, initialize_distributed
+
+    # One process at TP = PP = 1: dist_checkpointing reshards any training layout into it.
+    device = initialize_distributed(seed=args.seed)
+    try:
+        return generate(args, device)
+    finally:
+        destroy_distributed()

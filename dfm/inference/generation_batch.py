@@ -1,0 +1,48 @@
+"""The packed batch a generation runs on: one sample whose latents are the starting noise.
+
+Same contract as training (dfm/data/packed_batch.py), so the model sees nothing new:
+latents [S, pt*ph*pw*C] patchified noise, context [L, D_text] the prompt's T5 embedding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dfm.data.packed_batch import PackedBatch
+from dfm.data.packing import pack_samples
+from dfm.data.sample import DiffusionSample
+from dfm.models.common.patchify import check_patchable, patchify
+
+
+def latent_shape_for(vae, model_cfg, height: int, width: int, num_frames: int) -> tuple[int, int, int, int]:
+    """(C, T', H', W') of the latent that decodes to ``num_frames`` x ``height`` x ``width`` pixels."""
+    step = vae.spatial_compression * model_cfg.patch_spatial
+    if height % step or width % step:
+        raise ValueError(
+            f"--height {height} and --width {width} must be multiples of {step} "
+            f"(VAE spatial compression {vae.spatial_compression} x patch size {model_cfg.patch_spatial})"
+        )
+    if not vae.valid_num_frames(num_frames):
+        raise ValueError(f"--num_video_frames must be 1 + {vae.temporal_compression}k for this VAE, got {num_frames}")
+    shape = (model_cfg.in_channels, vae.latent_frames(num_frames), height // vae.spatial_compression, width // vae.spatial_compression)
+    check_patchable(shape, model_cfg.patch_temporal, model_cfg.patch_spatial)
+    return shape
+
+
+def draw_noise(latent_shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Standard-normal latent [C, T', H', W'] from a CPU generator: the same seed gives the same noise on any device."""
+    return torch.randn(latent_shape, generator=torch.Generator().manual_seed(seed))
+
+
+def generation_batch(noise: torch.Tensor, text: torch.Tensor, model_cfg) -> PackedBatch:
+    """noise [C, T', H', W'], text [L, D_text] -> a one-sample PackedBatch (latents = patchified noise)."""
+    tokens, pos_ids = patchify(noise, model_cfg.patch_temporal, model_cfg.patch_spatial)
+    sample = DiffusionSample(tokens=tokens, pos_ids=pos_ids, text=text, latent_shape=tuple(noise.shape), sample_index=0)
+    return pack_samples([sample])
+
+
+def null_text_batch(batch: PackedBatch) -> PackedBatch:
+    """The unconditional twin for classifier-free guidance: text zeroed, as cfg dropout does in training."""
+    return dataclasses.replace(batch, context=torch.zeros_like(batch.context))
