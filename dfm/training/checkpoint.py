@@ -113,7 +113,9 @@ def layout() -> dict[str, int]:
     }
 
 
-def full_sharded_state_dict(model, optimizer, loader, is_loading: bool, with_rank_state: bool = True) -> dict[str, Any]:
+def full_sharded_state_dict(
+    model, optimizer, loader, is_loading: bool, with_rng: bool = True, with_data: bool = True
+) -> dict[str, Any]:
     """Everything sharded: model chunks, optimizer, per-rank RNG and per-DP-rank data position."""
     state: dict[str, Any] = {}
     model_state: dict[str, Any] = {}
@@ -125,9 +127,10 @@ def full_sharded_state_dict(model, optimizer, loader, is_loading: bool, with_ran
     # memory-efficient variant gathers over gloo groups on the host, the same on CPU and GPU.
     metadata = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True}
     state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)
-    if with_rank_state:
+    if with_rng:  # per rank: only meaningful in the same layout
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         state["rng"] = _rank_object("rng_state", rng_state(), rank, world)
+    if with_data:  # per data-parallel rank: needs the same DP size
         dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         replica = (
             parallel_state.get_pipeline_model_parallel_rank(),
@@ -184,10 +187,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, loader) -> int:
     patch_distrib_optimizer_step_copy()
     same_layout = common.get("layout") == layout()
     same_dp = common.get("layout", {}).get("dp") == layout()["dp"]
-    state = full_sharded_state_dict(model, optimizer, loader, is_loading=True, with_rank_state=same_layout)
-    if same_dp and not same_layout:
-        dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-        state["data"] = _rank_object("data_loader_state", loader.state_dict(), dp_rank, dp, (0, 0, 0))
+    state = full_sharded_state_dict(model, optimizer, loader, is_loading=True, with_rng=same_layout, with_data=same_dp)
     loaded = dist_checkpointing.load(state, str(directory))
     for index, chunk in enumerate(model):
         chunk.module.load_state_dict(loaded[f"model{index}"], strict=True)
