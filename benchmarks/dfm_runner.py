@@ -44,7 +44,7 @@ def time_dfm(cfg, device: torch.device, warmup: int, steps: int, profiler=None) 
     return Timing(
         elapsed_s=elapsed,
         steps=steps,
-        video_lens=[n for q, _ in packs for n in q],
-        text_lens=[n for _, kv in packs for n in kv],
+        video_lens=[n for q, *_ in packs for n in q],
+        text_lens=[n for _, kv, *_ in packs for n in kv],
         peak_mem_gib=peak_memory_gib(device),
     )

@@ -42,6 +42,7 @@ def initialize_distributed(
             rank=rank,
             world_size=world_size,
             timeout=timedelta(minutes=timeout_minutes),
+            init_method=_init_method(),
         )
     from megatron.core import parallel_state
 
@@ -126,12 +127,18 @@ def destroy_distributed() -> None:
 
 def _rank_and_world_size() -> tuple:
     """Rank and world size from torchrun; defaults make a lone process a world of one."""
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()) if world_size == 1 else "29500")
-    return rank, world_size
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _init_method() -> str:
+    """torchrun's env:// rendezvous, or a private free port for a lone process.
+
+    A lone process must not export MASTER_PORT: child processes (tests, launchers) would
+    inherit it and collide with the store this process still holds.
+    """
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return "env://"
+    return f"tcp://127.0.0.1:{_free_port()}"
 
 
 def _free_port() -> int:

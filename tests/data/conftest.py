@@ -5,19 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from synthetic_data import synthetic_settings
 
-from dfm.data.mock import MockDataSettings
 from dfm.data.prepare.example_dataset import ExampleDataset, build_example_dataset
 from dfm.data.prepare.synthetic import write_synthetic_dataset
 
 SYNTHETIC_SAMPLES = 96
-
-
-def synthetic_settings(seed: int = 7) -> MockDataSettings:
-    return MockDataSettings(
-        seed=seed, image_sizes=[(8, 8), (8, 12), (12, 8)], video_sizes=[(3, 8, 8), (2, 8, 12)],
-        text_len_range=(4, 24), in_channels=4, text_embed_dim=16,
-    )
 
 
 @pytest.fixture(scope="session")

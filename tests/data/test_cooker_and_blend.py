@@ -71,7 +71,7 @@ def test_blend_metadataset_mixes_datasets_by_weight(tmp_path, synthetic_dataset,
 
 
 def test_val_loader_is_one_finite_pass_over_the_val_split(tmp_path):
-    from conftest import synthetic_settings
+    from synthetic_data import synthetic_settings
 
     path = write_synthetic_dataset(tmp_path / "split", 24, synthetic_settings(), shard_maxcount=4, split_ratio="0.5,0.5,0")
     val_keys = [m["key"] for batch in build_val_loader(small_settings(path), 0, 1) for m in sample_metadata(batch)]

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from dfm.data.prepare.example_dataset import build_example_dataset
-
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recipes" / "dit"
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return build_example_dataset(tmp_path_factory.mktemp("example"))
+@pytest.fixture
+def dataset(example_dataset):
+    """The session's example dataset (tests/data/conftest.py)."""
+    return example_dataset
 
 
 def train(dataset_dir: Path, log_dir: Path, overrides: list[str]) -> dict[int, float]:
