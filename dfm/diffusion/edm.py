@@ -88,19 +88,8 @@ class EDMPipeline(DiffusionPipeline):
 
     # --- training pieces -------------------------------------------------------------------------
 
-    def draw_training_noise(
-        self,
-        num_samples: int,
-        shape: Shape,
-        generator: torch.Generator | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (noise [S, *] ~ N(0, I), sigma [N] fp32)."""
-        sigma = self.draw_sigma(num_samples, generator)
-        gen_device = generator.device if generator is not None else None
-        noise = torch.randn(tuple(shape), generator=generator, device=gen_device, dtype=dtype)
-        return noise.to(device or noise.device), sigma.to(device or sigma.device)
+    def draw_level(self, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        return self.draw_sigma(num_samples, generator)
 
     def noisy(
         self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor, sample_ids: torch.Tensor

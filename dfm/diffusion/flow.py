@@ -108,19 +108,8 @@ class FlowPipeline(DiffusionPipeline):
 
     # --- training pieces -------------------------------------------------------------------------
 
-    def draw_training_noise(
-        self,
-        num_samples: int,
-        shape: Shape,
-        generator: torch.Generator | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (noise [S, *] ~ N(0, I), t [N] fp32)."""
-        t = self.draw_t(num_samples, generator)
-        gen_device = generator.device if generator is not None else None
-        noise = torch.randn(tuple(shape), generator=generator, device=gen_device, dtype=dtype)
-        return noise.to(device or noise.device), t.to(device or t.device)
+    def draw_level(self, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        return self.draw_t(num_samples, generator)
 
     def model_input(
         self, x0: torch.Tensor, noise: torch.Tensor, level: torch.Tensor, sample_ids: torch.Tensor

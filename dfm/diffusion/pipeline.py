@@ -32,6 +32,9 @@ class DiffusionPipeline(ABC):
     """Noising, preconditioning, loss and sampling of one diffusion formulation."""
 
     @abstractmethod
+    def draw_level(self, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """[N] fp32 training noise levels (sigma for EDM, t for flow)."""
+
     def draw_training_noise(
         self,
         num_samples: int,
@@ -40,7 +43,11 @@ class DiffusionPipeline(ABC):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (noise [S, *] standard normal of ``shape``, level [N])."""
+        """-> (noise [S, *] standard normal of ``shape``, level [N]); level first, then noise."""
+        level = self.draw_level(num_samples, generator)
+        gen_device = generator.device if generator is not None else None
+        noise = torch.randn(tuple(shape), generator=generator, device=gen_device, dtype=dtype)
+        return noise.to(device or noise.device), level.to(device or level.device)
 
     @abstractmethod
     def model_input(
