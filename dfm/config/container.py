@@ -73,7 +73,8 @@ class TrainConfig:
     micro_batch_size: int = 1
     global_batch_size: Optional[int] = None  # None: the trainer sets micro_batch_size * dp
     eval_interval: Optional[int] = None
-    eval_iters: int = 2
+    eval_iters: int = 2  # validation packs per evaluation (per DP rank)
+    eval_sampling_steps: int = 10  # sampler steps of the validation generation
     max_consecutive_nonfinite: int = 5
     exit_signal_handler: bool = True
     collective_timeout_minutes: int = 30  # a stuck collective fails after this, naming the rank

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.core import parallel_state
 
 from dfm.config.container import ConfigContainer
@@ -40,8 +42,8 @@ def build_mock_loader(cfg: ConfigContainer) -> MockPackedLoader:
     )
 
 
-def build_energon_loader(cfg: ConfigContainer):
-    from dfm.data.energon.data_module import EnergonDataSettings, build_train_loader
+def energon_settings(cfg: ConfigContainer):
+    from dfm.data.energon.data_module import EnergonDataSettings
     from dfm.data.energon.task_encoder import PackingSettings
 
     d, m = cfg.dataset, cfg.model
@@ -56,15 +58,34 @@ def build_energon_loader(cfg: ConfigContainer):
         segment_multiple=segment,
         total_multiple=total,
     )
-    settings = EnergonDataSettings(
+    return EnergonDataSettings(
         path=d.path,
         packing=packing,
         packing_buffer_size=d.packing_buffer_size or 1,
         num_workers=d.num_workers,
         seed=cfg.rng.seed,
+        val_limit=cfg.train.eval_iters,
     )
-    return build_train_loader(settings, *data_parallel_info())
 
 
 def build_train_loader(cfg: ConfigContainer, mock: bool):
-    return build_mock_loader(cfg) if mock else build_energon_loader(cfg)
+    if mock:
+        return build_mock_loader(cfg)
+    from dfm.data.energon.data_module import build_train_loader as energon_train_loader
+
+    return energon_train_loader(energon_settings(cfg), *data_parallel_info())
+
+
+# Mock validation samples come from their own seed, so they never overlap the training stream.
+MOCK_VALIDATION_SEED_OFFSET = 1_000_003
+
+
+def build_val_iterator(cfg: ConfigContainer, mock: bool):
+    """A fresh iterator over the validation packs: the same packs at every evaluation."""
+    if mock:
+        loader = build_mock_loader(cfg)
+        loader.settings = dataclasses.replace(loader.settings, seed=cfg.rng.seed + MOCK_VALIDATION_SEED_OFFSET)
+        return loader
+    from dfm.data.energon.data_module import build_val_loader
+
+    return iter(build_val_loader(energon_settings(cfg), *data_parallel_info()))

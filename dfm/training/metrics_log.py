@@ -44,6 +44,16 @@ class MetricsLog:
                     self.tb.add_scalar(f"train/{key}", value, record["iteration"])
         logger.info(self.console_line(record))
 
+    def write_validation(self, record: dict[str, Any]) -> None:
+        """One line of <log_dir>/validation.jsonl (val loss, where the generated sample went)."""
+        if not self.enabled:
+            return
+        with self.path.with_name("validation.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            self.tb.add_scalar("validation/loss", record["val_loss"], record["iteration"])
+        logger.info("validation at iter %d | val loss %s | sample %s", record["iteration"], _fmt(record["val_loss"]), record["generation"])
+
     @staticmethod
     def console_line(r: dict[str, Any]) -> str:
         return (

@@ -18,12 +18,13 @@ from dfm.diffusion.pipeline import build_pipeline
 from dfm.models.dit.flops import dit_training_flops
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.training.checkpoint import load_checkpoint, save_checkpoint
-from dfm.training.data import build_train_loader
+from dfm.training.data import build_train_loader, build_val_iterator
 from dfm.training.faults import NonFiniteGuard, PreemptionSignal, grads_are_finite
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.metrics_log import MetricsLog
 from dfm.training.setup import build_model, build_optimizer, num_microbatches
 from dfm.training.throughput import device_peak_flops, mfu
+from dfm.training.validation import generate_validation_sample, validation_loss
 
 logger = logging.getLogger("dfm.train")
 
@@ -58,6 +59,22 @@ class RecordingIterator:
 
     def load_state_dict(self, state) -> None:
         self.loader.load_state_dict(state)
+
+
+class FirstBatch:
+    """Iterator wrapper that keeps the first batch (the validation generation's prompt)."""
+
+    def __init__(self, iterator):
+        self.iterator, self.first = iterator, None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.iterator)
+        if self.first is None:
+            self.first = batch
+        return batch
 
 
 @dataclass
@@ -161,14 +178,16 @@ def run(cfg: ConfigContainer, mock: bool, device: torch.device) -> None:
     if cfg.checkpoint.load:
         start = load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, data_iter)
     forward_step = DiffusionForwardStep(build_pipeline(cfg.model.pipeline), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
-    loop = TrainLoop(cfg, model, optimizer, scheduler, data_iter, forward_step, device)
+    loop = TrainLoop(cfg, model, optimizer, scheduler, data_iter, forward_step, device, mock)
     loop.run(start)
 
 
 class TrainLoop:
-    def __init__(self, cfg, model, optimizer, scheduler, data_iter, forward_step, device):
+    def __init__(self, cfg, model, optimizer, scheduler, data_iter, forward_step, device, mock: bool):
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
-        self.data_iter, self.forward_step, self.device = data_iter, forward_step, device
+        self.data_iter, self.forward_step, self.device, self.mock = data_iter, forward_step, device, mock
+        # Validation: no text dropout, noise fixed (iteration 0) so evaluations are comparable.
+        self.val_forward_step = DiffusionForwardStep(forward_step.pipeline, cfg.rng.seed, 0.0, device)
         self.n_micro = num_microbatches(cfg)
         self.peak = device_peak_flops(device)
         self.metrics = MetricsLog(
@@ -198,12 +217,23 @@ class TrainLoop:
                     logger.info("preemption signal received: saving at iteration %d and exiting", iteration)
                     self.save(iteration)
                     return
+                if cfg.train.eval_interval and (iteration % cfg.train.eval_interval == 0 or last):
+                    self.validate(iteration)
                 interval = cfg.checkpoint.save_interval
                 if last or (interval and iteration % interval == 0):
                     self.save(iteration)
         finally:
             self.signal.restore()
             self.metrics.close()
+
+    def validate(self, iteration: int) -> None:
+        val_iter = FirstBatch(build_val_iterator(self.cfg, self.mock))
+        losses = validation_loss(self.val_forward_step, val_iter, self.model, self.cfg.train.eval_iters)
+        loss, _ = reduce_loss_and_tokens(losses, self.device)
+        path = generate_validation_sample(
+            self.cfg, self.model, self.forward_step.pipeline, val_iter.first, iteration, self.device
+        )
+        self.metrics.write_validation({"iteration": iteration, "val_loss": loss, "generation": str(path) if path else None})
 
     def save(self, iteration: int) -> None:
         if not self.cfg.checkpoint.save:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
+import torch
 from entry import read_metrics, run_entry
 
 
@@ -40,3 +44,15 @@ def test_tp2_losses_match_tp1(tp_runs):
         rel = 1e-5 if a["iteration"] <= 3 else 3e-3
         assert a["loss"] == pytest.approx(b["loss"], rel=rel), (a["iteration"], a["loss"], b["loss"])
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=10 * rel), (a["iteration"], a["grad_norm"], b["grad_norm"])
+
+
+def test_validation_loss_and_one_generated_sample_per_dp_rank(tmp_path):
+    save, log_dir = tmp_path / "ckpt", tmp_path / "logs"
+    overrides = ["train.train_iters=2", "train.eval_interval=2", "train.eval_sampling_steps=3", f"checkpoint.save={save}", f"logger.log_dir={log_dir}"]
+    result = run_entry(2, overrides)
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = [json.loads(line) for line in (log_dir / "validation.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [2] and math.isfinite(records[0]["val_loss"])
+    for dp_rank in (0, 1):
+        saved = torch.load(save / "validation_generation" / f"iter_0000002_dp{dp_rank}.pt")
+        assert saved["latent"].dim() == 4 and torch.isfinite(saved["latent"]).all()

@@ -1,0 +1,74 @@
+"""Validation at ``train.eval_interval``: loss on held-out packs and one generated sample per DP rank.
+
+Generated latents go to ``<checkpoint.save>/validation_generation/iter_<N>_dp<R>.pt`` (no VAE is
+part of the training config, so latents are saved, not decoded; the inference script decodes).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from dfm.config.container import ConfigContainer
+from dfm.data.packed_batch import PackedBatch
+from dfm.diffusion.pipeline import DiffusionPipeline
+from dfm.inference.generation_batch import draw_noise, generation_batch
+from dfm.inference.sampling import sample_latent
+
+logger = logging.getLogger("dfm.validation")
+
+
+def validation_loss(forward_step, val_iter, model: list, num_packs: int) -> list[dict]:
+    """Forward-only pass over ``num_packs`` validation packs (noise fixed: iteration 0)."""
+    for chunk in model:
+        chunk.eval()
+    with torch.no_grad():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[val_iter] * len(model) if len(model) > 1 else val_iter,
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=num_packs,
+            seq_length=1,
+            micro_batch_size=1,
+            forward_only=True,
+        )
+
+
+def first_sample_text(batch: PackedBatch) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Text [L, D] and latent shape (C, T, H, W) of a pack's first sample."""
+    start, length = int(batch.cu_seqlens_kv_padded[0]), int(batch.cu_seqlens_kv[1] - batch.cu_seqlens_kv[0])
+    return batch.context[start : start + length], tuple(int(v) for v in batch.latent_shape[0])
+
+
+def can_generate() -> bool:
+    """Generation runs the whole model in one process group: no pipeline / context split."""
+    return (
+        parallel_state.get_pipeline_model_parallel_world_size() == 1
+        and parallel_state.get_context_parallel_world_size() == 1
+    )
+
+
+def generate_validation_sample(
+    cfg: ConfigContainer, model: list, pipeline: DiffusionPipeline, batch: PackedBatch, iteration: int, device
+) -> Optional[Path]:
+    """Sample one latent from the first validation sample's text; -> where it was saved (or None)."""
+    if not cfg.checkpoint.save or not can_generate() or cfg.model.sequence_parallel:
+        return None
+    dp_rank = parallel_state.get_data_parallel_rank()
+    text, shape = first_sample_text(batch)
+    noise = draw_noise(shape, seed=cfg.rng.seed + dp_rank)
+    gen_batch = generation_batch(noise, text, cfg.model).to(device)
+    latent = sample_latent(
+        model[0], pipeline, cfg.model.pipeline, gen_batch, cfg.model, steps=cfg.train.eval_sampling_steps, guidance_scale=1.0
+    )
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        return None
+    path = Path(cfg.checkpoint.save) / "validation_generation" / f"iter_{iteration:07d}_dp{dp_rank}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"latent": latent.cpu(), "text": text.cpu(), "iteration": iteration}, path)
+    return path
