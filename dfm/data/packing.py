@@ -45,7 +45,8 @@ def pack_samples(
     q_lens = [s.seq_len_q for s in samples]
     kv_lens = [s.seq_len_kv for s in samples]
     q_padded = padded_lengths(q_lens, segment_multiple, total_multiple)
-    kv_padded = padded_lengths(kv_lens, 1, 1)
+    # Text is split over TP ranks too under sequence parallelism: pad its total the same way.
+    kv_padded = padded_lengths(kv_lens, 1, total_multiple)
     q_offsets, kv_offsets = _cumulative(q_padded), _cumulative(kv_padded)
     total_q, total_kv = int(q_offsets[-1]), int(kv_offsets[-1])
     ones = [torch.ones(n) for n in q_lens]

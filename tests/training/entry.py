@@ -28,14 +28,19 @@ def entry_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_entry(
-    nproc: int, overrides: list[str], entry: Path = ENTRY, env: dict[str, str] | None = None, timeout: int = 600
+    nproc: int,
+    overrides: list[str],
+    entry: Path = ENTRY,
+    env: dict[str, str] | None = None,
+    timeout: int = 600,
+    config: Path = TINY,
 ) -> subprocess.CompletedProcess:
     """Run to exit. Output goes through files, not pipes: a rank killed mid-save orphans
     dist_checkpointing's helper processes, which would hold a pipe open forever; the whole
     process group is killed afterwards for the same reason."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
-            entry_command(nproc, overrides, entry), stdout=out, stderr=err, text=True,
+            entry_command(nproc, overrides, entry, config), stdout=out, stderr=err, text=True,
             env=entry_env(env), cwd=RECIPE_DIR, start_new_session=True,
         )
         try:
