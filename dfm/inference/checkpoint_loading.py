@@ -18,6 +18,7 @@ from dfm.config.container import ConfigContainer
 from dfm.config.loader import apply_mapping, build_config
 from dfm.models.build import build_model_chunk
 from dfm.training.checkpoint import model_sharded_state_dict, resolve_load_dir
+from dfm.training.ema import with_weights
 
 logger = logging.getLogger("dfm.inference")
 
@@ -58,15 +59,23 @@ def single_process_config(cfg: ConfigContainer) -> ConfigContainer:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **SINGLE_PROCESS_LAYOUT))
 
 
-def load_model(cfg: ConfigContainer, directory: Path, device: torch.device) -> torch.nn.Module:
+def load_model(cfg: ConfigContainer, directory: Path, device: torch.device, use_ema: bool = True) -> torch.nn.Module:
     """Build the (TP=1, PP=1) model of ``cfg`` and fill it with the checkpoint's weights; eval mode.
 
+    The EMA weights replace the trained ones when the checkpoint has them and ``use_ema``.
     Needs megatron's parallel state initialised (``initialize_distributed()``).
     """
     model, tconfig = build_model_chunk(cfg.model, cfg.mixed_precision.precision, cfg.rng.seed)
     model = model.to(device=device, dtype=tconfig.params_dtype)
     # Only the model part is requested: optimizer, RNG and data states stay on disk.
-    loaded = dist_checkpointing.load({"model0": model_sharded_state_dict(model)}, str(directory))
+    request = {"model0": model_sharded_state_dict(model)}
+    with_ema = use_ema and bool(dist_checkpointing.load_common_state_dict(str(directory)).get("has_ema"))
+    if with_ema:
+        fp32 = {name: torch.empty_like(p, dtype=torch.float32) for name, p in model.named_parameters()}
+        request["ema0"] = with_weights(request["model0"], fp32)
+    loaded = dist_checkpointing.load(request, str(directory))
     model.load_state_dict(loaded["model0"], strict=True)
-    logger.info("loaded model weights from %s", directory)
+    if with_ema:
+        model.load_state_dict(loaded["ema0"], strict=False)
+    logger.info("loaded %s weights from %s", "EMA" if with_ema else "model", directory)
     return model.eval().requires_grad_(False)

@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance_scale", type=float, default=7.0, help="classifier-free guidance; 1 disables it")
     p.add_argument("--sampler", default=None, help="edm: heun|euler; flow: euler|heun (default: the pipeline's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no_ema", action="store_true", help="sample from the trained weights even if the checkpoint has EMA ones")
     p.add_argument("--video_save_path", default=None, help="default: outputs/dit_sample.mp4 (or .png for 1 frame)")
     p.add_argument("--t5", default=DEFAULT_T5, help="T5 hub name or local folder")
     p.add_argument("--t5_cache_dir")
@@ -70,7 +71,7 @@ def generate(args: argparse.Namespace, device: torch.device) -> Path:
     """Checkpoint + prompt -> written file. Needs ``initialize_distributed()`` done (TP = PP = 1)."""
     directory = checkpoint_directory(args.checkpoint_path)
     cfg = single_process_config(checkpoint_config(directory))
-    model = load_model(cfg, directory, device)
+    model = load_model(cfg, directory, device, use_ema=not args.no_ema)
     with tempfile.TemporaryDirectory(prefix="dfm_inference_") as scratch:
         encoders = encoders_for(args, cfg.model, device, Path(scratch))
     check_encoders_match(encoders, cfg.model)

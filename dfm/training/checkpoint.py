@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -114,15 +115,17 @@ def layout() -> dict[str, int]:
 
 
 def full_sharded_state_dict(
-    model, optimizer, loader, is_loading: bool, with_rng: bool = True, with_data: bool = True
+    model, optimizer, loader, is_loading: bool, with_rng: bool = True, with_data: bool = True, ema=None
 ) -> dict[str, Any]:
-    """Everything sharded: model chunks, optimizer, per-rank RNG and per-DP-rank data position."""
+    """Everything sharded: model chunks (+ their EMA), optimizer, per-rank RNG and per-DP-rank data position."""
     state: dict[str, Any] = {}
     model_state: dict[str, Any] = {}
-    for index, chunk in enumerate(model):
-        chunk_state = model_sharded_state_dict(chunk.module)
+    chunk_states = [model_sharded_state_dict(chunk.module) for chunk in model]
+    for index, chunk_state in enumerate(chunk_states):
         state[f"model{index}"] = chunk_state
         model_state.update({f"{index}.{k}": v for k, v in chunk_state.items()})
+    if ema is not None:
+        state.update(ema.sharded_state_dict(chunk_states))
     # Fully reshardable: optimizer state in model space, loadable into any TP/PP/DP layout. The
     # memory-efficient variant gathers over gloo groups on the host, the same on CPU and GPU.
     metadata = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True}
@@ -141,8 +144,16 @@ def full_sharded_state_dict(
     return state
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, loader, config_dict: dict, keep_last: Optional[int]) -> Path:
-    """Write ``<root>/iter_N`` on all ranks, then mark it ``latest`` (rank 0) and prune old ones."""
+def save_checkpoint(
+    root: str, iteration: int, model, optimizer, scheduler, loader, config_dict: dict, keep_last: Optional[int],
+    ema=None, async_queue=None,
+) -> Path:
+    """Write ``<root>/iter_N`` on all ranks, then mark it ``latest`` (rank 0) and prune old ones.
+
+    With ``async_queue`` (megatron's ``AsyncCallsQueue``) the tensors are written by a forked
+    process while training goes on; ``latest`` moves when the queue finalizes the save, which it
+    does only once every rank has finished writing.
+    """
     target = iteration_dir(root, iteration)
     rank = torch.distributed.get_rank()
     if rank == 0:
@@ -150,17 +161,41 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, load
             shutil.rmtree(target)
         target.mkdir(parents=True)
     torch.distributed.barrier()
-    state = full_sharded_state_dict(model, optimizer, loader, is_loading=False)
-    state.update(iteration=iteration, scheduler=scheduler.state_dict(), config=config_dict, layout=layout())
-    dist_checkpointing.save(state, str(target))
+    state = full_sharded_state_dict(model, optimizer, loader, is_loading=False, ema=ema)
+    state.update(
+        iteration=iteration, scheduler=scheduler.state_dict(), config=config_dict, layout=layout(), has_ema=ema is not None
+    )
+    if async_queue is None:
+        dist_checkpointing.save(state, str(target))
+        finalize_save(root, iteration, keep_last)
+    else:
+        request = dist_checkpointing.save(state, str(target), async_sharded_save=True)
+        request.finalize_fns.append(partial(finalize_save, root, iteration, keep_last))
+        async_queue.schedule_async_request(request)
+    return target
+
+
+def finalize_save(root: str, iteration: int, keep_last: Optional[int]) -> None:
+    """On all ranks, once every rank's files are written: mark ``latest``, prune, log."""
+    rank = torch.distributed.get_rank()
     torch.distributed.barrier()
     if rank == 0:
         mark_latest(root, iteration)
         prune_checkpoints(root, keep_last)
     torch.distributed.barrier()
     if rank == 0:
-        logger.info("saved checkpoint %s", target)
-    return target
+        logger.info("saved checkpoint %s", iteration_dir(root, iteration))
+
+
+def restore_ema(ema, loaded: Optional[dict], model, directory: Path) -> None:
+    """EMA from the checkpoint; a run that turns EMA on mid-way starts it from the loaded weights."""
+    if ema is None:
+        return
+    if loaded is not None:
+        ema.load(loaded)
+        return
+    logger.warning("checkpoint %s has no EMA weights: EMA starts from the loaded model weights", directory)
+    ema.reset(model)
 
 
 def mark_latest(root: str | Path, iteration: int) -> None:
@@ -176,7 +211,7 @@ def prune_checkpoints(root: str | Path, keep_last: Optional[int]) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler, loader) -> int:
+def load_checkpoint(path: str, model, optimizer, scheduler, loader, ema=None) -> int:
     """Restore everything from ``path`` (a checkpoint or a root with ``latest``); -> iteration (0 if none)."""
     directory = resolve_load_dir(path)
     if directory is None:
@@ -187,10 +222,14 @@ def load_checkpoint(path: str, model, optimizer, scheduler, loader) -> int:
     patch_distrib_optimizer_step_copy()
     same_layout = common.get("layout") == layout()
     same_dp = common.get("layout", {}).get("dp") == layout()["dp"]
-    state = full_sharded_state_dict(model, optimizer, loader, is_loading=True, with_rng=same_layout, with_data=same_dp)
+    ema_saved = ema if common.get("has_ema") else None
+    state = full_sharded_state_dict(
+        model, optimizer, loader, is_loading=True, with_rng=same_layout, with_data=same_dp, ema=ema_saved
+    )
     loaded = dist_checkpointing.load(state, str(directory))
     for index, chunk in enumerate(model):
         chunk.module.load_state_dict(loaded[f"model{index}"], strict=True)
+    restore_ema(ema, loaded if ema_saved is not None else None, model, directory)
     optimizer.load_state_dict(loaded["optimizer"])
     unshare_adam_steps(optimizer)
     scheduler.load_state_dict(loaded["scheduler"])

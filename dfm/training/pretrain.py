@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dfm.config.container import ConfigContainer
@@ -19,6 +21,7 @@ from dfm.models.dit.flops import dit_training_flops
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.training.checkpoint import load_checkpoint, save_checkpoint
 from dfm.training.data import build_train_loader, build_val_iterator
+from dfm.training.ema import build_ema
 from dfm.training.faults import NonFiniteGuard, PreemptionSignal, grads_are_finite
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.metrics_log import MetricsLog
@@ -174,18 +177,21 @@ def run(cfg: ConfigContainer, mock: bool, device: torch.device) -> None:
     model, tconfig = build_model(cfg, device)
     optimizer, scheduler = build_optimizer(cfg, model, tconfig)
     data_iter = RecordingIterator(build_train_loader(cfg, mock))
+    ema = build_ema(model, cfg.optimizer.ema_decay)
     start = 0
     if cfg.checkpoint.load:
-        start = load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, data_iter)
+        start = load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, data_iter, ema)
     forward_step = DiffusionForwardStep(build_pipeline(cfg.model.pipeline), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
-    loop = TrainLoop(cfg, model, optimizer, scheduler, data_iter, forward_step, device, mock)
+    loop = TrainLoop(cfg, model, optimizer, scheduler, data_iter, forward_step, device, mock, ema)
     loop.run(start)
 
 
 class TrainLoop:
-    def __init__(self, cfg, model, optimizer, scheduler, data_iter, forward_step, device, mock: bool):
+    def __init__(self, cfg, model, optimizer, scheduler, data_iter, forward_step, device, mock: bool, ema=None):
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.data_iter, self.forward_step, self.device, self.mock = data_iter, forward_step, device, mock
+        self.ema = ema
+        self.async_saves = AsyncCallsQueue() if cfg.checkpoint.async_save else None
         # Validation: no text dropout, noise fixed (iteration 0) so evaluations are comparable.
         self.val_forward_step = DiffusionForwardStep(forward_step.pipeline, cfg.rng.seed, 0.0, device)
         self.n_micro = num_microbatches(cfg)
@@ -207,6 +213,10 @@ class TrainLoop:
                     self.forward_step, self.data_iter, self.model, self.optimizer, self.scheduler, self.n_micro, self.device
                 )
                 self.guard.record(updated, iteration)
+                if updated and self.ema is not None:
+                    self.update_ema()
+                if self.async_saves is not None:
+                    self.async_saves.maybe_finalize_async_calls(blocking=False)
                 window.iterations += 1
                 window.packs += self.data_iter.take()
                 last = iteration == cfg.train.train_iters
@@ -223,24 +233,40 @@ class TrainLoop:
                 if last or (interval and iteration % interval == 0):
                     self.save(iteration)
         finally:
+            if self.async_saves is not None:
+                self.async_saves.close()  # waits for the last save and marks it `latest`
             self.signal.restore()
             self.metrics.close()
+
+    def update_ema(self) -> None:
+        if self.cfg.ddp.overlap_param_gather:
+            # The distributed optimizer would all-gather the updated params only in the next forward.
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)
+        self.ema.update(self.model)
+
+    def generation_weights(self):
+        """Sample from the EMA weights when the run keeps them (as DiT does)."""
+        return self.ema.swapped_in(self.model) if self.ema is not None else contextlib.nullcontext()
 
     def validate(self, iteration: int) -> None:
         val_iter = FirstBatch(build_val_iterator(self.cfg, self.mock))
         losses = validation_loss(self.val_forward_step, val_iter, self.model, self.cfg.train.eval_iters)
         loss, _ = reduce_loss_and_tokens(losses, self.device)
-        path = generate_validation_sample(
-            self.cfg, self.model, self.forward_step.pipeline, val_iter.first, iteration, self.device
-        )
+        with self.generation_weights():
+            path = generate_validation_sample(
+                self.cfg, self.model, self.forward_step.pipeline, val_iter.first, iteration, self.device
+            )
         self.metrics.write_validation({"iteration": iteration, "val_loss": loss, "generation": str(path) if path else None})
 
     def save(self, iteration: int) -> None:
         if not self.cfg.checkpoint.save:
             return
+        if self.async_saves is not None:
+            self.async_saves.maybe_finalize_async_calls(blocking=True)  # one save in flight at a time
         save_checkpoint(
             self.cfg.checkpoint.save, iteration, self.model, self.optimizer, self.scheduler, self.data_iter,
-            config_to_dict(self.cfg), self.cfg.checkpoint.keep_last,
+            config_to_dict(self.cfg), self.cfg.checkpoint.keep_last, self.ema, self.async_saves,
         )
 
     def log(self, iteration: int, losses, grad_norm, window: LogWindow) -> None:
