@@ -1,4 +1,5 @@
-"""Per-iteration metrics: one JSON line each in <log_dir>/metrics.jsonl and a readable console line."""
+"""Per-iteration metrics: one JSON line each in <log_dir>/metrics.jsonl, a readable console line,
+and optionally TensorBoard scalars and a Weights & Biases run."""
 
 from __future__ import annotations
 
@@ -19,29 +20,52 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def open_wandb_run(project: str, name: Optional[str], log_dir: str, config: dict[str, Any]):
+    """A W&B run; ``WANDB_MODE=offline`` and ``WANDB_API_KEY`` are read from the environment by wandb."""
+    try:
+        import wandb
+    except ImportError as error:
+        raise ImportError(f"logger.wandb_project={project!r} needs wandb: pip install -e '.[wandb]'") from error
+    return wandb.init(project=project, name=name, dir=log_dir, config=config)
+
+
 class MetricsLog:
     """Writes on the logging rank only; other ranks hold a disabled instance."""
 
-    def __init__(self, log_dir: str, enabled: bool, tensorboard_dir: Optional[str] = None):
+    def __init__(
+        self, log_dir: str, enabled: bool, tensorboard_dir: Optional[str] = None,
+        wandb_project: Optional[str] = None, wandb_name: Optional[str] = None, run_config: Optional[dict] = None,
+    ):
         self.enabled = enabled
         self.path = Path(log_dir) / "metrics.jsonl"
-        self.tb = None
+        self.tb = self.wandb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if tensorboard_dir:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(tensorboard_dir)
+            if wandb_project:
+                self.wandb = open_wandb_run(wandb_project, wandb_name, log_dir, run_config or {})
+
+    def scalars(self, section: str, record: dict[str, Any]) -> None:
+        """Numbers of ``record`` to TensorBoard and W&B as ``<section>/<key>`` at its iteration."""
+        values = {
+            f"{section}/{k}": v for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"
+        }
+        if self.tb is not None:
+            for key, value in values.items():
+                self.tb.add_scalar(key, value, record["iteration"])
+        if self.wandb is not None:
+            self.wandb.log(values, step=record["iteration"])
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "iteration" and value is not None:
-                    self.tb.add_scalar(f"train/{key}", value, record["iteration"])
+        self.scalars("train", record)
         logger.info(self.console_line(record))
 
     def write_validation(self, record: dict[str, Any]) -> None:
@@ -50,8 +74,7 @@ class MetricsLog:
             return
         with self.path.with_name("validation.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            self.tb.add_scalar("validation/loss", record["val_loss"], record["iteration"])
+        self.scalars("validation", {"iteration": record["iteration"], "loss": record["val_loss"]})
         logger.info("validation at iter %d | val loss %s | sample %s", record["iteration"], _fmt(record["val_loss"]), record["generation"])
 
     @staticmethod
@@ -66,3 +89,5 @@ class MetricsLog:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

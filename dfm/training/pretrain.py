@@ -197,7 +197,8 @@ class TrainLoop:
         self.n_micro = num_microbatches(cfg)
         self.peak = device_peak_flops(device)
         self.metrics = MetricsLog(
-            cfg.logger.log_dir, enabled=torch.distributed.get_rank() == 0, tensorboard_dir=cfg.logger.tensorboard_dir
+            cfg.logger.log_dir, enabled=torch.distributed.get_rank() == 0, tensorboard_dir=cfg.logger.tensorboard_dir,
+            wandb_project=cfg.logger.wandb_project, wandb_name=cfg.logger.wandb_exp_name, run_config=config_to_dict(cfg),
         )
         self.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite)
         self.signal = PreemptionSignal(cfg.train.exit_signal_handler)
