@@ -171,6 +171,8 @@ def test_whole_section_override_with_a_mapping():
         ("+train.new_key=3", r"only plain 'key=value'"),
         ("~train.train_iters", r"only plain 'key=value'"),
         ("train.train_iters=1,2", r"sweeps are not supported"),
+        ("mixed_precision.fp8=e4m3", r"mixed_precision\.fp8='e4m3' is not supported yet"),
+        ("optimizer.ema_decay=1.0", r"optimizer\.ema_decay must be in \(0, 1\), got 1\.0"),
     ],
 )
 def test_override_errors_name_the_key(override, message):
