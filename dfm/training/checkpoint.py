@@ -23,11 +23,13 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.transformer.utils import sharded_state_dict_default
 
+from dfm.training.progress import StageProgress
 from dfm.platform.megatron_compat import ensure_adam_state, patch_distrib_optimizer_step_copy, unshare_adam_steps
 
 logger = logging.getLogger("dfm.checkpoint")
 
 LATEST = "latest"
+LOAD_STAGES = ["plan", "read tensors", "model + EMA", "optimizer + schedule", "RNG + data position"]
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
@@ -217,30 +219,36 @@ def load_checkpoint(path: str, model, optimizer, scheduler, loader, ema=None) ->
     if directory is None:
         logger.info("no checkpoint under %s: starting from scratch", path)
         return 0
-    common = dist_checkpointing.load_common_state_dict(str(directory))
-    ensure_adam_state(optimizer)
-    patch_distrib_optimizer_step_copy()
-    same_layout = common.get("layout") == layout()
-    same_dp = common.get("layout", {}).get("dp") == layout()["dp"]
-    ema_saved = ema if common.get("has_ema") else None
-    state = full_sharded_state_dict(
-        model, optimizer, loader, is_loading=True, with_rng=same_layout, with_data=same_dp, ema=ema_saved
-    )
-    loaded = dist_checkpointing.load(state, str(directory))
-    for index, chunk in enumerate(model):
-        chunk.module.load_state_dict(loaded[f"model{index}"], strict=True)
-    restore_ema(ema, loaded if ema_saved is not None else None, model, directory)
-    optimizer.load_state_dict(loaded["optimizer"])
-    unshare_adam_steps(optimizer)
-    scheduler.load_state_dict(loaded["scheduler"])
-    if same_layout:
-        set_rng_state(loaded["rng"])
-    if "data" in loaded:
-        loader.load_state_dict(loaded["data"])
-    else:
-        logger.warning(
-            "checkpoint %s was written with data-parallel size %s, now %s: the data position is not restored",
-            directory, common.get("layout", {}).get("dp"), layout()["dp"],
+    with StageProgress(f"load {directory.name}", LOAD_STAGES) as progress:
+        common = dist_checkpointing.load_common_state_dict(str(directory))
+        ensure_adam_state(optimizer)
+        patch_distrib_optimizer_step_copy()
+        same_layout = common.get("layout") == layout()
+        same_dp = common.get("layout", {}).get("dp") == layout()["dp"]
+        ema_saved = ema if common.get("has_ema") else None
+        state = full_sharded_state_dict(
+            model, optimizer, loader, is_loading=True, with_rng=same_layout, with_data=same_dp, ema=ema_saved
         )
+        progress.advance()
+        loaded = dist_checkpointing.load(state, str(directory))
+        progress.advance()
+        for index, chunk in enumerate(model):
+            chunk.module.load_state_dict(loaded[f"model{index}"], strict=True)
+        restore_ema(ema, loaded if ema_saved is not None else None, model, directory)
+        progress.advance()
+        optimizer.load_state_dict(loaded["optimizer"])
+        unshare_adam_steps(optimizer)
+        scheduler.load_state_dict(loaded["scheduler"])
+        progress.advance()
+        if same_layout:
+            set_rng_state(loaded["rng"])
+        if "data" in loaded:
+            loader.load_state_dict(loaded["data"])
+        else:
+            logger.warning(
+                "checkpoint %s was written with data-parallel size %s, now %s: the data position is not restored",
+                directory, common.get("layout", {}).get("dp"), layout()["dp"],
+            )
+        progress.advance()
     logger.info("loaded checkpoint %s (iteration %d)", directory, loaded["iteration"])
     return int(loaded["iteration"])
