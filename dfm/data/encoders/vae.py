@@ -6,6 +6,7 @@ Two diffusers families:
 - ``kl``: AutoencoderKL (image VAE), applied frame by frame (T' = T); latents scaled by
   scaling_factor after subtracting shift_factor.
 Encoding uses the posterior mean, so a sample always gets the same latent.
+The names ``identity`` / ``identity_grey`` load an ``IdentityVAE`` instead (pixels as latents).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Literal, Optional
 
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan
+
+from dfm.data.encoders.identity_vae import IdentityVAE, is_identity_vae
 
 VaeKind = Literal["wan", "kl"]
 _CLASS_TO_KIND = {"AutoencoderKLWan": "wan", "AutoencoderKL": "kl"}
@@ -48,8 +51,10 @@ class VideoVAE:
         subfolder: Optional[str] = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
-    ) -> "VideoVAE":
+    ) -> "VideoVAE | IdentityVAE":
         """Load a local folder or a hub name (e.g. ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` with subfolder ``vae``)."""
+        if is_identity_vae(name_or_dir):
+            return IdentityVAE(str(name_or_dir))
         if kind == "auto":
             kind = detect_vae_kind(name_or_dir, subfolder)
         model_class = AutoencoderKLWan if kind == "wan" else AutoencoderKL

@@ -1,0 +1,1 @@
+"""Does training learn? Real small datasets, generation from checkpoints, and classifier scores."""
