@@ -19,15 +19,13 @@ from dfm.diffusion.pipeline import (
     Net,
     Shape,
     at_least_fp32,
-    count_samples,
-    guided,
+    guided_field,
     initial_noise,
     per_sample_level,
 )
 from dfm.diffusion.samplers import Churn, edm_euler, edm_heun, karras_sigmas
 
 EDM_SAMPLERS = ("heun", "euler")
-
 
 @dataclass(frozen=True)
 class EDMSettings:
@@ -51,13 +49,11 @@ class EDMSettings:
         if self.sigma_data <= 0 or self.P_std <= 0:
             raise ValueError("sigma_data and P_std must be positive")
 
-
 class Preconditioning(NamedTuple):
     c_skip: torch.Tensor
     c_out: torch.Tensor
     c_in: torch.Tensor
     c_noise: torch.Tensor
-
 
 class EDMPipeline(DiffusionPipeline):
     def __init__(self, settings: EDMSettings = EDMSettings()) -> None:
@@ -153,13 +149,7 @@ class EDMPipeline(DiffusionPipeline):
         noise: [S, *] standard normal (scaled by sigma_max here) or a shape to draw it for.
         """
         s = self.settings
-        num_samples = count_samples(sample_ids)
-
-        def guided_denoise(x: torch.Tensor, sigma: float) -> torch.Tensor:
-            sigma_per_sample = torch.full((num_samples,), sigma, dtype=x.dtype, device=x.device)
-            run = lambda kwargs: self.denoise(net, x, sigma_per_sample, sample_ids, **kwargs)
-            return guided(run, cond, uncond, guidance_scale)
-
+        guided_denoise = guided_field(self.denoise, net, sample_ids, cond, uncond, guidance_scale)
         sigmas = karras_sigmas(steps, s.sigma_min, s.sigma_max, s.rho)
         x = at_least_fp32(initial_noise(noise, generator)) * sigmas[0]  # integrate in >= fp32
         name = sampler or s.sampler

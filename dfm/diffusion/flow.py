@@ -22,8 +22,7 @@ from dfm.diffusion.pipeline import (
     Net,
     Shape,
     at_least_fp32,
-    count_samples,
-    guided,
+    guided_field,
     initial_noise,
     per_sample_level,
 )
@@ -31,7 +30,6 @@ from dfm.diffusion.samplers import flow_euler, flow_heun, flow_timesteps, shift_
 
 FLOW_SAMPLERS = ("euler", "heun")
 TIMESTEP_SAMPLINGS = ("uniform", "logit_normal")
-
 
 @dataclass(frozen=True)
 class FlowSettings:
@@ -53,7 +51,6 @@ class FlowSettings:
         if self.shift <= 0 or not 0 <= self.sigma_min < 1:
             raise ValueError(f"need shift > 0 and 0 <= sigma_min < 1, got {self.shift}, {self.sigma_min}")
 
-
 def shift_for_num_tokens(
     num_tokens: float | torch.Tensor,
     base_tokens: int = 256,
@@ -68,7 +65,6 @@ def shift_for_num_tokens(
     slope = (max_log_shift - base_log_shift) / (max_tokens - base_tokens)
     mu = base_log_shift + slope * (num_tokens - base_tokens)
     return mu.exp() if isinstance(mu, torch.Tensor) else math.exp(mu)
-
 
 class FlowPipeline(DiffusionPipeline):
     def __init__(self, settings: FlowSettings = FlowSettings()) -> None:
@@ -165,13 +161,7 @@ class FlowPipeline(DiffusionPipeline):
 
         noise: [S, *] standard normal, or a shape to draw it for. ``shift`` overrides the settings'.
         """
-        num_samples = count_samples(sample_ids)
-
-        def guided_velocity(x: torch.Tensor, t: float) -> torch.Tensor:
-            t_per_sample = torch.full((num_samples,), t, dtype=x.dtype, device=x.device)
-            run = lambda kwargs: self.velocity(net, x, t_per_sample, sample_ids, **kwargs)
-            return guided(run, cond, uncond, guidance_scale)
-
+        guided_velocity = guided_field(self.velocity, net, sample_ids, cond, uncond, guidance_scale)
         timesteps = flow_timesteps(steps, self.settings.shift if shift is None else shift)
         x = at_least_fp32(initial_noise(noise, generator))  # integrate in >= fp32
         name = sampler or self.settings.sampler

@@ -155,6 +155,25 @@ def guided(
     return classifier_free_guidance(cond_out, predict(uncond), guidance_scale)
 
 
+def guided_field(
+    predict_at: Callable[..., torch.Tensor],
+    net: Net,
+    sample_ids: torch.Tensor,
+    cond: dict[str, Any] | None,
+    uncond: dict[str, Any] | None,
+    guidance_scale: float,
+) -> Callable[[torch.Tensor, float], torch.Tensor]:
+    """The field a sampler integrates: ``(x [S, *], level) -> predict_at(net, x, level per sample, ...)``
+    with classifier-free guidance (EDM: the denoiser at sigma; flow: the velocity at t)."""
+    num_samples = count_samples(sample_ids)  # one device sync, not one per step
+
+    def field(x: torch.Tensor, level: float) -> torch.Tensor:
+        per_sample = torch.full((num_samples,), level, dtype=x.dtype, device=x.device)
+        return guided(lambda kwargs: predict_at(net, x, per_sample, sample_ids, **kwargs), cond, uncond, guidance_scale)
+
+    return field
+
+
 # ---------------------------------------------------------------------------------------------
 # Conditioning dropout (shared by all pipelines)
 # ---------------------------------------------------------------------------------------------
