@@ -14,6 +14,7 @@ def validate_config(cfg: ConfigContainer) -> None:
     """Raise ConfigError naming the first key whose value cannot work."""
     _check_model(cfg)
     _check_dataset(cfg)
+    _check_context_parallel(cfg)
     _check_positive(cfg.train.micro_batch_size, "train.micro_batch_size")
     _check_at_least(cfg.train.train_iters, 0, "train.train_iters")
     _check_positive(cfg.logger.log_interval, "logger.log_interval")
@@ -63,6 +64,27 @@ def _check_dataset(cfg: ConfigContainer) -> None:
         value = getattr(data, name)
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"dataset.{name} must be in [0, 1], got {value}")
+
+
+def _check_context_parallel(cfg: ConfigContainer) -> None:
+    """Each sample is cut into 2*cp chunks (load balance), each CP share split over TP under SP;
+    ST-DiT's all-to-all gives every CP rank heads/(tp*cp) whole heads."""
+    model, cp = cfg.model, cfg.model.context_parallel_size
+    if cp == 1:
+        return
+    tp = model.tensor_model_parallel_size
+    multiple = 2 * cp * (tp if model.sequence_parallel else 1)
+    split = f"2 x context_parallel_size ({cp})" + (f" x tensor_model_parallel_size ({tp})" if multiple != 2 * cp else "")
+    if cfg.dataset.seq_length < multiple or cfg.dataset.seq_length % multiple:
+        raise ConfigError(
+            f"dataset.seq_length ({cfg.dataset.seq_length}) is too short to split, or not divisible: context parallelism "
+            f"pads every sample to a multiple of {split} = {multiple} tokens and needs seq_length a multiple of it"
+        )
+    if model.architecture == "stdit" and model.num_attention_heads % (tp * cp):
+        raise ConfigError(
+            f"model.num_attention_heads ({model.num_attention_heads}) must be divisible by tensor_model_parallel_size "
+            f"({tp}) x context_parallel_size ({cp}): stdit re-shards attention heads over the context-parallel ranks"
+        )
 
 
 def _check_sizes(sizes: list[list[int]], length: int, key: str) -> None:

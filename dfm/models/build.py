@@ -32,9 +32,10 @@ def resolve_attention_backend(requested: str) -> str:
 def layer_spec_for(model_cfg):
     if model_cfg.architecture not in ARCHITECTURES:
         raise NotImplementedError(f"model.architecture={model_cfg.architecture!r}; valid: {ARCHITECTURES}")
-    if model_cfg.architecture == "stdit" and model_cfg.sequence_parallel:
-        raise NotImplementedError("stdit regroups tokens per frame / position; sequence_parallel is not supported")
     backend = resolve_attention_backend(model_cfg.attention_backend)
+    if backend == "te" and model_cfg.architecture == "stdit" and model_cfg.context_parallel_size > 1:
+        # The all-to-all re-sharding wraps the local kernels; TE's CP splits per-sample segments only.
+        raise NotImplementedError("stdit with context_parallel_size > 1 runs on the local attention backends, not te")
     modules = te_modules() if backend == "te" else local_modules(backend)
     return dit_layer_spec(model_cfg.architecture, modules, model_cfg.qk_layernorm, model_cfg.num_moe_experts)
 

@@ -48,8 +48,7 @@ def branches(model, pack, c_noise):
         return layer.attend(layer.self_attention, layer.norm1, x, *mods[0:3], rope, layout.spatial)
 
     def temporal(x):
-        order = (layout.to_temporal, layout.to_token)
-        return layer.attend(layer.temporal_attention, layer.norm_temporal, x, *mods[3:6], rope, layout.temporal, order)
+        return layer.attend(layer.temporal_attention, layer.norm_temporal, x, *mods[3:6], rope, layout.temporal)
 
     return spatial, temporal
 

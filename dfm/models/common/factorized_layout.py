@@ -1,8 +1,10 @@
 """Segments for factorized (ST-DiT) attention over a THD pack.
 
 Spatial attention: one segment per frame (the H*W tokens of one t), in token order.
-Temporal attention: one segment per (h, w) position (its T tokens); tokens are first gathered
-into (h, w, t) order per sample so each segment is contiguous, then scattered back.
+Temporal attention: one segment per (h, w) position (its T tokens); the attention gathers q/k/v
+into (h, w, t) order per sample so each segment is contiguous, and scatters its output back
+(``PackedSegments.token_order``): the permutation happens where the whole sequence is present,
+also under sequence or context parallelism.
 The last segment of a sample absorbs the sample's padding (as TE's padded THD layout expects);
 padding tokens are never inside a real segment, so they attend to nothing.
 """
@@ -12,16 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
+
+from dfm.models.common.packed_attention import PackedSegments
 
 
 @dataclass
 class FactorizedAttentionParams:
-    spatial: PackedSeqParams  # per-frame segments, token order
-    temporal: PackedSeqParams  # per-(h, w) segments, temporal order
-    to_temporal: Tensor  # [S] long: temporal-order position i holds token to_temporal[i]
-    to_token: Tensor  # [S] long: the inverse permutation
+    spatial: PackedSegments  # per-frame segments, token order
+    temporal: PackedSegments  # per-(h, w) segments; token_order: (to_temporal [S], to_token [S])
 
 
 def _cumulative(lengths: list[Tensor], device) -> Tensor:
@@ -29,12 +30,12 @@ def _cumulative(lengths: list[Tensor], device) -> Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device=device, dtype=torch.int32)
 
 
-def _segments(starts: list[Tensor], lengths: list[Tensor], total: int, device) -> PackedSeqParams:
+def _segments(starts: list[Tensor], lengths: list[Tensor], total: int, device, token_order=None) -> PackedSegments:
     """Segments given by their starts and real lengths; each padded segment runs to the next start."""
     offsets = torch.cat([torch.cat(starts), torch.tensor([total])]).to(device=device, dtype=torch.int32)
     cu = _cumulative(lengths, device)
-    return PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           cu_seqlens_q_padded=offsets, cu_seqlens_kv_padded=offsets)
+    return PackedSegments(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          cu_seqlens_q_padded=offsets, cu_seqlens_kv_padded=offsets, token_order=token_order)
 
 
 def sample_grids(latent_shape: Tensor, patch_temporal: int, patch_spatial: int) -> list[tuple[int, int, int]]:
@@ -56,9 +57,8 @@ def factorized_params(cu_seqlens_padded: Tensor, grids: list[tuple[int, int, int
         temporal_lens.append(torch.full((hw,), t))
         # Token (tt, p) sits at tt*hw + p; in temporal order it goes to p*t + tt.
         to_temporal[start : start + t * hw] = start + torch.arange(t * hw).reshape(t, hw).T.reshape(-1)
+    order = (to_temporal.to(device), torch.argsort(to_temporal).to(device))
     return FactorizedAttentionParams(
         spatial=_segments(spatial_starts, spatial_lens, total, device),
-        temporal=_segments(temporal_starts, temporal_lens, total, device),
-        to_temporal=to_temporal.to(device),
-        to_token=torch.argsort(to_temporal).to(device),
+        temporal=_segments(temporal_starts, temporal_lens, total, device, token_order=order),
     )

@@ -7,11 +7,16 @@ boundaries from ``PackedSeqParams``, so per-token 3D RoPE is applied by megatron
 Backends (all must agree; tests prove it):
   * ``sdpa``: torch SDPA on each sample's segment, the reference.
   * ``flex``: torch FlexAttention with a document block mask, one kernel per pack.
+
+``PackedSegments`` extends the params with a token order (ST-DiT's temporal segments are
+contiguous only after a permutation) and a context-parallel strategy (context_parallel.py).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +25,26 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 BACKENDS = ("sdpa", "flex")
+
+
+@dataclass
+class PackedSegments(PackedSeqParams):
+    """Segments of a pack, plus how q/k/v reach them."""
+
+    # (to_segment_order [S], to_token_order [S]): q/k/v rows are permuted so the segments are
+    # contiguous, and the output permuted back. None: token order.
+    token_order: Optional[tuple[Tensor, Tensor]] = None
+    # Callable (kernel, q, k, v) -> out when the pack is split over CP ranks (context_parallel.py).
+    context_parallel: Any = None
+
+
+def attend_in_segment_order(kernel, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams, **kw) -> Tensor:
+    """``kernel(q, k, v, params, **kw)`` with rows put into ``params.token_order`` and back."""
+    order = getattr(params, "token_order", None)
+    if order is None:
+        return kernel(query, key, value, params, **kw)
+    to_segments, to_tokens = order
+    return kernel(query[to_segments], key[to_segments], value[to_segments], params, **kw)[to_tokens]
 
 
 def segment_bounds(params: PackedSeqParams, side: str) -> tuple[list[int], list[int]]:
@@ -140,8 +165,12 @@ class PackedDotProductAttention(MegatronModule):
         if packed_seq_params is None:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             out = F.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale).permute(2, 0, 1, 3)
-        elif self.backend == "flex":
-            out = flex_document_attention(query, key, value, packed_seq_params, self.softmax_scale)
+            return out.reshape(out.shape[0], out.shape[1], -1)
+        kernel = flex_document_attention if self.backend == "flex" else sdpa_per_segment
+        kernel = functools.partial(attend_in_segment_order, kernel, scale=self.softmax_scale)
+        context_parallel = getattr(packed_seq_params, "context_parallel", None)
+        if context_parallel is not None:
+            out = context_parallel(kernel, query, key, value)
         else:
-            out = sdpa_per_segment(query, key, value, packed_seq_params, self.softmax_scale)
+            out = kernel(query, key, value, packed_seq_params)
         return out.reshape(out.shape[0], out.shape[1], -1)

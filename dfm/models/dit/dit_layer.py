@@ -81,16 +81,10 @@ class DiTLayer(MegatronModule):
         """modulation: (shift, scale, gate), each [s, 1, h]."""
         return self.attend(self.self_attention, self.norm1, hidden, *modulation, rotary_pos_emb, params)
 
-    def attend(self, attention, norm, hidden, shift, scale, gate, rotary_pos_emb, params, order=None) -> Tensor:
-        """Gated residual self-attention. ``order`` = (gather [s], scatter [s]) puts tokens into
-        the order the segments in ``params`` refer to, and back."""
+    def attend(self, attention, norm, hidden, shift, scale, gate, rotary_pos_emb, params) -> Tensor:
+        """Gated residual self-attention (the segments' token order is the attention's business)."""
         attn_in = modulate(norm(hidden), shift, scale)
-        if order is not None:
-            attn_in = attn_in[order[0]]
-            rotary_pos_emb = None if rotary_pos_emb is None else rotary_pos_emb[order[0]]
         out = _add_bias(attention(attn_in, attention_mask=None, rotary_pos_emb=rotary_pos_emb, packed_seq_params=params))
-        if order is not None:
-            out = out[order[1]]
         return hidden + gate * out
 
     def cross_attend(self, hidden: Tensor, context: Optional[Tensor], params: Optional[PackedSeqParams]) -> Tensor:
@@ -119,7 +113,5 @@ class STDiTLayer(DiTLayer):
     ) -> Tensor:
         """Spatial then temporal attention; modulation: (shift, scale, gate) of each, [s, 1, h]."""
         hidden = self.attend(self.self_attention, self.norm1, hidden, *modulation[0:3], rotary_pos_emb, params.spatial)
-        order = (params.to_temporal, params.to_token)
-        return self.attend(
-            self.temporal_attention, self.norm_temporal, hidden, *modulation[3:6], rotary_pos_emb, params.temporal, order
-        )
+        return self.attend(self.temporal_attention, self.norm_temporal, hidden, *modulation[3:6], rotary_pos_emb,
+                           params.temporal)

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dfm.data.packed_batch import PackedBatch
 from dfm.models.common.adaln import AdaLNNorm, modulate
+from dfm.models.common.context_parallel import SequenceSplit, UlyssesAttention, local_query_attention, sequence_split
 from dfm.models.common.factorized_layout import factorized_params, sample_grids
 from dfm.models.common.embeddings import (
     FactorizedLearned3DEmbedding,
@@ -30,6 +31,7 @@ from dfm.models.common.embeddings import (
     rope_3d_freqs,
     sincos_3d,
 )
+from dfm.models.common.packed_attention import PackedSegments
 
 
 class FinalLayer(nn.Module):
@@ -63,16 +65,20 @@ def _mark_replicated_across_stages(module: nn.Module) -> None:
         param.pipeline_parallel = True
 
 
-def packed_seq_params(batch: PackedBatch, cross: bool) -> PackedSeqParams:
-    """Segment boundaries for self-attention (video-video) or cross-attention (video-text)."""
+def packed_seq_params(batch: PackedBatch, cross: bool, split: Optional[SequenceSplit] = None) -> PackedSeqParams:
+    """Segment boundaries for self-attention (video-video) or cross-attention (video-text);
+    with a CP ``split``, the attention of this rank's share of the queries."""
     kv = "kv" if cross else "q"
-    return PackedSeqParams(
+    params = PackedSegments(
         qkv_format="sbhd",
         cu_seqlens_q=batch.cu_seqlens_q,
         cu_seqlens_q_padded=batch.cu_seqlens_q_padded,
         cu_seqlens_kv=getattr(batch, f"cu_seqlens_{kv}"),
         cu_seqlens_kv_padded=getattr(batch, f"cu_seqlens_{kv}_padded"),
     )
+    if split is not None and split.size > 1:
+        params.context_parallel = local_query_attention(params, split, self_attention=not cross)
+    return params
 
 
 class DiTModel(MegatronModule):
@@ -164,8 +170,11 @@ class DiTModel(MegatronModule):
         return hidden.unsqueeze(1)
 
     def forward(self, x_in: Tensor, c_noise: Tensor, batch: PackedBatch, class_labels: Optional[Tensor] = None) -> Tensor:
+        """Under context parallelism each rank runs its share of the tokens (``split``) and the
+        output is gathered: every CP rank returns the whole [S, D]."""
         sp = self.config.sequence_parallel
-        token_ids = batch.token_sample_ids()
+        split = sequence_split(batch.cu_seqlens_q_padded)
+        token_ids = split.local(batch.token_sample_ids())
         cond = self.conditioning(c_noise, class_labels)
         context = None
         if self.cross:
@@ -173,21 +182,23 @@ class DiTModel(MegatronModule):
             if sp:
                 context = tensor_parallel.scatter_to_sequence_parallel_region(context)
         if self.pre_process:
-            hidden = self.embed_patches(x_in, batch.pos_ids)
+            hidden = self.embed_patches(split.local(x_in), split.local(batch.pos_ids))
             if sp:
                 hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)
         else:
             hidden = self.input_tensor
         rope = None
         if self.model_cfg.pos_embedding == "rope3d":
-            rope = rope_3d_freqs(batch.pos_ids, self.config.kv_channels)
+            rope = rope_3d_freqs(split.local(batch.pos_ids), self.config.kv_channels)
         local_ids = self.local_token_ids(token_ids) if sp else token_ids
         hidden = self.run_layers(hidden, cond, local_ids, context, rope, batch)
         if not self.post_process:
             return hidden
         if sp:
             hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-        return self.final_layer(hidden, cond, token_ids)[:, 0, : self.patch_dim]
+        out = self.final_layer(hidden, cond, token_ids)[:, 0, : self.patch_dim]
+        # The loss is computed on the gathered output by every CP rank alike: keep own rows' grads.
+        return split.gather(out, grad_is_partial=False)
 
     def local_token_ids(self, token_ids: Tensor) -> Tensor:
         """The slice of [S] ids held by this rank when the sequence is split over TP ranks."""
@@ -196,15 +207,21 @@ class DiTModel(MegatronModule):
         return token_ids.chunk(tp)[rank]
 
     def self_attention_params(self, batch: PackedBatch):
-        """Per-sample segments; ST-DiT's factorized attention needs per-frame / per-position ones."""
+        """Per-sample segments; ST-DiT's factorized attention needs per-frame / per-position ones
+        (under CP re-sharded by all-to-all, as frames and positions span the CP ranks)."""
+        split = sequence_split(batch.cu_seqlens_q_padded)
         if self.model_cfg.architecture != "stdit":
-            return packed_seq_params(batch, cross=False)
+            return packed_seq_params(batch, cross=False, split=split)
         grids = sample_grids(batch.latent_shape, self.model_cfg.patch_temporal, self.model_cfg.patch_spatial)
-        return factorized_params(batch.cu_seqlens_q_padded, grids)
+        params = factorized_params(batch.cu_seqlens_q_padded, grids)
+        if split.size > 1:
+            for segments in (params.spatial, params.temporal):
+                segments.context_parallel = UlyssesAttention(split, segments)
+        return params
 
     def run_layers(self, hidden, cond, token_ids, context, rope, batch) -> Tensor:
         self_params = self.self_attention_params(batch)
-        cross_params = packed_seq_params(batch, cross=True) if self.cross else None
+        cross_params = packed_seq_params(batch, True, sequence_split(batch.cu_seqlens_q_padded)) if self.cross else None
         recompute = self.config.recompute_granularity == "full" and self.training
         for layer in self.layers:
             args = (hidden, cond, token_ids, context, rope, self_params, cross_params)
