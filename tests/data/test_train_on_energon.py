@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-RECIPE_DIR = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recipes" / "dit"
+from tests.training.entry import read_metrics, run_entry
 
 
 @pytest.fixture
@@ -19,17 +15,11 @@ def dataset(example_dataset):
     return example_dataset
 
 
-def train(dataset_dir: Path, log_dir: Path, overrides: list[str]) -> dict[int, float]:
-    cmd = [
-        sys.executable, str(RECIPE_DIR / "pretrain_dit_model.py"), "--config-file", "conf/dit_tiny.yaml",
-        f"dataset.path={dataset_dir}", "dataset.num_workers=0", "dataset.seq_length=512",
-        f"logger.log_dir={log_dir}", *overrides,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=RECIPE_DIR, capture_output=True, text=True, timeout=600, env=env)
+def train(dataset_dir: Path, log_dir: Path, overrides: list[str], nproc: int = 1) -> dict[int, float]:
+    data = [f"dataset.path={dataset_dir}", "dataset.num_workers=0", "dataset.seq_length=512"]
+    result = run_entry(nproc, [*data, f"logger.log_dir={log_dir}", *overrides], mock=False)
     assert result.returncode == 0, result.stderr[-4000:]
-    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["iteration"]: r["loss"] for r in records}
+    return {r["iteration"]: r["loss"] for r in read_metrics(log_dir)}
 
 
 def test_tiny_dit_trains_on_prepared_energon_data(dataset, tmp_path):
@@ -38,9 +28,23 @@ def test_tiny_dit_trains_on_prepared_energon_data(dataset, tmp_path):
     assert sorted(losses) == [1, 2, 3, 4, 5]
 
 
-def test_exact_resume_on_energon_data(dataset, tmp_path):
+LAYOUTS = {
+    "single": (1, []),
+    "dp2": (2, ["ddp.use_distributed_optimizer=true", "train.global_batch_size=4"]),
+    "tp2_pp2": (4, ["model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2"]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_exact_resume_on_energon_data(dataset, tmp_path, layout):
+    nproc, overrides = LAYOUTS[layout]
     save = tmp_path / "ckpt"
-    straight = train(dataset.dataset_dir, tmp_path / "a", ["train.train_iters=10", f"checkpoint.save={save}", "checkpoint.save_interval=5"])
-    resumed = train(dataset.dataset_dir, tmp_path / "b", ["train.train_iters=10", f"checkpoint.load={save}/iter_0000005"])
+    straight = train(
+        dataset.dataset_dir, tmp_path / "a",
+        [*overrides, "train.train_iters=10", f"checkpoint.save={save}", "checkpoint.save_interval=5"], nproc,
+    )
+    resumed = train(
+        dataset.dataset_dir, tmp_path / "b", [*overrides, "train.train_iters=10", f"checkpoint.load={save}/iter_0000005"], nproc
+    )
     assert sorted(resumed) == [6, 7, 8, 9, 10]
     assert all(resumed[i] == straight[i] for i in resumed), (straight, resumed)  # bitwise on CPU

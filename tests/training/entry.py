@@ -16,11 +16,13 @@ FAULT_ENTRY = Path(__file__).resolve().parent / "_fault_entry.py"
 TINY = RECIPE_DIR / "conf" / "dit_tiny.yaml"
 
 
-def entry_command(nproc: int, overrides: list[str], entry: Path = ENTRY, config: Path = TINY) -> list[str]:
+def entry_command(
+    nproc: int, overrides: list[str], entry: Path = ENTRY, config: Path = TINY, mock: bool = True
+) -> list[str]:
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    return [*launcher, str(entry), "--config-file", str(config), "--mock", *overrides]
+    return [*launcher, str(entry), "--config-file", str(config), *(["--mock"] if mock else []), *overrides]
 
 
 def entry_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -34,13 +36,14 @@ def run_entry(
     env: dict[str, str] | None = None,
     timeout: int = 600,
     config: Path = TINY,
+    mock: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run to exit. Output goes through files, not pipes: a rank killed mid-save orphans
     dist_checkpointing's helper processes, which would hold a pipe open forever; the whole
     process group is killed afterwards for the same reason."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
-            entry_command(nproc, overrides, entry, config), stdout=out, stderr=err, text=True,
+            entry_command(nproc, overrides, entry, config, mock), stdout=out, stderr=err, text=True,
             env=entry_env(env), cwd=RECIPE_DIR, start_new_session=True,
         )
         try:
