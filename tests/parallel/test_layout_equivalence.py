@@ -1,44 +1,92 @@
-"""Every model family, several parallel layouts, through the real entry point: the same losses
-and gradient norms as the single-process run from the same seed and data (3 optimizer steps).
+"""Every model family, several parallel layouts, through the real entry point: the same losses,
+gradient norms and updated weights as the single-process run from the same seed and data
+(3 optimizer steps).
 
-Tolerances: rel 1e-4 on losses, 1e-3 on grad norms (float sums in a different order).
-Context parallelism is not implemented yet and is not listed here.
+Each run dumps every parameter gathered to its full tensor under its global name
+(``train.dump_full_weights``: TP shards concatenated, pipeline stages and expert-parallel ranks
+merged, replicas checked bitwise equal), and the test compares all of them with the
+single-process run's. A layout runs on tp x pp x cp processes, or on 2 (data parallel) when
+that product is 1.
+
+Tolerances:
+* losses rel 1e-4, grad norms rel 1e-3: float sums in a different order.
+* weights atol 1e-6 (lr 1e-3, 3 Adam steps: updates ~3e-3 on weights up to ~0.3). Dense layouts
+  agree far inside it (TP=2+SP: max |diff| 7e-9); a layout bug moves weights by ~lr (a missing
+  SP gradient reduction in adaLN was found this way: 1.5e-3).
+* Known open gap (xfail, reason in KNOWN_WEIGHT_GAPS): MoE with 2 data-parallel ranks (EP=2) vs
+  1 process with 2 micro-batches. Losses and grad norms match, PP=2 with 2 micro-batches matches
+  bitwise, but with one micro-batch per rank the gradients that only the load-balancing loss
+  produces at step 1 (every block parameter: the final layer is zero-initialised) differ O(1)
+  relative (~1e-5 absolute), and Adam turns them into lr-sized weight differences.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.training.entry import RECIPE_DIR, read_metrics, run_entry
 
+WEIGHT_ATOL = 1e-6
 DP_DATA = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=2"]  # same samples for DP=1 and DP=2
+# Gradient accumulation: 2 micro-batches per DP rank and step (4 on the single process).
+ACCUMULATE = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=4"]
+TP2, PP2, SP = "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2", "model.sequence_parallel=true"
+DIST_OPT = "ddp.use_distributed_optimizer=true"
 CASES = [
-    ("dit_tiny", ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"], []),
-    ("dit_tiny", ["model.pipeline_model_parallel_size=2"], []),
-    ("dit_tiny", ["ddp.use_distributed_optimizer=true", *DP_DATA], DP_DATA),
-    ("stdit_tiny", ["model.tensor_model_parallel_size=2"], []),
-    ("stdit_tiny", ["model.pipeline_model_parallel_size=2"], []),
-    ("moviegen_tiny", ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"], []),
-    ("moviegen_tiny", ["model.pipeline_model_parallel_size=2"], []),
-    ("moviegen_tiny", ["model.expert_model_parallel_size=2", "ddp.use_distributed_optimizer=true", *DP_DATA], DP_DATA),
+    ("dit_tiny", [TP2, SP], []),
+    ("dit_tiny", [PP2], []),
+    ("dit_tiny", [DIST_OPT, *DP_DATA], DP_DATA),
+    ("dit_tiny", [*ACCUMULATE], ACCUMULATE),
+    ("dit_tiny", [TP2, SP, PP2], []),
+    ("stdit_tiny", [TP2], []),
+    ("stdit_tiny", [PP2], []),
+    ("moviegen_tiny", [TP2, SP], []),
+    ("moviegen_tiny", [PP2], []),
+    ("moviegen_tiny", ["model.expert_model_parallel_size=2", DIST_OPT, *DP_DATA], DP_DATA),
+    ("moviegen_tiny", [TP2, SP, PP2], []),
+    ("dit_tiny", ["model.context_parallel_size=2"], []),
+    ("stdit_tiny", ["model.context_parallel_size=2"], []),
+    ("moviegen_tiny", ["model.context_parallel_size=2"], []),
+    ("dit_tiny", [TP2, SP, "model.context_parallel_size=2"], []),
+    ("stdit_tiny", [TP2, SP], []),
+    ("stdit_tiny", [TP2, SP, "model.context_parallel_size=2"], []),
 ]
 
 
-def train(tmp: Path, config: str, nproc: int, overrides: list[str]) -> list[dict]:
+@dataclass
+class Run:
+    metrics: list[dict]
+    weights: dict[str, torch.Tensor]
+
+
+def world_size(layout: list[str]) -> int:
+    sizes = dict(item.split("=", 1) for item in layout)
+    model_parallel = math.prod(
+        int(sizes.get(f"model.{kind}_parallel_size", 1)) for kind in ("tensor_model", "pipeline_model", "context")
+    )
+    return model_parallel if model_parallel > 1 else 2
+
+
+def train(tmp: Path, config: str, nproc: int, overrides: list[str]) -> Run:
     log_dir = tmp / f"{config}-{nproc}-{abs(hash(tuple(overrides)))}"
     conf = RECIPE_DIR / "conf" / f"{config}.yaml"
-    result = run_entry(nproc, ["train.train_iters=3", f"logger.log_dir={log_dir}", *overrides], config=conf)
+    weights = log_dir / "full_weights.pt"
+    args = ["train.train_iters=3", f"logger.log_dir={log_dir}", f"train.dump_full_weights={weights}", *overrides]
+    result = run_entry(nproc, args, config=conf)
     assert result.returncode == 0, result.stderr[-4000:]
-    return read_metrics(log_dir)
+    return Run(read_metrics(log_dir), torch.load(weights))
 
 
 @pytest.fixture(scope="module")
 def reference_runs(tmp_path_factory):
     tmp, cache = tmp_path_factory.mktemp("reference"), {}
 
-    def reference(config: str, overrides: list[str]) -> list[dict]:
+    def reference(config: str, overrides: list[str]) -> Run:
         key = (config, tuple(overrides))
         if key not in cache:
             cache[key] = train(tmp, config, 1, overrides)
@@ -47,11 +95,26 @@ def reference_runs(tmp_path_factory):
     return reference
 
 
-@pytest.mark.parametrize("config,layout,reference_overrides", CASES, ids=lambda v: v if isinstance(v, str) else None)
-def test_layout_matches_single_process(tmp_path, reference_runs, config, layout, reference_overrides):
-    expected = reference_runs(config, reference_overrides)
-    actual = train(tmp_path, config, 2, layout)
+def assert_same_metrics(expected: list[dict], actual: list[dict]) -> None:
     assert [r["iteration"] for r in actual] == [1, 2, 3]
     for ref, got in zip(expected, actual):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (ref["iteration"], ref["loss"], got["loss"])
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3), (ref["iteration"], ref["grad_norm"], got["grad_norm"])
+
+
+def assert_same_weights(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert sorted(actual) == sorted(expected)
+    for name, ref in expected.items():
+        assert actual[name].shape == ref.shape, (name, actual[name].shape, ref.shape)
+        torch.testing.assert_close(actual[name], ref, rtol=0, atol=WEIGHT_ATOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("config,layout,reference_overrides", CASES, ids=lambda v: v if isinstance(v, str) else None)
+def test_layout_matches_single_process(tmp_path, reference_runs, config, layout, reference_overrides):
+    expected = reference_runs(config, reference_overrides)
+    actual = train(tmp_path, config, world_size(layout), layout)
+    assert_same_metrics(expected.metrics, actual.metrics)
+    gap = KNOWN_WEIGHT_GAPS.get((config, layout[0]))
+    if gap:
+        pytest.xfail(gap)
+    assert_same_weights(expected.weights, actual.weights)

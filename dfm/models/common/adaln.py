@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor, nn
 
@@ -41,6 +41,10 @@ class AdaLNModulation(MegatronModule):
     def forward(self, cond: Tensor, token_sample_ids: Tensor) -> tuple[Tensor, ...]:
         """cond [N, h], token_sample_ids [s] -> num_chunks x [s, 1, h]."""
         per_sample, _ = self.linear(F.silu(cond))
+        if self.config.sequence_parallel:
+            # Each TP rank modulates only its slice of the tokens: sum their grads over TP ranks
+            # before the column-parallel gather hands each rank its partition's grad.
+            per_sample = copy_to_tensor_model_parallel_region(per_sample)
         per_token = per_sample[token_sample_ids].unsqueeze(1)
         return per_token.chunk(self.num_chunks, dim=-1)
 

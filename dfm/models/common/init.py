@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_tensor_model_parallel_attributes
 from torch import nn
 
 # adaLN-Zero (DiT) plus the cross-attention output (PixArt): every fresh block is the identity.
@@ -41,6 +42,19 @@ def take_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return torch.cat(chunks[rank::tp], dim=dim)
 
 
+def gather_full(shard: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``take_shard``: the full tensor from every TP rank's shard (collective over TP)."""
+    if not getattr(shard, "tensor_model_parallel", False):
+        return shard.detach()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    dim, stride = shard.partition_dim, getattr(shard, "partition_stride", 1)
+    shards = [torch.empty_like(shard) for _ in range(tp)]
+    torch.distributed.all_gather(shards, shard.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    # Rank r holds chunks r, r + tp, r + 2 tp, ... of the full tensor (one per stride step).
+    pieces = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([pieces[rank][step] for step in range(stride) for rank in range(tp)], dim=dim)
+
+
 def default_rule(name: str, shape: list[int], generator: torch.Generator, std: float) -> torch.Tensor:
     """DiT-style init: zeros for adaLN / final layer / biases, ones for norms, xavier for matrices."""
     full = torch.empty(shape)
@@ -55,6 +69,22 @@ def default_rule(name: str, shape: list[int], generator: torch.Generator, std: f
     return full.uniform_(-bound, bound, generator=generator)
 
 
+def mark_tensor_parallel_weights(model: nn.Module) -> None:
+    """Tag megatron's parallel-linear weights as TP shards (dim, stride), as megatron itself does
+    only when it initialises them (``perform_initialization``); we initialise here instead.
+    Without the tags a TP rank's weight looks replicated: it would be drawn as if it were the
+    full tensor, and its gradient left out of the grad norm."""
+    for name, module in model.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or module.weight is None:
+            continue
+        if hasattr(module.weight, "tensor_model_parallel"):
+            continue
+        dim = 0 if isinstance(module, ColumnParallelLinear) else 1
+        # megatron's MLP builds a gated fc1 with stride 2: each rank holds [gate_r; up_r].
+        stride = 2 if name.endswith("linear_fc1") and module.config.gated_linear_unit else 1
+        set_tensor_model_parallel_attributes(module.weight, True, dim, stride)
+
+
 @torch.no_grad()
 def init_params(
     model: nn.Module,
@@ -64,6 +94,7 @@ def init_params(
     rule: Callable[..., torch.Tensor] = default_rule,
 ) -> None:
     """Fill every parameter of ``model`` from (seed, global_name(name))."""
+    mark_tensor_parallel_weights(model)
     for name, param in model.named_parameters():
         gname = global_name(name)
         generator = torch.Generator().manual_seed(name_seed(seed, gname))

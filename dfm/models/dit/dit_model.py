@@ -19,7 +19,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from dfm.data.packed_batch import PackedBatch
 from dfm.models.common.adaln import AdaLNNorm, modulate
@@ -32,6 +31,7 @@ from dfm.models.common.embeddings import (
     sincos_3d,
 )
 from dfm.models.common.packed_attention import PackedSegments
+from dfm.models.common.recompute import forward_layers, layer_runs
 
 
 class FinalLayer(nn.Module):
@@ -222,8 +222,5 @@ class DiTModel(MegatronModule):
     def run_layers(self, hidden, cond, token_ids, context, rope, batch) -> Tensor:
         self_params = self.self_attention_params(batch)
         cross_params = packed_seq_params(batch, True, sequence_split(batch.cu_seqlens_q_padded)) if self.cross else None
-        recompute = self.config.recompute_granularity == "full" and self.training
-        for layer in self.layers:
-            args = (hidden, cond, token_ids, context, rope, self_params, cross_params)
-            hidden = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
-        return hidden
+        runs = layer_runs(len(self.layers), self.config, self.training)
+        return forward_layers(self.layers, runs, hidden, cond, token_ids, context, rope, self_params, cross_params)
