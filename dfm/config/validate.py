@@ -75,10 +75,12 @@ def _check_context_parallel(cfg: ConfigContainer) -> None:
     tp = model.tensor_model_parallel_size
     multiple = 2 * cp * (tp if model.sequence_parallel else 1)
     split = f"2 x context_parallel_size ({cp})" + (f" x tensor_model_parallel_size ({tp})" if multiple != 2 * cp else "")
-    if cfg.dataset.seq_length < multiple or cfg.dataset.seq_length % multiple:
+    length = cfg.dataset.seq_length
+    problem = "is too short to split" if length < multiple else "is not divisible" if length % multiple else None
+    if problem:
         raise ConfigError(
-            f"dataset.seq_length ({cfg.dataset.seq_length}) is too short to split, or not divisible: context parallelism "
-            f"pads every sample to a multiple of {split} = {multiple} tokens and needs seq_length a multiple of it"
+            f"dataset.seq_length ({length}) {problem}: context parallelism pads every sample to a multiple of "
+            f"{split} = {multiple} tokens and needs seq_length a multiple of it"
         )
     if model.architecture == "stdit" and model.num_attention_heads % (tp * cp):
         raise ConfigError(

@@ -13,7 +13,7 @@ CP2 = "model.context_parallel_size=2"
     [
         # One sample of a pack is cut into 2*cp chunks: 2 tokens cannot be split 4 ways.
         ([CP2, "dataset.seq_length=2"], r"dataset\.seq_length \(2\) is too short to split.*2 x context_parallel_size \(2\) = 4"),
-        ([CP2, "dataset.seq_length=18"], r"dataset\.seq_length \(18\).*multiple of 2 x context_parallel_size \(2\) = 4"),
+        ([CP2, "dataset.seq_length=18"], r"dataset\.seq_length \(18\) is not divisible.*multiple of 2 x context_parallel_size \(2\) = 4"),
         (
             [CP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true", "dataset.seq_length=4"],
             r"dataset\.seq_length \(4\) is too short.*2 x context_parallel_size \(2\) x tensor_model_parallel_size \(2\) = 8",
