@@ -5,7 +5,9 @@ energon shards by the real preparation path, with a tiny random T5 and the ident
     dataset_dir = prepare_digits_dataset(root, t5_dir)    # energon dataset of 8x8x1 latents
 
 Pixels are 0..16 in scikit-learn; they are written as 8-bit PNGs (v * 255 / 16, exact for integers)
-and read back by the preparation as [-1, 1], which the identity VAE keeps as the latent.
+and read back by the preparation as [-1, 1]. The identity VAE (grey, no compression) then shifts and
+scales them to mean 0 and std 0.5, EDM's sigma_data: in [-1, 1] the digits have mean -0.39 and std
+0.75, which made EDM train mostly at noise levels too low to decide which digit to draw.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from typing import Optional
 import numpy as np
 from PIL import Image
 
+from dfm.data.encoders.identity_vae import write_identity_vae
 from dfm.data.encoders.tiny import build_tiny_t5
 from dfm.data.prepare.pipeline import PrepareReport, PrepareSettings, prepare_dataset
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 DIGIT_SIZE = 8  # pixels per side
 DIGIT_MAX = 16.0  # scikit-learn's pixel range is 0..16
-DIGIT_VAE = "identity_grey"  # one latent channel = the grey pixels
+DIGIT_LATENT_STD = 0.5  # EDM's sigma_data
 DIGIT_TEXT_DIM = 32  # width of the tiny T5; the model's text_embed_dim
 DIGIT_MAX_TEXT_LEN = 32  # ByT5 bytes: "a handwritten digit seven" is 25 + EOS
 
@@ -45,9 +48,15 @@ def to_uint8(images: np.ndarray) -> np.ndarray:
     return np.round(np.clip(images, 0, DIGIT_MAX) * 255 / DIGIT_MAX).astype(np.uint8)
 
 
-def latents_to_digit_pixels(latents: np.ndarray) -> np.ndarray:
-    """Identity-VAE latents in [-1, 1], any shape [N, ...] -> pixels [N, ...] in 0..16 (the classifier's scale)."""
-    return np.clip((np.asarray(latents, dtype=np.float64) + 1) / 2, 0, 1) * DIGIT_MAX
+def video_to_digit_pixels(video: np.ndarray) -> np.ndarray:
+    """Decoded pixels in [-1, 1], any shape [N, ...] -> [N, ...] in 0..16 (the classifier's scale)."""
+    return np.clip((np.asarray(video, dtype=np.float64) + 1) / 2, 0, 1) * DIGIT_MAX
+
+
+def write_digit_vae(out_dir: str | Path) -> Path:
+    """Identity VAE (1 grey channel) normalising the digits to mean 0, std ``DIGIT_LATENT_STD``."""
+    pixels = load_digits()[0] / DIGIT_MAX * 2 - 1  # [-1, 1], as the preparation reads the PNGs
+    return write_identity_vae(out_dir, 1, float(pixels.mean()), DIGIT_LATENT_STD / float(pixels.std()))
 
 
 def write_digit_folder(raw_dir: str | Path, limit: Optional[int] = None) -> int:
@@ -71,9 +80,9 @@ def build_digit_text_encoder(out_dir: str | Path, seed: int = 0) -> Path:
     return build_tiny_t5(Path(out_dir), seed, DIGIT_TEXT_DIM)
 
 
-def digit_prepare_settings(root: Path, t5_dir: Path, patch_spatial: int) -> PrepareSettings:
+def digit_prepare_settings(root: Path, t5_dir: Path, vae_dir: Path, patch_spatial: int) -> PrepareSettings:
     """What ``prepare_energon_dataset.py --input_dir ROOT/raw --output_dir ROOT/dataset --height 8
-    --width 8 --t5 T5_DIR --vae identity_grey --max_text_len 32 --caption_format jsonl
+    --width 8 --t5 T5_DIR --vae VAE_DIR --vae_subfolder '' --max_text_len 32 --caption_format jsonl
     --run_energon_prepare`` builds."""
     return PrepareSettings(
         input_dir=str(root / "raw"),
@@ -84,7 +93,7 @@ def digit_prepare_settings(root: Path, t5_dir: Path, patch_spatial: int) -> Prep
         patch_spatial=patch_spatial,
         t5_name_or_dir=str(t5_dir),
         max_text_len=DIGIT_MAX_TEXT_LEN,
-        vae_name_or_dir=DIGIT_VAE,
+        vae_name_or_dir=str(vae_dir),
         vae_subfolder=None,
         shard_maxcount=500,
         run_energon_prepare=True,
@@ -92,10 +101,10 @@ def digit_prepare_settings(root: Path, t5_dir: Path, patch_spatial: int) -> Prep
 
 
 def prepare_digits_dataset(
-    root: str | Path, t5_dir: str | Path, patch_spatial: int = 2, limit: Optional[int] = None
+    root: str | Path, t5_dir: str | Path, vae_dir: str | Path, patch_spatial: int = 2, limit: Optional[int] = None
 ) -> tuple[Path, PrepareReport]:
     """Raw folder under ``root/raw`` -> energon dataset under ``root/dataset``."""
     root = Path(root)
     write_digit_folder(root / "raw", limit)
-    report = prepare_dataset(digit_prepare_settings(root, Path(t5_dir), patch_spatial))
+    report = prepare_dataset(digit_prepare_settings(root, Path(t5_dir), Path(vae_dir), patch_spatial))
     return root / "dataset", report

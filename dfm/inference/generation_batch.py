@@ -38,9 +38,18 @@ def draw_noise(latent_shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 def generation_batch(noise: torch.Tensor, text: torch.Tensor, model_cfg) -> PackedBatch:
     """noise [C, T', H', W'], text [L, D_text] -> a one-sample PackedBatch (latents = patchified noise)."""
-    tokens, pos_ids = patchify(noise, model_cfg.patch_temporal, model_cfg.patch_spatial)
-    sample = DiffusionSample(tokens=tokens, pos_ids=pos_ids, text=text, latent_shape=tuple(noise.shape), sample_index=0)
-    return pack_samples([sample])
+    return generation_pack([noise], [text], model_cfg)
+
+
+def generation_pack(noises: list[torch.Tensor], texts: list[torch.Tensor], model_cfg) -> PackedBatch:
+    """N samples in one pack (one model call per step for all): noises [C, T', H', W'] and texts [L, D_text]."""
+    samples = []
+    for index, (noise, text) in enumerate(zip(noises, texts, strict=True)):
+        tokens, pos_ids = patchify(noise, model_cfg.patch_temporal, model_cfg.patch_spatial)
+        samples.append(
+            DiffusionSample(tokens=tokens, pos_ids=pos_ids, text=text, latent_shape=tuple(noise.shape), sample_index=index)
+        )
+    return pack_samples(samples)
 
 
 def null_text_batch(batch: PackedBatch) -> PackedBatch:

@@ -41,8 +41,13 @@ def resolve_sampler(pipeline: DiffusionPipeline, sampler: Optional[str]) -> str:
     return sampler or pipeline.settings.sampler
 
 
+def sample_latent(*args, **kwargs) -> torch.Tensor:
+    """``sample_latents`` for a one-sample pack -> its clean latent [C, T', H', W']."""
+    return sample_latents(*args, **kwargs)[0]
+
+
 @torch.no_grad()
-def sample_latent(
+def sample_latents(
     model: torch.nn.Module,
     pipeline: DiffusionPipeline,
     pipeline_name: str,
@@ -52,8 +57,9 @@ def sample_latent(
     guidance_scale: float,
     sampler: Optional[str] = None,
     seed: int = 0,
-) -> torch.Tensor:
-    """Denoise ``batch.latents`` (the starting noise) -> clean latent [C, T', H', W'] of the one sample.
+) -> list[torch.Tensor]:
+    """Denoise ``batch.latents`` (the starting noise of every sample in the pack) at once
+    -> one clean latent [C, T', H', W'] per sample.
 
     Guidance scale 1 is the conditional prediction alone, so the unconditional pass is skipped.
     """
@@ -72,6 +78,14 @@ def sample_latent(
             generator=torch.Generator().manual_seed(seed),
             sampler=name,
         )
-    real = int(batch.cu_seqlens_q[1])  # one sample, no padding past its tokens
-    shape = tuple(int(v) for v in batch.latent_shape[0])
-    return unpatchify(latents[:real].float(), shape, model_cfg.patch_temporal, model_cfg.patch_spatial)
+    return unpack_latents(latents, batch, model_cfg)
+
+
+def unpack_latents(latents: torch.Tensor, batch: PackedBatch, model_cfg) -> list[torch.Tensor]:
+    """Packed tokens [S, D] -> each sample's latent [C, T', H', W'] (padding dropped)."""
+    starts = batch.cu_seqlens_q_padded[:-1].tolist()
+    lengths = (batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).tolist()
+    return [
+        unpatchify(latents[start : start + length].float(), tuple(shape), model_cfg.patch_temporal, model_cfg.patch_spatial)
+        for start, length, shape in zip(starts, lengths, batch.latent_shape.tolist())
+    ]

@@ -6,7 +6,7 @@ Two diffusers families:
 - ``kl``: AutoencoderKL (image VAE), applied frame by frame (T' = T); latents scaled by
   scaling_factor after subtracting shift_factor.
 Encoding uses the posterior mean, so a sample always gets the same latent.
-The names ``identity`` / ``identity_grey`` load an ``IdentityVAE`` instead (pixels as latents).
+The names ``identity`` / ``identity_grey`` (or an IdentityVAE folder) load an ``IdentityVAE`` instead.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ class VideoVAE:
         dtype: torch.dtype = torch.float32,
     ) -> "VideoVAE | IdentityVAE":
         """Load a local folder or a hub name (e.g. ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` with subfolder ``vae``)."""
-        if is_identity_vae(name_or_dir):
-            return IdentityVAE(str(name_or_dir))
+        for candidate in (name_or_dir, Path(name_or_dir) / (subfolder or "")):
+            if is_identity_vae(candidate):
+                return IdentityVAE.load(candidate)
         if kind == "auto":
             kind = detect_vae_kind(name_or_dir, subfolder)
         model_class = AutoencoderKLWan if kind == "wan" else AutoencoderKL

@@ -62,7 +62,9 @@ def default_rule(name: str, shape: list[int], generator: torch.Generator, std: f
         return full.zero_()
     if len(shape) == 1:
         return full.fill_(1.0)
-    if "embed" in name and "tables" in name or "t_embedder" in name:
+    # The timestep MLP only: a substring test also caught "text_embedder", whose 0.02-std weights
+    # shrank the text features ~40x on small T5 widths, so cross-attention barely saw the caption.
+    if "embed" in name and "tables" in name or name.startswith("t_embedder."):
         return full.normal_(0.0, std, generator=generator)
     fan_out, fan_in = shape[0], int(torch.tensor(shape[1:]).prod())
     bound = (6.0 / (fan_in + fan_out)) ** 0.5

@@ -1,0 +1,41 @@
+"""Issue #9, "it learns": scikit-learn's 8x8 digits -> captioned image folder -> the real preparation
+(tiny random T5, identity VAE) -> energon prepare -> the real pretrain entry point on CPU -> generation
+with classifier-free guidance from every caption -> a classifier trained on the real digits.
+
+CI-sized (conf/digits_tiny.yaml); the longer run and the measured figures are in docs/learning.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dfm.evaluation.digit_classifier import train_digit_classifier
+from dfm.evaluation.digits_run import prepare_digits, score_digits, train_digits
+from dfm.evaluation.digits_eval import DigitSampling
+
+CHANCE = 0.1
+CONDITIONAL_THRESHOLD = 0.6  # the issue's bar for the CI-sized run; measured figures in docs/learning.md
+UNCONDITIONAL_CEILING = 0.3  # null text, no guidance: near chance (0.1), with room for 100 samples' noise
+CI_SAMPLING = DigitSampling(samples_per_digit=10, steps=12, guidance_scale=3.0, seed=0)
+
+
+@pytest.fixture(scope="module")
+def digits_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits")
+    prepare_digits(root)
+    return root
+
+
+def test_classifier_recognises_real_digits():
+    assert train_digit_classifier().held_out_accuracy >= 0.95
+
+
+@pytest.mark.parametrize("pipeline", ["edm", "flow"])
+def test_dit_cross_learns_digits(digits_root, pipeline):
+    out = digits_root / pipeline
+    checkpoint = train_digits(digits_root / "dataset", out, overrides=[f"model.pipeline={pipeline}"])
+    (scores,) = score_digits([checkpoint], digits_root, CI_SAMPLING, out / "scores.json")
+    print(f"{pipeline}: conditional accuracy: {scores['conditional_accuracy']:.2f}, "
+          f"unconditional accuracy: {scores['unconditional_accuracy']:.2f}")
+    assert scores["conditional_accuracy"] >= CONDITIONAL_THRESHOLD, scores["conditional_accuracy"]
+    assert scores["unconditional_accuracy"] <= UNCONDITIONAL_CEILING, scores["unconditional_accuracy"]
