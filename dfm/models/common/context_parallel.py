@@ -24,6 +24,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import all_to_all, gather_from_sequence_parallel_region
 from torch import Tensor
 
+from dfm.models.common.packed_attention import document_ids_on_device
+
 Kernel = Callable[[Tensor, Tensor, Tensor, PackedSeqParams], Tensor]  # q, k, v [s, b, np, hn] -> [s, b, np, hn]
 
 
@@ -64,19 +66,6 @@ class SequenceSplit:
         gathered = gather_from_sequence_parallel_region(tensor, grad_is_partial, group=self.group)
         return gathered[self.from_gathered.to(tensor.device)]
 
-    def q_valid(self, cu_seqlens_q: Tensor, cu_seqlens_q_padded: Tensor) -> Tensor:
-        """[S/cp, 1, 1, 1] bool: local tokens that are real (not padding)."""
-        real = segment_mask(cu_seqlens_q, cu_seqlens_q_padded)
-        return self.local(real)[:, None, None, None]
-
-
-def segment_mask(cu_seqlens: Tensor, cu_seqlens_padded: Tensor) -> Tensor:
-    """[S] bool: True on each segment's real tokens (its first ``cu_seqlens`` diff tokens)."""
-    total = int(cu_seqlens_padded[-1])
-    starts = cu_seqlens_padded[:-1].long()
-    ids = torch.repeat_interleave(torch.arange(len(starts)), torch.diff(cu_seqlens_padded).long().cpu())
-    offset = torch.arange(total) - starts.cpu()[ids]
-    return (offset < torch.diff(cu_seqlens).long().cpu()[ids]).to(cu_seqlens.device)
 
 
 def sequence_split(cu_seqlens_padded: Tensor) -> SequenceSplit:
@@ -119,8 +108,9 @@ class LocalQueryAttention:
 def local_query_attention(params: PackedSeqParams, split: SequenceSplit, self_attention: bool) -> LocalQueryAttention:
     """CP attention for ``params`` (whole-pack segments) when this rank holds ``split``'s queries."""
     local = dataclasses.replace(params, cu_seqlens_q=split.cu_local, cu_seqlens_q_padded=split.cu_local)
-    q_valid = split.q_valid(params.cu_seqlens_q, params.cu_seqlens_q_padded)
-    return LocalQueryAttention(split, local, q_valid, gather_kv=self_attention)
+    total, device = int(params.cu_seqlens_q_padded[-1]), params.cu_seqlens_q_padded.device
+    real = document_ids_on_device(params, "q", total, device) >= 0
+    return LocalQueryAttention(split, local, split.local(real)[:, None, None, None], gather_kv=self_attention)
 
 
 @dataclass
