@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dfm.models.common.context_parallel import load_balanced_positions
+
 WORKER = Path(__file__).with_name("_cp_attention_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-10
@@ -38,3 +40,17 @@ EXPECTED = [
 def test_cp_attention_matches_single_process(cp_results, quantity):
     for rank, results in enumerate(cp_results):
         assert results[quantity] < TOLERANCE, (rank, quantity, results[quantity])
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_load_balanced_split_covers_each_token_once(cp):
+    """Rank r holds chunks r and 2*cp-1-r of every segment; all ranks together hold every token once."""
+    segments = [4 * cp, 2 * cp, 6 * cp]
+    cu = torch.tensor([0, *torch.tensor(segments).cumsum(0).tolist()], dtype=torch.int32)
+    per_rank = [load_balanced_positions(cu, cp, rank) for rank in range(cp)]
+    assert torch.equal(torch.sort(torch.cat(per_rank)).values, torch.arange(sum(segments)))
+    chunk = segments[0] // (2 * cp)
+    first_segment = per_rank[0][: 2 * chunk]
+    assert first_segment.tolist() == [*range(chunk), *range((2 * cp - 1) * chunk, 2 * cp * chunk)]
+    with pytest.raises(ValueError, match=f"cannot be split into 2\\*cp={2 * cp} chunks"):
+        load_balanced_positions(torch.tensor([0, 2 * cp + 1], dtype=torch.int32), cp, 0)
