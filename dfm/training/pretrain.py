@@ -26,7 +26,7 @@ from dfm.training.faults import NonFiniteGuard, PreemptionSignal, grads_are_fini
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.full_weights import save_full_weights
 from dfm.training.metrics_log import MetricsLog
-from dfm.training.setup import build_model, build_optimizer, num_microbatches
+from dfm.training.setup import build_model, build_optimizer, num_microbatches, schedule_model_and_data
 from dfm.training.throughput import device_peak_flops, mfu
 from dfm.training.validation import generate_validation_sample, validation_loss
 
@@ -127,8 +127,7 @@ def train_step(forward_step, data_iter, model, optimizer, scheduler, n_micro: in
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=[data_iter] * len(model) if len(model) > 1 else data_iter,
-        model=model if len(model) > 1 else model[0],
+        **schedule_model_and_data(model, data_iter),
         num_microbatches=n_micro,
         seq_length=1,  # unused: variable_seq_lengths makes stages exchange shapes
         micro_batch_size=1,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,15 @@ def build_model(cfg: ConfigContainer, device: torch.device) -> tuple[list[Any], 
     for chunk in wrapped:
         chunk.broadcast_params()
     return wrapped, tconfig
+
+
+def schedule_model_and_data(model: list[Any], data_iter) -> dict[str, Any]:
+    """megatron schedule arguments ``model`` and ``data_iterator``: the one chunk and its iterator,
+    or (interleaved virtual pipeline) all chunks, each with its own view of one batch stream,
+    since every chunk reads every micro-batch (each stage needs the pack's segments)."""
+    if len(model) == 1:
+        return {"model": model[0], "data_iterator": data_iter}
+    return {"model": model, "data_iterator": list(itertools.tee(data_iter, len(model)))}
 
 
 def build_optimizer(cfg: ConfigContainer, model: list[Any], tconfig) -> tuple[Any, OptimizerParamScheduler]:

@@ -19,6 +19,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.diffusion.pipeline import DiffusionPipeline
 from dfm.inference.generation_batch import draw_noise, generation_batch
 from dfm.inference.sampling import sample_latent
+from dfm.training.setup import schedule_model_and_data
 
 logger = logging.getLogger("dfm.validation")
 
@@ -30,8 +31,7 @@ def validation_loss(forward_step, val_iter, model: list, num_packs: int) -> list
     with torch.no_grad():
         return get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=[val_iter] * len(model) if len(model) > 1 else val_iter,
-            model=model if len(model) > 1 else model[0],
+            **schedule_model_and_data(model, val_iter),
             num_microbatches=num_packs,
             seq_length=1,
             micro_batch_size=1,
