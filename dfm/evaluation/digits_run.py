@@ -14,8 +14,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dfm.evaluation.digits_data import build_digit_text_encoder, prepare_digits_dataset, write_digit_vae
@@ -24,7 +26,6 @@ from dfm.evaluation.digits_eval import DigitSampling
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recipes" / "dit"
 TRAIN_ENTRY = RECIPE_DIR / "pretrain_dit_model.py"
 CI_CONFIG = RECIPE_DIR / "conf" / "digits_tiny.yaml"
-LONG_CONFIG = RECIPE_DIR / "conf" / "digits_long.yaml"
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -88,3 +89,31 @@ def score_digits(
     ]
     run_child(cmd, Path(json_path).with_suffix(".log"), threads, timeout)
     return json.loads(Path(json_path).read_text())
+
+
+@dataclass
+class PipelineRun:
+    losses: list[tuple[int, float]]  # (iteration, training loss)
+    scores: list[dict]  # one per saved checkpoint, in iteration order
+    seconds: float  # training + scoring wall time
+
+
+def train_and_score(
+    root: Path, pipeline: str, config: Path, overrides: Sequence[str], sampling: DigitSampling, threads: int = 1
+) -> PipelineRun:
+    """Train one pipeline on ``root/dataset`` into ``root/<pipeline>``, score every saved checkpoint."""
+    start = time.perf_counter()
+    out = Path(root) / pipeline
+    checkpoint_root = train_digits(Path(root) / "dataset", out, config, [f"model.pipeline={pipeline}", *overrides], threads)
+    scores = score_digits(sorted(checkpoint_root.glob("iter_*")), root, sampling, out / "scores.json", threads)
+    return PipelineRun(read_losses(out), scores, time.perf_counter() - start)
+
+
+def train_and_score_pipelines(
+    root: Path, pipelines: Sequence[str], config: Path, overrides: Sequence[str], sampling: DigitSampling,
+    threads: int = 1,
+) -> dict[str, PipelineRun]:
+    """``train_and_score`` for each pipeline side by side (one single-threaded child each: 2 cores, 2 runs)."""
+    run = lambda name: train_and_score(root, name, config, overrides, sampling, threads)  # noqa: E731
+    with ThreadPoolExecutor(len(pipelines)) as pool:
+        return dict(zip(pipelines, pool.map(run, pipelines)))

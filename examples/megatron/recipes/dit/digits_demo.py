@@ -2,11 +2,12 @@
 the real pretrain entry point for each pipeline, conditional/unconditional accuracy at every saved
 checkpoint, then the learning-curve and sample-grid PNGs.
 
-    python examples/megatron/recipes/dit/digits_demo.py --out_dir outputs/digits_demo \
-        --plot docs/img/digits_learning.png --grid docs/img/digits_samples.png
+    python examples/megatron/recipes/dit/digits_demo.py --out_dir outputs/digits_demo --eval_interval 200 \
+        --plot docs/img/digits_learning.png --grid docs/img/digits_samples.png train.train_iters=800
 
-Extra ``key=value`` arguments override the training config (conf/digits_long.yaml by default), e.g.
-``train.train_iters=600``. The CI-sized version of the same path is tests/learning/test_digits_learn.py.
+Extra ``key=value`` arguments override the training config (conf/digits_tiny.yaml, the CI run's,
+which trains 500 iterations), e.g. ``train.train_iters=1500``. The CI-sized version of the same path
+is tests/learning/test_digits_learn.py.
 """
 
 from __future__ import annotations
@@ -14,21 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 from dfm.evaluation.digits_eval import DigitSampling
 from dfm.evaluation.digits_plot import plot_learning_curves, plot_sample_grid
-from dfm.evaluation.digits_run import LONG_CONFIG, prepare_digits, read_losses, score_digits, train_digits
+from dfm.evaluation.digits_run import CI_CONFIG, prepare_digits, train_and_score_pipelines
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = DigitSampling()
     p.add_argument("--out_dir", default="outputs/digits_demo")
-    p.add_argument("--config", default=str(LONG_CONFIG))
+    p.add_argument("--config", default=str(CI_CONFIG))
     p.add_argument("--pipelines", nargs="+", default=["edm", "flow"], choices=["edm", "flow"])
     p.add_argument("--eval_interval", type=int, default=250, help="save and score a checkpoint every N iterations")
     p.add_argument("--samples_per_digit", type=int, default=defaults.samples_per_digit)
@@ -42,36 +41,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_pipeline(name: str, args: argparse.Namespace, dataset_dir: Path, sampling: DigitSampling) -> tuple:
-    """Train one pipeline, score all its checkpoints -> (losses, scores, seconds)."""
-    out = Path(args.out_dir) / name
-    start = time.perf_counter()
-    overrides = [f"model.pipeline={name}", f"checkpoint.save_interval={args.eval_interval}", *args.overrides]
-    checkpoint_root = train_digits(dataset_dir, out, Path(args.config), overrides, args.threads)
-    checkpoints = sorted(checkpoint_root.glob("iter_*"))
-    scores = score_digits(checkpoints, Path(args.out_dir), sampling, out / "scores.json", args.threads)
-    return read_losses(out), scores, time.perf_counter() - start
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     out_dir = Path(args.out_dir)
     sampling = DigitSampling(args.samples_per_digit, args.steps, args.guidance_scale, None, args.seed)
-    dataset_dir = prepare_digits(out_dir)
-    # The pipelines train side by side: each child process is single-threaded (--threads).
-    with ThreadPoolExecutor(len(args.pipelines)) as pool:
-        results = dict(zip(args.pipelines, pool.map(lambda n: run_pipeline(n, args, dataset_dir, sampling), args.pipelines)))
-    runs, summary = {}, {}
-    for name, (losses, scores, seconds) in results.items():
-        runs[name] = (losses, scores)
-        final = scores[-1]
-        summary[name] = {"iterations": final["iteration"], "seconds": round(seconds), "final_loss": losses[-1][1],
-                         "curve": [(s["iteration"], s["conditional_accuracy"], s["unconditional_accuracy"]) for s in scores]}
+    prepare_digits(out_dir)
+    overrides = [f"checkpoint.save_interval={args.eval_interval}", *args.overrides]
+    runs = train_and_score_pipelines(out_dir, args.pipelines, Path(args.config), overrides, sampling, args.threads)
+    summary = {}
+    for name, run in runs.items():
+        final = run.scores[-1]
+        summary[name] = {"iterations": final["iteration"], "minutes": round(run.seconds / 60, 1),
+                         "final_loss": run.losses[-1][1],
+                         "curve": [(s["iteration"], s["conditional_accuracy"], s["unconditional_accuracy"]) for s in run.scores]}
         print(f"{name}: conditional accuracy: {final['conditional_accuracy']:.2f}, "
               f"unconditional accuracy: {final['unconditional_accuracy']:.2f} "
-              f"(iteration {final['iteration']}, {seconds / 60:.1f} min)")
-    plot = plot_learning_curves(runs, args.plot or out_dir / "digits_learning.png")
-    grid = plot_sample_grid({n: s[-1]["samples"] for n, (_, s) in runs.items()}, args.samples_per_digit, args.grid or out_dir / "digits_samples.png")
+              f"(iteration {final['iteration']}, {run.seconds / 60:.1f} min)")
+    plot = plot_learning_curves({n: (r.losses, r.scores) for n, r in runs.items()}, args.plot or out_dir / "digits_learning.png")
+    grid = plot_sample_grid({n: r.scores[-1]["samples"] for n, r in runs.items()}, args.samples_per_digit,
+                            args.grid or out_dir / "digits_samples.png")
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {plot}, {grid}, {out_dir / 'summary.json'}")
     return 0
