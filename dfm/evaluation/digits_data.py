@@ -6,8 +6,8 @@ energon shards by the real preparation path, with a tiny random T5 and the ident
 
 Pixels are 0..16 in scikit-learn; they are written as 8-bit PNGs (v * 255 / 16, exact for integers)
 and read back by the preparation as [-1, 1]. The identity VAE (grey, no compression) then shifts and
-scales them to mean 0 and std 0.5, EDM's sigma_data: in [-1, 1] the digits have mean -0.39 and std
-0.75, which made EDM train mostly at noise levels too low to decide which digit to draw.
+scales them to mean 0 and std 0.5, EDM's sigma_data convention (in [-1, 1] the digits have mean
+-0.39 and std 0.75).
 """
 
 from __future__ import annotations
