@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.timing import Timing, peak_memory_gib, reset_memory, start_clock, stop_clock
-from dfm.diffusion.pipeline import build_pipeline
+from dfm.diffusion.pipeline import pipeline_from_config
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.pretrain import RecordingIterator, finalize_defaults, train_step
 from dfm.training.data import build_mock_loader
@@ -22,7 +22,7 @@ def time_dfm(cfg, device: torch.device, warmup: int, steps: int, profiler=None) 
     finalize_defaults(cfg)
     model, tconfig = build_model(cfg, device)
     optimizer, scheduler = build_optimizer(cfg, model, tconfig)
-    pipeline = build_pipeline(cfg.model.pipeline)
+    pipeline = pipeline_from_config(cfg)
     forward_step = DiffusionForwardStep(pipeline, cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
     data = RecordingIterator(build_mock_loader(cfg))
     n_micro = num_microbatches(cfg)

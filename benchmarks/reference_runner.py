@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.reference_dit import ReferenceDiT, ShapeBatch, batches_from_pack
 from benchmarks.timing import Timing, peak_memory_gib, reset_memory, start_clock, stop_clock
-from dfm.diffusion.pipeline import build_pipeline
+from dfm.diffusion.pipeline import pipeline_from_config
 from dfm.training.data import build_mock_loader
 from dfm.training.setup import num_microbatches
 
@@ -62,7 +62,7 @@ def reference_step(cfg, model, optimizer, pipeline, loader, n_micro: int, device
 def time_reference(cfg, device: torch.device, warmup: int, steps: int, profiler=None) -> Timing:
     reset_memory(device)
     model, optimizer = build_reference(cfg, device)
-    pipeline = build_pipeline(cfg.model.pipeline)
+    pipeline = pipeline_from_config(cfg)
     loader = build_mock_loader(cfg)
     n_micro = num_microbatches(cfg)
     bf16 = cfg.mixed_precision.precision == "bf16"

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from dfm.diffusion.edm import EDMSettings
+from dfm.diffusion.flow import FlowSettings
+
 Architecture = Literal["dit_cross", "dit_adaln", "stdit", "moviegen"]
 PosEmbedding = Literal["rope3d", "sincos3d", "learned3d"]
 AttentionBackend = Literal["auto", "flex", "sdpa", "te"]
@@ -191,3 +194,6 @@ class ConfigContainer:
     rng: RNGConfig = field(default_factory=RNGConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    # Diffusion settings of the pipeline model.pipeline names (training noise levels, sampler).
+    edm: EDMSettings = field(default_factory=EDMSettings)
+    flow: FlowSettings = field(default_factory=FlowSettings)

@@ -27,7 +27,7 @@ from dfm.diffusion.samplers import Churn, edm_euler, edm_heun, karras_sigmas
 
 EDM_SAMPLERS = ("heun", "euler")
 
-@dataclass(frozen=True)
+@dataclass
 class EDMSettings:
     P_mean: float = -1.2  # training: ln sigma ~ N(P_mean, P_std^2)
     P_std: float = 1.2

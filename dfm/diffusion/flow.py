@@ -31,7 +31,7 @@ from dfm.diffusion.samplers import flow_euler, flow_heun, flow_timesteps, shift_
 FLOW_SAMPLERS = ("euler", "heun")
 TIMESTEP_SAMPLINGS = ("uniform", "logit_normal")
 
-@dataclass(frozen=True)
+@dataclass
 class FlowSettings:
     timestep_sampling: str = "logit_normal"  # training distribution of t before the shift
     logit_mean: float = 0.0  # logit_normal: logit(t) ~ N(logit_mean, logit_std^2)

@@ -14,6 +14,7 @@ build the input and the last stage the loss, each from the same (noise, level):
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -218,6 +219,12 @@ def apply_cfg_dropout(
 # ---------------------------------------------------------------------------------------------
 # Factory
 # ---------------------------------------------------------------------------------------------
+
+
+def pipeline_from_config(cfg) -> DiffusionPipeline:
+    """The pipeline ``cfg.model.pipeline`` names, with its section's settings (``cfg.edm`` / ``cfg.flow``)."""
+    name = cfg.model.pipeline
+    return build_pipeline(name, **dataclasses.asdict(getattr(cfg, name)))
 
 
 def build_pipeline(name: str, **settings: Any) -> DiffusionPipeline:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dfm.diffusion.pipeline import build_pipeline
+from dfm.diffusion.pipeline import pipeline_from_config
 from dfm.evaluation.digit_classifier import DigitClassifier, train_digit_classifier
 from dfm.evaluation.digits_data import DIGIT_SIZE, DIGIT_WORDS, digit_caption, video_to_digit_pixels
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
@@ -67,7 +67,7 @@ def generate_digits(model, cfg, encoders: Encoders, sampling: DigitSampling, con
     if not conditional:
         batch = null_text_batch(batch)
     latents = sample_latents(
-        model, build_pipeline(cfg.model.pipeline), cfg.model.pipeline, batch.to(device), cfg.model,
+        model, pipeline_from_config(cfg), cfg.model.pipeline, batch.to(device), cfg.model,
         sampling.steps, guidance, sampling.sampler, sampling.seed,
     )
     video = encoders.vae.decode(torch.stack(latents))  # [N, 3, 1, H, W] in [-1, 1]

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from dfm.data.prepare.pipeline import DEFAULT_T5, DEFAULT_VAE
-from dfm.diffusion.pipeline import build_pipeline
+from dfm.diffusion.pipeline import pipeline_from_config
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
 from dfm.inference.encoders import EncoderSources, check_encoders_match, load_encoders, tiny_random_encoders
 from dfm.inference.generation_batch import draw_noise, generation_batch, latent_shape_for
@@ -80,7 +80,7 @@ def generate(args: argparse.Namespace, device: torch.device) -> Path:
     batch = generation_batch(draw_noise(shape, args.seed), text, cfg.model).to(device)
     logger.info("sampling a latent of shape %s (%d tokens)", shape, batch.seq_len)
     latent = sample_latent(
-        model, build_pipeline(cfg.model.pipeline), cfg.model.pipeline, batch, cfg.model,
+        model, pipeline_from_config(cfg), cfg.model.pipeline, batch, cfg.model,
         args.num_steps, args.guidance_scale, args.sampler, args.seed,
     )
     video = encoders.vae.decode(latent.unsqueeze(0))[0]  # [3, T, H, W] in [-1, 1]

@@ -16,7 +16,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dfm.config.container import ConfigContainer
 from dfm.config.loader import config_to_dict, format_config, save_config_yaml
-from dfm.diffusion.pipeline import build_pipeline
+from dfm.diffusion.pipeline import pipeline_from_config
 from dfm.models.dit.flops import dit_training_flops
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.training.checkpoint import load_checkpoint, save_checkpoint
@@ -181,7 +181,7 @@ def run(cfg: ConfigContainer, mock: bool, device: torch.device) -> None:
     start = 0
     if cfg.checkpoint.load:
         start = load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, data_iter, ema)
-    forward_step = DiffusionForwardStep(build_pipeline(cfg.model.pipeline), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
+    forward_step = DiffusionForwardStep(pipeline_from_config(cfg), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
     loop = TrainLoop(cfg, model, optimizer, scheduler, data_iter, forward_step, device, mock, ema)
     loop.run(start)
 
