@@ -3,15 +3,16 @@
 Sample ``g`` (the global sample index) is a pure function of ``(settings.seed, g)``.
 
 How global indices reach ranks and micro-batches (``MockPackedLoader``):
-- data-parallel rank ``r`` of ``n`` owns the global indices ``r, r + n, r + 2n, ...``
-  (its j-th local sample is ``g = r + j * n``);
-- each rank forms its packs from its own indices, in increasing order, greedily: a pack takes
-  the next samples while their padded segments fit in ``seq_length`` (or exactly
-  ``samples_per_pack`` samples when that is set);
-- micro-batch ``k`` of rank ``r`` is the k-th such pack; a global batch is the set of
-  micro-batches with the same ``k`` over all DP ranks (times the gradient-accumulation steps).
-TP, CP and PP ranks never enter this mapping, so every rank of one model replica sees the same
-packs and the samples of a run depend only on the seed and the DP size.
+- the global stream is cut into global packs, in increasing index order, greedily: a pack takes
+  the next samples while their real token counts sum to at most ``seq_length`` (or exactly
+  ``samples_per_pack`` samples when that is set); a sample longer than ``seq_length`` is skipped;
+- data-parallel rank ``r`` of ``n`` trains on global packs ``r, r + n, r + 2n, ...``: its
+  micro-batch ``k`` is global pack ``r + k * n``; a global batch is a run of consecutive global
+  packs (DP size times the gradient-accumulation steps of them).
+Packing decisions use real lengths only, so neither the TP/SP/CP padding nor the DP size
+changes which samples share a pack (an MoE load-balancing loss is computed per pack, so the
+grouping matters, not only the set of samples). The padded pack may exceed ``seq_length`` by
+the layout's padding: ``seq_length`` counts real tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Optional
 import torch
 
 from dfm.data.packed_batch import PackedBatch
-from dfm.data.packing import pack_samples, padded_lengths
+from dfm.data.packing import pack_samples
 from dfm.data.sample import DiffusionSample
 from dfm.models.common.patchify import patchify
 
@@ -97,8 +98,10 @@ def mock_sample(settings: MockDataSettings, index: int) -> DiffusionSample:
     )
 
 
-def padded_pack_length(lengths: Sequence[int], segment_multiple: int, total_multiple: int) -> int:
-    return sum(padded_lengths(lengths, segment_multiple, total_multiple)) if lengths else 0
+def mock_sample_length(settings: MockDataSettings, index: int) -> int:
+    """Token count of global sample ``index`` without drawing its tensors (the shape is drawn first)."""
+    _, t, h, w = mock_latent_shape(settings, sample_generator(settings.seed, index))
+    return (t // settings.patch_temporal) * (h // settings.patch_spatial) * (w // settings.patch_spatial)
 
 
 class MockPackedLoader:
@@ -116,8 +119,6 @@ class MockPackedLoader:
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
-        if seq_length % total_multiple != 0:
-            raise ValueError(f"seq_length={seq_length} must be a multiple of total_multiple={total_multiple}")
         if samples_per_pack is not None and samples_per_pack < 1:
             raise ValueError(f"samples_per_pack must be >= 1, got {samples_per_pack}")
         self.settings = settings
@@ -127,60 +128,66 @@ class MockPackedLoader:
         self.segment_multiple = segment_multiple
         self.total_multiple = total_multiple
         self.samples_per_pack = samples_per_pack
-        self.next_local_index = 0
+        self.next_global_index = 0  # first sample of global pack ``next_global_pack``
+        self.next_global_pack = 0
         self.skipped_too_long = 0
 
-    def global_index(self, local_index: int) -> int:
-        return self.dp_rank + local_index * self.dp_size
-
-    def _take_sample(self) -> DiffusionSample:
-        sample = mock_sample(self.settings, self.global_index(self.next_local_index))
-        self.next_local_index += 1
-        return sample
-
-    def _fits_alone(self, sample: DiffusionSample) -> bool:
-        fits = padded_pack_length([sample.seq_len_q], self.segment_multiple, self.total_multiple) <= self.seq_length
+    def _fits_alone(self, index: int, length: int) -> bool:
+        fits = length <= self.seq_length
         if not fits:
             self.skipped_too_long += 1
             logger.warning(
                 "mock sample %d has %d tokens, more than seq_length=%d: skipped (%d skipped so far)",
-                sample.sample_index, sample.seq_len_q, self.seq_length, self.skipped_too_long,
+                index, length, self.seq_length, self.skipped_too_long,
             )
         return fits
 
-    def _next_fitting_sample(self) -> DiffusionSample:
+    def _next_fitting_sample(self) -> tuple[int, int]:
+        """-> (global index, length) of the next sample not longer than seq_length; advances."""
         for _ in range(10_000):
-            sample = self._take_sample()
-            if self._fits_alone(sample):
-                return sample
+            index = self.next_global_index
+            self.next_global_index += 1
+            length = mock_sample_length(self.settings, index)
+            if self._fits_alone(index, length):
+                return index, length
         raise RuntimeError(f"10000 mock samples in a row exceed seq_length={self.seq_length}; raise it")
 
-    def _greedy_pack(self) -> list[DiffusionSample]:
-        pack: list[DiffusionSample] = []
+    def _greedy_pack(self) -> list[int]:
+        pack, total = [], 0
         while True:
-            start = self.next_local_index
-            sample = self._next_fitting_sample()
-            lengths = [s.seq_len_q for s in pack] + [sample.seq_len_q]
-            if pack and padded_pack_length(lengths, self.segment_multiple, self.total_multiple) > self.seq_length:
-                # Rewind so the state stays one integer: the sample opens the next pack.
-                self.next_local_index = start
+            start = self.next_global_index
+            index, length = self._next_fitting_sample()
+            if pack and total + length > self.seq_length:
+                # Rewind so the state stays two integers: the sample opens the next pack.
+                self.next_global_index = start
                 return pack
-            pack.append(sample)
+            pack.append(index)
+            total += length
 
-    def _fixed_count_pack(self, count: int) -> list[DiffusionSample]:
+    def _fixed_count_pack(self, count: int) -> list[int]:
         pack = [self._next_fitting_sample() for _ in range(count)]
-        length = padded_pack_length([s.seq_len_q for s in pack], self.segment_multiple, self.total_multiple)
-        if length > self.seq_length:
+        if sum(length for _, length in pack) > self.seq_length:
             raise ValueError(
-                f"samples {[s.sample_index for s in pack]} pad to {length} tokens, more than seq_length="
-                f"{self.seq_length}; lower samples_per_pack={count} or raise seq_length"
+                f"samples {[i for i, _ in pack]} have more than seq_length={self.seq_length} tokens together; "
+                f"lower samples_per_pack={count} or raise seq_length"
             )
-        return pack
+        return [i for i, _ in pack]
 
-    def next_pack_samples(self) -> list[DiffusionSample]:
+    def _next_global_pack(self) -> list[int]:
+        """Global indices of the next global pack (any rank's); advances."""
+        self.next_global_pack += 1
         if self.samples_per_pack is not None:
             return self._fixed_count_pack(self.samples_per_pack)
         return self._greedy_pack()
+
+    def next_pack_indices(self) -> list[int]:
+        """Global indices of this rank's next pack, passing over the other DP ranks' packs."""
+        while self.next_global_pack % self.dp_size != self.dp_rank:
+            self._next_global_pack()
+        return self._next_global_pack()
+
+    def next_pack_samples(self) -> list[DiffusionSample]:
+        return [mock_sample(self.settings, index) for index in self.next_pack_indices()]
 
     def __iter__(self) -> Iterator[PackedBatch]:
         return self
@@ -189,13 +196,13 @@ class MockPackedLoader:
         return pack_samples(self.next_pack_samples(), self.segment_multiple, self.total_multiple)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_local_index": self.next_local_index, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
-                "seed": self.settings.seed}
+        return {"next_global_index": self.next_global_index, "next_global_pack": self.next_global_pack,
+                "dp_rank": self.dp_rank, "dp_size": self.dp_size, "seed": self.settings.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         expected = {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "seed": self.settings.seed}
         for key, value in expected.items():
             if state.get(key) != value:
                 raise ValueError(f"mock loader state has {key}={state.get(key)!r}, this loader has {value!r}")
-        self.next_local_index = int(state["next_local_index"])
-
+        self.next_global_index = int(state["next_global_index"])
+        self.next_global_pack = int(state["next_global_pack"])

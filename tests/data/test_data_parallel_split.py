@@ -72,13 +72,22 @@ def test_mock_loader_same_dp_rank_same_packs_and_disjoint_across_dp():
         pa, pb = next(a), next(b)
         assert pa.sample_index.tolist() == pb.sample_index.tolist()
         assert (pa.latents == pb.latents).all()
-    assert all(i % 2 == 0 for i in indices[0]) and all(i % 2 == 1 for i in indices[1])
+    assert not set(indices[0]) & set(indices[1])
 
 
 def test_mock_index_mapping_is_documented_behaviour():
-    # Rank r of n owns r, r + n, ...; a fixed count per pack makes micro-batch k = local indices k*c .. k*c + c - 1.
+    # Rank r of n trains on global packs r, r + n, ...; with c samples per pack, global pack p is c*p .. c*p + c - 1.
     loader = mock_loader(1, 4, samples_per_pack=2)
-    assert [next(loader).sample_index.tolist() for _ in range(3)] == [[1, 5], [9, 13], [17, 21]]
+    assert [next(loader).sample_index.tolist() for _ in range(3)] == [[2, 3], [10, 11], [18, 19]]
+
+
+def test_mock_packs_are_the_same_whatever_the_dp_size():
+    # The global packs of one dp=1 stream, dealt round-robin to the dp=3 ranks.
+    one_rank = mock_loader(0, 1)
+    global_packs = [next(one_rank).sample_index.tolist() for _ in range(9)]
+    for rank in range(3):
+        loader = mock_loader(rank, 3)
+        assert [next(loader).sample_index.tolist() for _ in range(3)] == global_packs[rank::3]
 
 
 def sample_tokens(batch, position: int):
@@ -91,5 +100,5 @@ def test_a_sample_is_the_same_whatever_dp_layout_reaches_it():
     # Global index 3 is the 2nd sample of rank 1 when dp=2, and the 4th of rank 0 when dp=1.
     two_ranks = next(mock_loader(1, 2, samples_per_pack=2))
     one_rank = next(mock_loader(0, 1, samples_per_pack=4))
-    assert two_ranks.sample_index.tolist() == [1, 3] and one_rank.sample_index.tolist() == [0, 1, 2, 3]
+    assert two_ranks.sample_index.tolist() == [2, 3] and one_rank.sample_index.tolist() == [0, 1, 2, 3]
     assert torch.equal(sample_tokens(two_ranks, 1), sample_tokens(one_rank, 3))

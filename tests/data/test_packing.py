@@ -1,5 +1,6 @@
-"""Packing properties: never over the limit, never a split sample, every sample accounted for,
-and >= 95 % of pack capacity holds real tokens on a mixed-size stream with the default buffer."""
+"""Packing properties: never more real tokens than seq_length, never a split sample, every sample
+accounted for, the same packs whatever the layout's padding, and >= 95 % of pack capacity
+(seq_length, real tokens) holds real tokens on a mixed-size stream with the default buffer."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dfm.data.energon.data_module import EnergonDataSettings
-from dfm.data.energon.pack_selection import first_fit_decreasing, packing_efficiency, segment_cost
+from dfm.data.energon.pack_selection import first_fit_decreasing, packing_efficiency
 from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings
-from dfm.data.mock import MockDataSettings, mock_sample
-from dfm.data.packing import round_up
+from dfm.data.mock import MockDataSettings, MockPackedLoader, mock_sample
 
 logger = logging.getLogger(__name__)
 
@@ -23,15 +23,14 @@ lengths_strategy = st.lists(st.integers(min_value=1, max_value=600), min_size=1,
 
 
 @settings(max_examples=200, deadline=None)
-@given(lengths=lengths_strategy, capacity=st.integers(min_value=16, max_value=1024),
-       segment_multiple=st.sampled_from([1, 2, 4, 8]))
-def test_first_fit_decreasing_respects_capacity_and_keeps_every_sample(lengths, capacity, segment_multiple):
-    plan = first_fit_decreasing(lengths, capacity, segment_multiple)
+@given(lengths=lengths_strategy, capacity=st.integers(min_value=16, max_value=1024))
+def test_first_fit_decreasing_respects_capacity_and_keeps_every_sample(lengths, capacity):
+    plan = first_fit_decreasing(lengths, capacity)
     placed = [i for pack in plan.packs for i in pack]
     assert sorted(placed + plan.too_long) == list(range(len(lengths)))
-    assert plan.too_long == [i for i, n in enumerate(lengths) if segment_cost(n, segment_multiple) > capacity]
+    assert plan.too_long == [i for i, n in enumerate(lengths) if n > capacity]
     for pack in plan.packs:
-        assert pack and sum(segment_cost(lengths[i], segment_multiple) for i in pack) <= capacity
+        assert pack and sum(lengths[i] for i in pack) <= capacity
 
 
 mock_strategy = st.builds(
@@ -52,12 +51,15 @@ def test_packs_never_exceed_the_limit_nor_split_samples(mock, cp, tp, seq_length
     encoder = DiffusionTaskEncoder(packing)
     samples = [mock_sample(mock, first + i) for i in range(40)]
     packs = encoder.select_samples_to_pack(samples)
-    too_long = [s for s in samples if round_up(s.seq_len_q, packing.segment_multiple) > seq_length]
+    too_long = [s for s in samples if s.seq_len_q > seq_length]
     assert encoder.skipped_too_long == len(too_long)
     assert sum(len(p) for p in packs) + len(too_long) == len(samples)
     for pack in packs:
         batch = encoder.pack_selected_samples(pack)
-        assert batch.seq_len <= seq_length and batch.seq_len % packing.total_multiple == 0
+        # seq_length bounds the real tokens; the layout's padding comes on top.
+        layout_padding = len(pack) * (packing.segment_multiple - 1) + packing.total_multiple - 1
+        assert batch.num_real_tokens() <= seq_length and batch.seq_len <= seq_length + layout_padding
+        assert batch.seq_len % packing.total_multiple == 0
         offsets = batch.cu_seqlens_q_padded.tolist()
         for i, sample in enumerate(pack):
             start = offsets[i]
@@ -88,3 +90,30 @@ def test_packing_efficiency_on_mixed_sizes_with_default_buffer(seed, image_fract
     efficiency = packing_efficiency(batches, seq_length)
     logger.warning("packing efficiency %.4f (seed %d, image fraction %.2f, cp %d)", efficiency, seed, image_fraction, cp)
     assert efficiency >= 0.95
+
+
+# (segment_multiple, total_multiple) of dfm.training.data.padding_multiples for TP=1, TP=2+SP, CP=2.
+LAYOUT_PADDINGS = {"tp1": (1, 1), "tp2_sp": (1, 2), "cp2": (4, 4)}
+# Latent sizes whose token counts (patch 2) are not multiples of 16: 15, 35, 27, 45.
+ODD_SIZES = dict(image_sizes=[(6, 10), (10, 14)], video_sizes=[(3, 6, 6), (5, 6, 6)], in_channels=4, text_embed_dim=8)
+
+
+def test_energon_packs_do_not_depend_on_the_layout_padding():
+    samples = [mock_sample(MockDataSettings(seed=5, **ODD_SIZES), i) for i in range(60)]
+    assert any(s.seq_len_q % 16 for s in samples)
+    grouping = {
+        name: [[s.sample_index for s in pack] for pack in DiffusionTaskEncoder(
+            PackingSettings(seq_length=96, segment_multiple=seg, total_multiple=tot)).select_samples_to_pack(samples)]
+        for name, (seg, tot) in LAYOUT_PADDINGS.items()
+    }
+    assert grouping["tp1"] == grouping["tp2_sp"] == grouping["cp2"]
+    assert len(grouping["tp1"]) > 5
+
+
+def test_mock_packs_do_not_depend_on_the_layout_padding():
+    settings = MockDataSettings(seed=5, **ODD_SIZES)
+    grouping = {}
+    for name, (seg, tot) in LAYOUT_PADDINGS.items():
+        loader = MockPackedLoader(settings, 0, 1, seq_length=96, segment_multiple=seg, total_multiple=tot)
+        grouping[name] = [next(loader).sample_index.tolist() for _ in range(20)]
+    assert grouping["tp1"] == grouping["tp2_sp"] == grouping["cp2"]

@@ -13,11 +13,9 @@ Tolerances:
 * weights atol 1e-6 (lr 1e-3, 3 Adam steps: updates ~3e-3 on weights up to ~0.3). Dense layouts
   agree far inside it (TP=2+SP: max |diff| 7e-9); a layout bug moves weights by ~lr (a missing
   SP gradient reduction in adaLN was found this way: 1.5e-3).
-* Known open gap (xfail, reason in KNOWN_WEIGHT_GAPS): MoE with 2 data-parallel ranks (EP=2) vs
-  1 process with 2 micro-batches. Losses and grad norms match, PP=2 with 2 micro-batches matches
-  bitwise, but with one micro-batch per rank the gradients that only the load-balancing loss
-  produces at step 1 (every block parameter: the final layer is zero-initialised) differ O(1)
-  relative (~1e-5 absolute), and Adam turns them into lr-sized weight differences.
+* MoE with EP=2 x DP=2 agrees to ~1e-8 since the mock loader forms packs over the global
+  stream (dfm/data/mock.py): the load-balancing loss is computed per pack, so DP=2 must train
+  on the same packs as one process with 2 micro-batches, not only on the same samples.
 """
 
 from __future__ import annotations
@@ -56,12 +54,6 @@ CASES = [
     ("stdit_tiny", [TP2, SP], []),
     ("stdit_tiny", [TP2, SP, "model.context_parallel_size=2"], []),
 ]
-KNOWN_WEIGHT_GAPS = {
-    ("moviegen_tiny", "model.expert_model_parallel_size=2"): "MoE load-balancing-loss gradients differ between "
-    "1 micro-batch per DP rank and 2 micro-batches on one process (see module docstring); not yet explained",
-}
-
-
 @dataclass
 class Run:
     metrics: list[dict]
@@ -118,7 +110,4 @@ def test_layout_matches_single_process(tmp_path, reference_runs, config, layout,
     expected = reference_runs(config, reference_overrides)
     actual = train(tmp_path, config, world_size(layout), layout)
     assert_same_metrics(expected.metrics, actual.metrics)
-    gap = KNOWN_WEIGHT_GAPS.get((config, layout[0]))
-    if gap:
-        pytest.xfail(gap)
     assert_same_weights(expected.weights, actual.weights)

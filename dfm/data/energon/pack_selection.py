@@ -6,7 +6,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from dfm.data.packed_batch import PackedBatch
-from dfm.data.packing import padded_lengths
 
 
 @dataclass
@@ -15,34 +14,28 @@ class PackPlan:
     too_long: list[int]  # indices of samples that alone exceed the capacity (skipped)
 
 
-def segment_cost(length: int, segment_multiple: int) -> int:
-    """Tokens a sample occupies in a pack once its segment is padded for CP."""
-    return padded_lengths([length], segment_multiple, 1)[0]
-
-
-def first_fit_decreasing(lengths: Sequence[int], capacity: int, segment_multiple: int = 1) -> PackPlan:
-    """Group buffer indices so each group's padded length is <= capacity; no sample is ever split.
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> PackPlan:
+    """Group buffer indices so each group's real length is <= capacity; no sample is ever split.
 
     Longest first (ties by index, so the plan is deterministic), each into the first pack with room.
-    ``capacity`` must already be a multiple of the total padding multiple, so padding the pack's
-    total never pushes it over.
+    Real lengths only: the layout's padding is added afterwards (``pack_samples``) and may take a
+    pack past ``capacity``, so that the grouping never depends on the parallel layout.
     """
-    costs = [segment_cost(n, segment_multiple) for n in lengths]
-    order = sorted(range(len(lengths)), key=lambda i: (-costs[i], i))
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     packs: list[list[int]] = []
     room: list[int] = []
     too_long: list[int] = []
     for i in order:
-        if costs[i] > capacity:
+        if lengths[i] > capacity:
             too_long.append(i)
             continue
-        target = next((p for p, free in enumerate(room) if free >= costs[i]), None)
+        target = next((p for p, free in enumerate(room) if free >= lengths[i]), None)
         if target is None:
             packs.append([i])
-            room.append(capacity - costs[i])
+            room.append(capacity - lengths[i])
         else:
             packs[target].append(i)
-            room[target] -= costs[i]
+            room[target] -= lengths[i]
     return PackPlan(packs=[sorted(p) for p in packs], too_long=sorted(too_long))
 
 

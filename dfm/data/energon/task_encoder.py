@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PackingSettings:
-    seq_length: int  # max tokens per pack, padding included
+    seq_length: int  # max real tokens per pack; the layout's padding comes on top
     patch_temporal: int = 1
     patch_spatial: int = 2
     max_text_len: int = 512  # longer text embeddings are truncated
@@ -33,10 +33,8 @@ class PackingSettings:
     total_multiple: int = 1  # whole-pack padding (TP * CP with sequence parallelism)
 
     def __post_init__(self) -> None:
-        if self.seq_length <= 0 or self.seq_length % self.total_multiple != 0:
-            raise ValueError(
-                f"seq_length={self.seq_length} must be positive and a multiple of total_multiple={self.total_multiple}"
-            )
+        if self.seq_length <= 0:
+            raise ValueError(f"seq_length={self.seq_length} must be positive")
         if self.max_text_len <= 0:
             raise ValueError(f"max_text_len must be positive, got {self.max_text_len}")
 
@@ -97,9 +95,8 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
         return encoded
 
     def select_samples_to_pack(self, samples: list[DiffusionSample]) -> list[list[DiffusionSample]]:
-        plan = first_fit_decreasing(
-            [s.seq_len_q for s in samples], self.settings.seq_length, self.settings.segment_multiple
-        )
+        # Real lengths only: the layout's padding never changes which samples share a pack.
+        plan = first_fit_decreasing([s.seq_len_q for s in samples], self.settings.seq_length)
         for i in plan.too_long:
             self.skipped_too_long += 1
             logger.warning(
