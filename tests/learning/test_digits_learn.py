@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from dfm.config.loader import build_config
 from dfm.evaluation.digit_classifier import train_digit_classifier
 from dfm.evaluation.digits_eval import DigitSampling
 from dfm.evaluation.digits_run import CI_CONFIG, prepare_digits, train_and_score_pipelines
@@ -32,17 +33,11 @@ def test_classifier_recognises_real_digits():
     assert train_digit_classifier().held_out_accuracy >= 0.95
 
 
-# NOT YET MET (2026-11-23): at 500 iterations the CI-sized run measured conditional accuracy 0.41
-# (flow) and 0.09 (EDM); the 0.6 bar is kept, the tests are marked xfail until the run is tuned
-# (docs/learning.md lists what was measured and what to try next).
-NOT_YET_TUNED = pytest.mark.xfail(reason="CI-sized digits run not yet tuned to reach 0.6 (docs/learning.md)", strict=False)
-
-
-@pytest.mark.parametrize("pipeline", [pytest.param(p, marks=NOT_YET_TUNED) for p in PIPELINES])
+@pytest.mark.parametrize("pipeline", PIPELINES)
 def test_dit_cross_learns_digits(runs, pipeline):
     scores = runs[pipeline].scores[-1]
     print(f"{pipeline}: conditional accuracy: {scores['conditional_accuracy']:.2f}, "
           f"unconditional accuracy: {scores['unconditional_accuracy']:.2f}")
-    assert scores["iteration"] == 500
+    assert scores["iteration"] == build_config(None, str(CI_CONFIG)).train.train_iters
     assert scores["conditional_accuracy"] >= CONDITIONAL_THRESHOLD > 5 * CHANCE
     assert scores["unconditional_accuracy"] <= UNCONDITIONAL_CEILING
