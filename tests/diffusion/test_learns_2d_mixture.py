@@ -30,13 +30,7 @@ MIN_NEAR_MODE = 0.90  # fraction within 4 mode stds of some centre
 STD_RATIO = (0.7, 1.4)  # spread around its centre vs MODE_STD (an untrained-at-low-noise net gives ~2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """A tiny MLP: intra-op threads only contend on a busy 2-core runner."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/diffusion/conftest.py
 
 
 def mode_centres() -> torch.Tensor:

@@ -12,13 +12,7 @@ import torch
 from dfm.diffusion import build_pipeline
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only contend (40x slower on a busy 2-core runner)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/diffusion/conftest.py
 
 
 MU = torch.tensor([1.0, -0.5], dtype=torch.float64)
