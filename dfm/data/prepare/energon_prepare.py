@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 
 
@@ -13,19 +14,22 @@ def energon_prepare_command(dataset_dir: str | Path, split_ratio: str = "1,0,0",
     return [
         sys.executable, "-m", "megatron.energon.cli.main", "prepare", str(dataset_dir),
         "--non-interactive", "--split-ratio", split_ratio, "--sample-type", "CrudeWebdataset",
-        "--force-overwrite", "--num-workers", str(num_workers), "--no-progress",
+        "--force-overwrite", "--num-workers", str(num_workers),
     ]
 
 
 def run_energon_prepare(dataset_dir: str | Path, split_ratio: str = "1,0,0", num_workers: int = 1) -> None:
-    """Raise with energon's output if it fails."""
+    """Index the shards with energon's progress bar shown on our stderr; raise with its output if it fails."""
     dataset_dir = Path(dataset_dir)
     if not any(dataset_dir.rglob("*.tar")):
         raise FileNotFoundError(f"{dataset_dir}: no .tar shards to prepare")
-    result = subprocess.run(
-        energon_prepare_command(dataset_dir, split_ratio, num_workers), capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        raise RuntimeError(
-            f"energon prepare {dataset_dir} failed (exit {result.returncode}):\n{result.stdout}\n{result.stderr}"
-        )
+    command = energon_prepare_command(dataset_dir, split_ratio, num_workers)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        tail = deque(maxlen=256)  # the last output chunks, for the error message
+        for chunk in iter(lambda: proc.stdout.read1(4096), b""):
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.flush()
+            tail.append(chunk)
+    if proc.returncode != 0:
+        output = b"".join(tail).decode(errors="replace")
+        raise RuntimeError(f"energon prepare {dataset_dir} failed (exit {proc.returncode}):\n{output}")
