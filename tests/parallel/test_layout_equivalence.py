@@ -53,6 +53,10 @@ CASES = [
     ("dit_tiny", [TP2, SP, "model.context_parallel_size=2"], []),
     ("stdit_tiny", [TP2, SP], []),
     ("stdit_tiny", [TP2, SP, "model.context_parallel_size=2"], []),
+    # Every family gets every dimension and both named combinations (TP x CP, PP x TP).
+    ("stdit_tiny", [DIST_OPT, *DP_DATA], DP_DATA),
+    ("stdit_tiny", [TP2, SP, PP2], []),
+    ("moviegen_tiny", [TP2, SP, "model.context_parallel_size=2"], []),
 ]
 @dataclass
 class Run:
