@@ -33,6 +33,19 @@ def _check_model(cfg: ConfigContainer) -> None:
             f"model.num_attention_heads ({model.num_attention_heads})"
         )
     _check_sizes([model.max_latent_thw], 3, "model.max_latent_thw")
+    _check_pipeline_stages(model)
+
+
+def _check_pipeline_stages(model) -> None:
+    """Every (virtual) pipeline stage needs the same whole number of layers."""
+    virtual = model.virtual_pipeline_model_parallel_size or 1
+    stages = model.pipeline_model_parallel_size * virtual
+    if model.num_layers % stages:
+        raise ConfigError(
+            f"model.num_layers ({model.num_layers}) must be a multiple of the pipeline stages: "
+            f"pipeline_model_parallel_size ({model.pipeline_model_parallel_size}) x "
+            f"virtual_pipeline_model_parallel_size ({virtual}) = {stages}"
+        )
 
 
 def _check_precision(cfg: ConfigContainer) -> None:

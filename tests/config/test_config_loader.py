@@ -171,6 +171,8 @@ def test_whole_section_override_with_a_mapping():
         ("+train.new_key=3", r"only plain 'key=value'"),
         ("~train.train_iters", r"only plain 'key=value'"),
         ("train.train_iters=1,2", r"sweeps are not supported"),
+        ("model.pipeline_model_parallel_size=4", r"model\.num_layers \(2\) must be a multiple of the pipeline "
+                                                 r"stages: pipeline_model_parallel_size \(4\) x virtual_pipeline_model_parallel_size \(1\) = 4"),
         ("mixed_precision.fp8=e4m3", r"mixed_precision\.fp8='e4m3' is not supported yet"),
         ("optimizer.ema_decay=1.0", r"optimizer\.ema_decay must be in \(0, 1\), got 1\.0"),
     ],
