@@ -27,6 +27,7 @@ from dfm.diffusion.samplers import Churn, edm_euler, edm_heun, karras_sigmas
 
 EDM_SAMPLERS = ("heun", "euler")
 
+
 @dataclass
 class EDMSettings:
     P_mean: float = -1.2  # training: ln sigma ~ N(P_mean, P_std^2)
@@ -49,11 +50,13 @@ class EDMSettings:
         if self.sigma_data <= 0 or self.P_std <= 0:
             raise ValueError("sigma_data and P_std must be positive")
 
+
 class Preconditioning(NamedTuple):
     c_skip: torch.Tensor
     c_out: torch.Tensor
     c_in: torch.Tensor
     c_noise: torch.Tensor
+
 
 class EDMPipeline(DiffusionPipeline):
     def __init__(self, settings: EDMSettings = EDMSettings()) -> None:

@@ -31,6 +31,7 @@ from dfm.diffusion.samplers import flow_euler, flow_heun, flow_timesteps, shift_
 FLOW_SAMPLERS = ("euler", "heun")
 TIMESTEP_SAMPLINGS = ("uniform", "logit_normal")
 
+
 @dataclass
 class FlowSettings:
     timestep_sampling: str = "logit_normal"  # training distribution of t before the shift
@@ -51,6 +52,7 @@ class FlowSettings:
         if self.shift <= 0 or not 0 <= self.sigma_min < 1:
             raise ValueError(f"need shift > 0 and 0 <= sigma_min < 1, got {self.shift}, {self.sigma_min}")
 
+
 def shift_for_num_tokens(
     num_tokens: float | torch.Tensor,
     base_tokens: int = 256,
@@ -65,6 +67,7 @@ def shift_for_num_tokens(
     slope = (max_log_shift - base_log_shift) / (max_tokens - base_tokens)
     mu = base_log_shift + slope * (num_tokens - base_tokens)
     return mu.exp() if isinstance(mu, torch.Tensor) else math.exp(mu)
+
 
 class FlowPipeline(DiffusionPipeline):
     def __init__(self, settings: FlowSettings = FlowSettings()) -> None:
