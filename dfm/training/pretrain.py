@@ -24,7 +24,7 @@ from dfm.training.data import build_train_loader, build_val_iterator
 from dfm.training.ema import build_ema
 from dfm.training.faults import NonFiniteGuard, PreemptionSignal, grads_are_finite
 from dfm.training.forward_step import DiffusionForwardStep
-from dfm.training.full_weights import save_full_weights
+from dfm.training.full_weights import finish_param_gather, save_full_weights
 from dfm.training.metrics_log import MetricsLog
 from dfm.training.setup import build_model, build_optimizer, num_microbatches, schedule_model_and_data
 from dfm.training.throughput import device_peak_flops, mfu
@@ -242,10 +242,7 @@ class TrainLoop:
             self.metrics.close()
 
     def update_ema(self) -> None:
-        if self.cfg.ddp.overlap_param_gather:
-            # The distributed optimizer would all-gather the updated params only in the next forward.
-            for chunk in self.model:
-                chunk.start_param_sync(force_sync=True)
+        finish_param_gather(self.model)  # the EMA must see this step's weights on every DP rank
         self.ema.update(self.model)
 
     def generation_weights(self):

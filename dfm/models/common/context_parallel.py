@@ -67,7 +67,6 @@ class SequenceSplit:
         return gathered[self.from_gathered.to(tensor.device)]
 
 
-
 def sequence_split(cu_seqlens_padded: Tensor) -> SequenceSplit:
     """This rank's share of a pack with segment offsets ``cu_seqlens_padded [N+1]``."""
     size = parallel_state.get_context_parallel_world_size()

@@ -191,7 +191,7 @@ class DiTModel(MegatronModule):
         if self.model_cfg.pos_embedding == "rope3d":
             rope = rope_3d_freqs(split.local(batch.pos_ids), self.config.kv_channels)
         local_ids = self.local_token_ids(token_ids) if sp else token_ids
-        hidden = self.run_layers(hidden, cond, local_ids, context, rope, batch)
+        hidden = self.run_layers(hidden, cond, local_ids, context, rope, batch, split)
         if not self.post_process:
             return hidden
         if sp:
@@ -206,10 +206,10 @@ class DiTModel(MegatronModule):
         rank = parallel_state.get_tensor_model_parallel_rank()
         return token_ids.chunk(tp)[rank]
 
-    def self_attention_params(self, batch: PackedBatch):
+    def self_attention_params(self, batch: PackedBatch, split: Optional[SequenceSplit] = None):
         """Per-sample segments; ST-DiT's factorized attention needs per-frame / per-position ones
         (under CP re-sharded by all-to-all, as frames and positions span the CP ranks)."""
-        split = sequence_split(batch.cu_seqlens_q_padded)
+        split = split if split is not None else sequence_split(batch.cu_seqlens_q_padded)
         if self.model_cfg.architecture != "stdit":
             return packed_seq_params(batch, cross=False, split=split)
         grids = sample_grids(batch.latent_shape, self.model_cfg.patch_temporal, self.model_cfg.patch_spatial)
@@ -219,8 +219,8 @@ class DiTModel(MegatronModule):
                 segments.context_parallel = UlyssesAttention(split, segments)
         return params
 
-    def run_layers(self, hidden, cond, token_ids, context, rope, batch) -> Tensor:
-        self_params = self.self_attention_params(batch)
-        cross_params = packed_seq_params(batch, True, sequence_split(batch.cu_seqlens_q_padded)) if self.cross else None
+    def run_layers(self, hidden, cond, token_ids, context, rope, batch, split: SequenceSplit) -> Tensor:
+        self_params = self.self_attention_params(batch, split)
+        cross_params = packed_seq_params(batch, True, split) if self.cross else None
         runs = layer_runs(len(self.layers), self.config, self.training)
         return forward_layers(self.layers, runs, hidden, cond, token_ids, context, rope, self_params, cross_params)
