@@ -17,6 +17,7 @@ See docs/device_layer.md for the table of sites.
 
 import contextlib
 import copy
+import functools
 import importlib
 import os
 
@@ -410,6 +411,99 @@ def _patch_torch_norm_sequence_parallel() -> None:
     torch_norm.WrappedTorchNorm.__new__ = __new__
 
 
+class _DeferredSend:
+    """A pipeline send as megatron waits on it after ``_patch_pipeline_p2p``: already done."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+# Gloo tags of the two directions between pipeline neighbours: activations (and their shapes) go
+# send_next -> recv_prev, gradients send_prev -> recv_next. With PP=2 prev and next are one peer.
+_P2P_FORWARD_TAG, _P2P_BACKWARD_TAG = 1, 2
+
+
+def _patch_pipeline_p2p() -> None:
+    """megatron.core.pipeline_parallel.p2p_communication._batched_p2p_ops and
+    P2PCommunicator._communicate_shapes (0.16.1): the interleaved (virtual pipeline) schedule on gloo.
+
+    Two things go wrong on gloo, both with PP=2, where the previous and the next stage are one rank:
+
+    * They ``wait()`` on every request, sends included. On NCCL that only orders the stream; on gloo
+      it blocks the CPU until the peer has posted the matching receive (even for 24 bytes). In the
+      interleaved schedule the last stage sends a gradient shape and waits on it before it posts
+      the receive for the activation the first stage is sending, while the first stage waits on
+      that activation send before it reaches its receives (cool-down): a deadlock. Here sends are
+      handed back already "done" and their real requests waited when the schedule returns, by
+      which time the peer has posted every receive; receives are waited as before.
+    * Both directions use tag 0 in one process group, and a call posts send_prev before send_next
+      but recv_prev before recv_next; gloo pairs a peer's messages of one tag in posting order. With
+      one peer on both sides a gradient can land in an activation's receive (a shape mismatch
+      with variable sequence lengths). Each direction gets its own tag here, so messages pair up in
+      schedule order per direction. (megatron's unbatched ``_p2p_ops`` keeps the directions apart
+      for 2-rank groups with a second process group; the batched path and the shapes do not.)
+
+    The rest of ``_communicate`` (buffers, which calls send what) is megatron's. Only the batched
+    path (``batch_p2p_comm``, megatron's default, ours) is replaced.
+    """
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    pending_sends = []  # (request, storage): the storage stays alive until the send is waited
+
+    def batched_p2p_ops(
+        *, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
+        prev_pipeline_rank, next_pipeline_rank,
+    ):
+        dist, requests = torch.distributed, []
+        for op, tensor, peer, tag in (  # megatron's order
+            (dist.isend, tensor_send_prev, prev_pipeline_rank, _P2P_BACKWARD_TAG),
+            (dist.irecv, tensor_recv_prev, prev_pipeline_rank, _P2P_FORWARD_TAG),
+            (dist.isend, tensor_send_next, next_pipeline_rank, _P2P_FORWARD_TAG),
+            (dist.irecv, tensor_recv_next, next_pipeline_rank, _P2P_BACKWARD_TAG),
+        ):
+            if tensor is None:
+                continue
+            request = op(tensor, peer, group=group, tag=tag)
+            if op is dist.isend:
+                pending_sends.append((request, tensor.untyped_storage()))
+                request = _DeferredSend()
+            requests.append(request)
+        return requests
+
+    def communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        def shape_of(tensor):
+            return None if tensor is None else torch.tensor(tensor.size(), dtype=torch.int64)
+
+        recv_prev_shape = torch.empty(3, dtype=torch.int64) if recv_prev else None
+        recv_next_shape = torch.empty(3, dtype=torch.int64) if recv_next else None
+        for request in batched_p2p_ops(
+            tensor_send_prev=shape_of(tensor_send_prev), tensor_recv_prev=recv_prev_shape,
+            tensor_send_next=shape_of(tensor_send_next), tensor_recv_next=recv_next_shape,
+            group=self.pp_group, prev_pipeline_rank=self.prev_rank, next_pipeline_rank=self.next_rank,
+        ):
+            request.wait()
+        received = (recv_prev_shape, recv_next_shape)
+        return tuple([0, 0, 0] if shape is None else shape.tolist() for shape in received)
+
+    def waiting_for_sends(schedule):
+        @functools.wraps(schedule)
+        def run(*args, **kwargs):
+            result = schedule(*args, **kwargs)
+            while pending_sends:
+                pending_sends.pop(0)[0].wait()
+            return result
+
+        return run
+
+    p2p_communication._batched_p2p_ops = batched_p2p_ops
+    p2p_communication.P2PCommunicator._communicate_shapes = communicate_shapes
+    for name in ("forward_backward_pipelining_with_interleaving", "forward_backward_pipelining_without_interleaving"):
+        setattr(schedules, name, waiting_for_sends(getattr(schedules, name)))
+
+
 _FUNCTION_PATCHES = (
     _patch_param_type_checks,
     _patch_rng_state_setter,
@@ -417,4 +511,5 @@ _FUNCTION_PATCHES = (
     _patch_moe_te_general_gemm,
     _patch_moe_split_sizes_to_host,
     _patch_torch_norm_sequence_parallel,
+    _patch_pipeline_p2p,
 )

@@ -35,6 +35,9 @@ DP_DATA = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=2"]  # sa
 ACCUMULATE = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=4"]
 TP2, PP2, SP = "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2", "model.sequence_parallel=true"
 DIST_OPT = "ddp.use_distributed_optimizer=true"
+# Virtual pipeline: 4 layers in 2 chunks per stage (megatron's interleaved 1F1B schedule), with the
+# 4 accumulated micro-batches so both stages also run its steady state, not only warm-up/cool-down.
+VPP = ["model.num_layers=4", PP2, "model.virtual_pipeline_model_parallel_size=2", *ACCUMULATE]
 CASES = [
     ("dit_tiny", [TP2, SP], []),
     ("dit_tiny", [PP2], []),
@@ -57,6 +60,7 @@ CASES = [
     ("stdit_tiny", [DIST_OPT, *DP_DATA], DP_DATA),
     ("stdit_tiny", [TP2, SP, PP2], []),
     ("moviegen_tiny", [TP2, SP, "model.context_parallel_size=2"], []),
+    ("dit_tiny", VPP, ["model.num_layers=4", *ACCUMULATE]),
 ]
 @dataclass
 class Run:
