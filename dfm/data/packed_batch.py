@@ -4,11 +4,16 @@ Several samples (images are T=1 videos) are concatenated along the sequence (THD
 Sample i occupies tokens ``[cu_seqlens_q_padded[i], cu_seqlens_q_padded[i] + seqlens_q[i])``;
 the rest of its padded segment is padding (loss_mask 0, attends to nothing, output ignored).
 Text is laid out the same way with the ``*_kv`` fields. No token attends across samples.
+
+Batches are built on the host and copied to the device once per micro-batch. The device copy
+keeps the host original (``host``), so code that needs the segment layout as Python numbers
+(per-segment loops, CP and ST-DiT index building) reads it there instead of syncing with the device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Optional
 
 import torch
 
@@ -25,6 +30,8 @@ class PackedBatch:
     loss_mask: torch.Tensor  # [S] float, 1 on real tokens
     latent_shape: torch.Tensor  # [N, 4] long, (C, T, H, W) of each sample's latent
     sample_index: torch.Tensor  # [N] long, global sample index (seeds noise, proves layout independence)
+    # The host original of a device copy (set by .to()); None when this batch is the original.
+    host: Optional["PackedBatch"] = field(default=None, repr=False, compare=False)
 
     @property
     def num_samples(self) -> int:
@@ -35,12 +42,27 @@ class PackedBatch:
         return int(self.latents.shape[0])
 
     def num_real_tokens(self) -> int:
-        return int(self.loss_mask.sum().item())
+        return int(self.host_view().loss_mask.sum())
 
     def token_sample_ids(self) -> torch.Tensor:
-        """[S] long: which sample each token (padding included) belongs to."""
+        """[S] long: which sample each token (padding included) belongs to (no device sync)."""
         lengths = (self.cu_seqlens_q_padded[1:] - self.cu_seqlens_q_padded[:-1]).long()
-        return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+        samples = torch.arange(len(lengths), device=lengths.device)
+        return torch.repeat_interleave(samples, lengths, output_size=self.seq_len)
+
+    def host_view(self) -> "PackedBatch":
+        """This batch with host tensors: the original it was copied from, itself when it is on
+        the host, or (a device sync) a fresh copy back."""
+        if self.host is not None:
+            return self.host
+        if self.latents.device.type == "cpu":
+            return self
+        return PackedBatch(**self._tensors_to("cpu"))
 
     def to(self, device: torch.device | str) -> "PackedBatch":
-        return PackedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        """The copy on ``device``, keeping the host original (also when ``device`` is the CPU, so
+        that CPU runs take the same path)."""
+        return PackedBatch(**self._tensors_to(device), host=self.host_view())
+
+    def _tensors_to(self, device: torch.device | str) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "host"}

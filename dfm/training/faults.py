@@ -34,14 +34,16 @@ class PreemptionSignal:
             signal.signal(sig, handler)
 
 
-def grads_are_finite(model: list[Any], local_loss_finite: bool, device: torch.device) -> bool:
-    """True on every rank iff the loss and every gradient of every rank are finite."""
-    bad = 0.0 if local_loss_finite else 1.0
+def grads_are_finite(model: list[Any], losses: list[torch.Tensor], device: torch.device) -> bool:
+    """True on every rank iff every micro-batch loss and every gradient of every rank is finite.
+
+    The checks stay on the device until one all-reduced flag is read: one sync per step, not
+    one per micro-batch and gradient buffer.
+    """
+    checks = [torch.isfinite(loss).all() for loss in losses]
     for chunk in model:
-        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-            if not torch.isfinite(buffer.grad_data).all():
-                bad = 1.0
-    flag = torch.tensor([bad], device=device)
+        checks += [torch.isfinite(buffer.grad_data).all() for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+    flag = (~torch.stack(checks)).any().float().reshape(1) if checks else torch.zeros(1, device=device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return flag.item() == 0.0
 

@@ -52,7 +52,11 @@ class DiffusionForwardStep:
         return batch, noise.to(self.device), level.to(self.device)
 
     def __call__(self, data_iterator, model):
-        batch, noise, level = self.prepare(next(data_iterator))
+        return self.run(model, *self.prepare(next(data_iterator)))
+
+    def run(self, model, batch: PackedBatch, noise: torch.Tensor, level: torch.Tensor):
+        """The device part of a micro-batch: model input, model, and the loss closure. No host sync
+        (tests/training/test_no_host_sync.py): the host-side work is all in ``prepare``."""
         sample_ids = batch.token_sample_ids()
         x_in, c_noise = self.pipeline.model_input(batch.latents, noise, level, sample_ids)
         output = model(x_in, c_noise, batch)
@@ -61,5 +65,5 @@ class DiffusionForwardStep:
     def loss(self, batch: PackedBatch, noise, level, sample_ids, output: torch.Tensor):
         per_sample = self.pipeline.training_loss(output, batch.latents, noise, level, sample_ids, batch.loss_mask)
         loss = per_sample.mean()
-        stats = torch.stack([loss.detach().float(), torch.tensor(float(batch.num_real_tokens()), device=loss.device)])
+        stats = torch.stack([loss.detach().float(), batch.loss_mask.detach().sum().float()])
         return loss, {"loss_and_tokens": stats}

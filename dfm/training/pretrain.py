@@ -116,10 +116,6 @@ def reduce_loss_and_tokens(losses_reduced: list[dict], device: torch.device) -> 
     return (stats[0] / stats[1].clamp(min=1)).item(), stats[2].item()
 
 
-def local_losses_finite(losses_reduced: list[dict]) -> bool:
-    return all(bool(torch.isfinite(item["loss_and_tokens"][0])) for item in losses_reduced)
-
-
 def train_step(forward_step, data_iter, model, optimizer, scheduler, n_micro: int, device) -> tuple:
     """One optimizer step; a non-finite loss or gradient skips the update. -> (losses, updated, grad_norm)."""
     for chunk in model:
@@ -133,7 +129,7 @@ def train_step(forward_step, data_iter, model, optimizer, scheduler, n_micro: in
         micro_batch_size=1,
         forward_only=False,
     )
-    if not grads_are_finite(model, local_losses_finite(losses), device):
+    if not grads_are_finite(model, [item["loss_and_tokens"][0] for item in losses], device):
         return losses, False, None
     update_ok, grad_norm, _ = optimizer.step()
     if update_ok:

@@ -27,3 +27,24 @@ def test_fresh_blocks_are_identity_and_final_layer_is_zero(dist, name):
     final = model.final_layer
     assert torch.count_nonzero(final.linear.weight) == 0 and torch.count_nonzero(final.adaln.weight) == 0
     assert torch.count_nonzero(model(pack.latents, c_noise, pack, labels)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_to_tokens_matches_a_gather_forward_and_backward(dtype):
+    """The segment-sum backward equals a gather's, including samples with no tokens (a CP chunk)."""
+    from dfm.models.common.adaln import rows_to_tokens
+
+    ids = torch.tensor([0, 0, 0, 2, 2, 3, 3, 3, 3, 5])  # rows 1 and 4 own no token
+    rows = torch.randn(6, 7, dtype=dtype, requires_grad=True)
+    grad = torch.randn(len(ids), 7, dtype=dtype)
+    out = rows_to_tokens(rows, ids)
+    (expected_grad,) = torch.autograd.grad(rows[ids], rows, grad)
+    (got_grad,) = torch.autograd.grad(out, rows, grad)
+    assert torch.equal(out, rows[ids])
+    assert got_grad.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got_grad, expected_grad, rtol=1e-6, atol=1e-6)
+    else:  # bf16: summed in fp32, so at least as close to the exact sum as the gather's bf16 adds
+        (exact,) = torch.autograd.grad(rows.double()[ids], rows, grad.double())
+        assert (got_grad.double() - exact).abs().max() <= (expected_grad.double() - exact).abs().max()
+    assert torch.count_nonzero(got_grad[[1, 4]]) == 0

@@ -24,7 +24,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import all_to_all, gather_from_sequence_parallel_region
 from torch import Tensor
 
-from dfm.models.common.packed_attention import document_ids_on_device
+from dfm.models.common.packed_attention import document_ids_on_device, host_segments
 
 Kernel = Callable[[Tensor, Tensor, Tensor, PackedSeqParams], Tensor]  # q, k, v [s, b, np, hn] -> [s, b, np, hn]
 
@@ -52,6 +52,7 @@ class SequenceSplit:
     from_gathered: Optional[Tensor] = None  # [S] long, all ranks' tokens (rank-major) -> token order
     to_gathered: Optional[Tensor] = None  # [S] long, the inverse permutation
     cu_local: Optional[Tensor] = None  # [N+1] int32, sample segments of the local tokens
+    cu_local_host: Optional[Tensor] = None  # the same on the host
 
     def local(self, tensor: Tensor) -> Tensor:
         """[S, ...] -> [S/cp, ...], this rank's tokens."""
@@ -67,23 +68,25 @@ class SequenceSplit:
         return gathered[self.from_gathered.to(tensor.device)]
 
 
-def sequence_split(cu_seqlens_padded: Tensor) -> SequenceSplit:
-    """This rank's share of a pack with segment offsets ``cu_seqlens_padded [N+1]``."""
+def sequence_split(cu_seqlens_padded: Tensor, device: Optional[torch.device] = None) -> SequenceSplit:
+    """This rank's share of a pack with segment offsets ``cu_seqlens_padded [N+1]`` (pass host
+    offsets and the pack's ``device`` to build the indices without a device sync)."""
     size = parallel_state.get_context_parallel_world_size()
     if size == 1:
         return SequenceSplit(size=1)
     rank = parallel_state.get_context_parallel_rank()
+    device = cu_seqlens_padded.device if device is None else device
     cu = cu_seqlens_padded.cpu()
     per_rank = [load_balanced_positions(cu, size, r) for r in range(size)]
     to_gathered = torch.cat(per_rank)
-    device = cu_seqlens_padded.device
     return SequenceSplit(
         size=size,
         group=parallel_state.get_context_parallel_group(),
         local_positions=per_rank[rank].to(device),
         from_gathered=torch.argsort(to_gathered).to(device),
         to_gathered=to_gathered.to(device),
-        cu_local=(cu_seqlens_padded // size).to(torch.int32),
+        cu_local=(cu // size).to(device=device, dtype=torch.int32),
+        cu_local_host=(cu // size).to(torch.int32),
     )
 
 
@@ -106,8 +109,11 @@ class LocalQueryAttention:
 
 def local_query_attention(params: PackedSeqParams, split: SequenceSplit, self_attention: bool) -> LocalQueryAttention:
     """CP attention for ``params`` (whole-pack segments) when this rank holds ``split``'s queries."""
+    host = host_segments(params)
     local = dataclasses.replace(params, cu_seqlens_q=split.cu_local, cu_seqlens_q_padded=split.cu_local)
-    total, device = int(params.cu_seqlens_q_padded[-1]), params.cu_seqlens_q_padded.device
+    if host is not params:
+        local.host = dataclasses.replace(host, cu_seqlens_q=split.cu_local_host, cu_seqlens_q_padded=split.cu_local_host)
+    total, device = int(host.cu_seqlens_q_padded[-1]), params.cu_seqlens_q_padded.device
     real = document_ids_on_device(params, "q", total, device) >= 0
     return LocalQueryAttention(split, local, split.local(real)[:, None, None, None], gather_kv=self_attention)
 

@@ -31,11 +31,17 @@ def _cumulative(lengths: list[Tensor], device) -> Tensor:
 
 
 def _segments(starts: list[Tensor], lengths: list[Tensor], total: int, device, token_order=None) -> PackedSegments:
-    """Segments given by their starts and real lengths; each padded segment runs to the next start."""
-    offsets = torch.cat([torch.cat(starts), torch.tensor([total])]).to(device=device, dtype=torch.int32)
-    cu = _cumulative(lengths, device)
-    return PackedSegments(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+    """Segments given by their starts and real lengths; each padded segment runs to the next start.
+    Built on the host; a copy on ``device`` keeps the host one as ``host``."""
+    offsets = torch.cat([torch.cat(starts), torch.tensor([total])]).to(torch.int32)
+    cu = _cumulative(lengths, "cpu")
+    host = PackedSegments(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                           cu_seqlens_q_padded=offsets, cu_seqlens_kv_padded=offsets, token_order=token_order)
+    if torch.device(device).type == "cpu":
+        return host
+    cu, offsets = cu.to(device), offsets.to(device)
+    return PackedSegments(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=offsets,
+                          cu_seqlens_kv_padded=offsets, token_order=token_order, host=host)
 
 
 def sample_grids(latent_shape: Tensor, patch_temporal: int, patch_spatial: int) -> list[tuple[int, int, int]]:
@@ -43,10 +49,14 @@ def sample_grids(latent_shape: Tensor, patch_temporal: int, patch_spatial: int) 
     return [(t // patch_temporal, h // patch_spatial, w // patch_spatial) for _, t, h, w in latent_shape.tolist()]
 
 
-def factorized_params(cu_seqlens_padded: Tensor, grids: list[tuple[int, int, int]]) -> FactorizedAttentionParams:
-    """Spatial / temporal segments and the temporal permutation for a pack of samples."""
+def factorized_params(
+    cu_seqlens_padded: Tensor, grids: list[tuple[int, int, int]], device: torch.device | None = None
+) -> FactorizedAttentionParams:
+    """Spatial / temporal segments and the temporal permutation for a pack of samples, on ``device``
+    (default: the offsets'; pass host offsets to build them without a device sync)."""
     offsets = cu_seqlens_padded.tolist()
-    total, device = offsets[-1], cu_seqlens_padded.device
+    total = offsets[-1]
+    device = cu_seqlens_padded.device if device is None else device
     to_temporal = torch.arange(total)
     spatial_starts, spatial_lens, temporal_starts, temporal_lens = [], [], [], []
     for start, (t, h, w) in zip(offsets[:-1], grids):

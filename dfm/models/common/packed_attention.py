@@ -36,6 +36,15 @@ class PackedSegments(PackedSeqParams):
     token_order: Optional[tuple[Tensor, Tensor]] = None
     # Callable (kernel, q, k, v) -> out when the pack is split over CP ranks (context_parallel.py).
     context_parallel: Any = None
+    # The same segments as host tensors, for loops over segments without a device sync.
+    host: Optional[PackedSeqParams] = None
+
+
+def host_segments(params: PackedSeqParams) -> PackedSeqParams:
+    """``params`` with host cu_seqlens: its ``host`` copy when it has one (reading the device
+    tensors instead costs a sync)."""
+    host = getattr(params, "host", None)
+    return params if host is None else host
 
 
 def attend_in_segment_order(kernel, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams, **kw) -> Tensor:
@@ -49,6 +58,7 @@ def attend_in_segment_order(kernel, query: Tensor, key: Tensor, value: Tensor, p
 
 def segment_bounds(params: PackedSeqParams, side: str) -> tuple[list[int], list[int]]:
     """(starts, lengths) of each sample's real tokens on the 'q' or 'kv' side."""
+    params = host_segments(params)
     real = getattr(params, f"cu_seqlens_{side}")
     padded = getattr(params, f"cu_seqlens_{side}_padded")
     offsets = padded if padded is not None else real

@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from torch import Tensor, nn
 
 from dfm.data.packed_batch import PackedBatch
-from dfm.models.common.adaln import AdaLNNorm, modulate
+from dfm.models.common.adaln import AdaLNNorm, modulate, rows_to_tokens
 from dfm.models.common.context_parallel import SequenceSplit, UlyssesAttention, local_query_attention, sequence_split
 from dfm.models.common.factorized_layout import factorized_params, sample_grids
 from dfm.models.common.embeddings import (
@@ -45,7 +45,7 @@ class FinalLayer(nn.Module):
 
     def forward(self, hidden: Tensor, cond: Tensor, token_sample_ids: Tensor) -> Tensor:
         """hidden [s, b, h], cond [N, h] -> [s, b, out]."""
-        shift, scale = self.adaln(F.silu(cond))[token_sample_ids].unsqueeze(1).chunk(2, dim=-1)
+        shift, scale = rows_to_tokens(self.adaln(F.silu(cond)), token_sample_ids).unsqueeze(1).chunk(2, dim=-1)
         return self.linear(modulate(self.norm(hidden), shift, scale))
 
 
@@ -69,13 +69,19 @@ def packed_seq_params(batch: PackedBatch, cross: bool, split: Optional[SequenceS
     """Segment boundaries for self-attention (video-video) or cross-attention (video-text);
     with a CP ``split``, the attention of this rank's share of the queries."""
     kv = "kv" if cross else "q"
-    params = PackedSegments(
-        qkv_format="sbhd",
-        cu_seqlens_q=batch.cu_seqlens_q,
-        cu_seqlens_q_padded=batch.cu_seqlens_q_padded,
-        cu_seqlens_kv=getattr(batch, f"cu_seqlens_{kv}"),
-        cu_seqlens_kv_padded=getattr(batch, f"cu_seqlens_{kv}_padded"),
-    )
+
+    def segments(source: PackedBatch) -> PackedSegments:
+        return PackedSegments(
+            qkv_format="sbhd",
+            cu_seqlens_q=source.cu_seqlens_q,
+            cu_seqlens_q_padded=source.cu_seqlens_q_padded,
+            cu_seqlens_kv=getattr(source, f"cu_seqlens_{kv}"),
+            cu_seqlens_kv_padded=getattr(source, f"cu_seqlens_{kv}_padded"),
+        )
+
+    params = segments(batch)
+    if batch.host is not None:
+        params.host = segments(batch.host)
     if split is not None and split.size > 1:
         params.context_parallel = local_query_attention(params, split, self_attention=not cross)
     return params
@@ -173,7 +179,7 @@ class DiTModel(MegatronModule):
         """Under context parallelism each rank runs its share of the tokens (``split``) and the
         output is gathered: every CP rank returns the whole [S, D]."""
         sp = self.config.sequence_parallel
-        split = sequence_split(batch.cu_seqlens_q_padded)
+        split = sequence_split(batch.host_view().cu_seqlens_q_padded, batch.latents.device)
         token_ids = split.local(batch.token_sample_ids())
         cond = self.conditioning(c_noise, class_labels)
         context = None
@@ -209,11 +215,12 @@ class DiTModel(MegatronModule):
     def self_attention_params(self, batch: PackedBatch, split: Optional[SequenceSplit] = None):
         """Per-sample segments; ST-DiT's factorized attention needs per-frame / per-position ones
         (under CP re-sharded by all-to-all, as frames and positions span the CP ranks)."""
-        split = split if split is not None else sequence_split(batch.cu_seqlens_q_padded)
+        split = split if split is not None else sequence_split(batch.host_view().cu_seqlens_q_padded, batch.latents.device)
         if self.model_cfg.architecture != "stdit":
             return packed_seq_params(batch, cross=False, split=split)
-        grids = sample_grids(batch.latent_shape, self.model_cfg.patch_temporal, self.model_cfg.patch_spatial)
-        params = factorized_params(batch.cu_seqlens_q_padded, grids)
+        host = batch.host_view()
+        grids = sample_grids(host.latent_shape, self.model_cfg.patch_temporal, self.model_cfg.patch_spatial)
+        params = factorized_params(host.cu_seqlens_q_padded, grids, batch.latents.device)
         if split.size > 1:
             for segments in (params.spatial, params.temporal):
                 segments.context_parallel = UlyssesAttention(split, segments)

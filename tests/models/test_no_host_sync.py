@@ -1,0 +1,85 @@
+"""A micro-batch's device work never waits for the device.
+
+``DiffusionForwardStep.run`` (model input, model forward, loss) and the backward pass run on a
+pack whose tensors are wrapped in ``DeviceTensor``, a CPU tensor that plays the device's part:
+every tensor computed from it is one too, and each operation that would copy a device value
+back to the host (``.item()``, ``.tolist()``, ``int()``, ``.cpu()``, boolean-mask indexing,
+``nonzero``, ``repeat_interleave`` without ``output_size``, ...) is recorded with where it was
+called. Host-side layout work reads the pack's host original (``PackedBatch.host``) instead.
+On CUDA the same calls would each stall the CPU until the GPU queue drains.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+from dfm.data.packed_batch import PackedBatch
+from dfm.diffusion.pipeline import build_pipeline
+from dfm.training.forward_step import DiffusionForwardStep
+from tests.models._helpers import build_random_model, make_samples, pack_samples, tiny_config
+
+READS_BACK = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy", "nonzero",
+              "argwhere", "masked_select", "unique", "unique_consecutive", "bincount", "equal", "allclose"}
+
+
+def _reads_back(func, args, kwargs) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in READS_BACK:
+        return True
+    if name == "repeat_interleave":  # its output size is the repeats' sum, unless given
+        return isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor) and kwargs.get("output_size") is None
+    if name in ("__getitem__", "__setitem__", "index_put", "index_put_"):  # a boolean mask is a nonzero
+        index = args[1] if len(args) > 1 else None
+        indices = index if isinstance(index, (tuple, list)) else (index,)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+    if name == "to":  # a literal "cpu" (on the fake device, x.to(y.device) is a no-op as on CUDA)
+        return any(isinstance(a, str) and a.startswith("cpu") for a in (*args[1:], kwargs.get("device")))
+    return False
+
+
+class DeviceTensor(torch.Tensor):
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _reads_back(func, args, kwargs):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/dfm/" in f.filename]
+            where = f"{frames[-1].filename.split('/dfm/')[-1]}:{frames[-1].lineno}" if frames else "?"
+            cls.reads.append(f"{getattr(func, '__name__', func)} at {where}")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def on_fake_device(batch: PackedBatch) -> PackedBatch:
+    """The pack as ``.to(device)`` returns it: device tensors, the host original kept."""
+    tensors = {name: value.clone().as_subclass(DeviceTensor) for name, value in vars(batch).items() if name != "host"}
+    return PackedBatch(**tensors, host=batch.host_view())
+
+
+@pytest.mark.parametrize("arch", ["dit_cross", "dit_adaln", "stdit", "moviegen"])
+@pytest.mark.parametrize("pipeline", ["edm", "flow"])
+def test_micro_batch_device_work_never_reads_back(dist, arch, pipeline):
+    cfg = tiny_config(arch, attention_backend="sdpa")
+    model = build_random_model(cfg)
+    step = DiffusionForwardStep(build_pipeline(pipeline), seed=1, cfg_dropout_prob=0.5, device=torch.device("cpu"))
+    batch, noise, level = step.prepare(pack_samples(make_samples(cfg), segment_multiple=8))
+    noise, level = noise.as_subclass(DeviceTensor), level.as_subclass(DeviceTensor)
+    DeviceTensor.reads = []
+
+    output, loss_fn = step.run(model, on_fake_device(batch), noise, level)
+    loss, _ = loss_fn(output)
+    loss.backward()
+
+    assert DeviceTensor.reads == [], "\n".join(DeviceTensor.reads)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_detector_sees_reads_back(dist):
+    DeviceTensor.reads = []
+    ids = torch.tensor([0, 0, 1]).as_subclass(DeviceTensor)
+    ids.tolist(), int(ids.max()), ids[ids > 0], torch.repeat_interleave(ids, ids)
+    torch.repeat_interleave(ids, ids, output_size=1)
+    assert [read.split(" ")[0] for read in DeviceTensor.reads] == ["tolist", "__int__", "__getitem__", "repeat_interleave"]
