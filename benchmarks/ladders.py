@@ -19,6 +19,9 @@ class Rung:
     recipe: str | None = None
     variant: str = "default"  # a named speed experiment applied to dfm only (benchmarks/variants.py)
     reference: bool = True  # also time the plain-PyTorch reference on the same packs
+    # A mixed rung: the fixed-size rungs (one sample shape each, same packed token count) whose
+    # speeds its samples are compared with (report.mixed_vs_fixed).
+    mix_of: list[str] = field(default_factory=list)
 
 
 def model(hidden: int, heads: int, layers: int, architecture: str = "dit_cross") -> list[str]:
@@ -54,9 +57,17 @@ def cpu_ladder() -> list[Rung]:
         Rung("tiny-1k-mix", ["dataset.seq_length=1024"], config_file=TINY_YAML),
     ]
     small = model(256, 4, 4) + ["model.in_channels=4", "model.text_embed_dim=64"]
+    # The mixed rung's samples come in four shapes; each also runs alone in 4k-token packs.
+    fixed = [
+        Rung("small-4k-fixed-256", small + data(4096, [[32, 32]], [], 1.0), reference=False),
+        Rung("small-4k-fixed-128", small + data(4096, [[16, 32]], [], 1.0), reference=False),
+        Rung("small-4k-fixed-512", small + data(4096, [], [[2, 32, 32]], 0.0), reference=False),
+    ]
+    mixed = data(4096, [[32, 32], [16, 32]], [[4, 32, 32], [2, 32, 32]], 0.5)
     return tiny + [
-        Rung("small-4k-video", small + data(4096, [], [[4, 32, 32]], 0.0)),
-        Rung("small-4k-mix", small + data(4096, [[32, 32], [16, 32]], [[4, 32, 32], [2, 32, 32]], 0.5)),
+        Rung("small-4k-video", small + data(4096, [], [[4, 32, 32]], 0.0)),  # fixed, 1024 tokens
+        Rung("small-4k-mix", small + mixed, mix_of=["small-4k-video", *(r.name for r in fixed)]),
+        *fixed,
     ]
 
 
@@ -80,17 +91,26 @@ def gpu_ladder() -> list[Rung]:
     cross = model(1152, 16, 28) + LATENT + BF16 + ["model.attention_backend=flex"]
     fixed_1k = data(16384, [[64, 64]], [], 1.0, packs_per_step=2)  # 16 images of 1k tokens per pack
     mixed = data(16384, [[32, 32], [64, 64]], [[4, 64, 64], [2, 64, 64]], 0.5, packs_per_step=2)
+    # The mixed rung's other sample shapes, each alone in 16k-token packs.
+    other_fixed = [
+        Rung("cross-256-img-fixed", cross + data(16384, [[32, 32]], [], 1.0, packs_per_step=2), reference=False),
+        Rung("cross-2k-video-fixed", cross + data(16384, [], [[2, 64, 64]], 0.0, packs_per_step=2), reference=False),
+        Rung("cross-4k-video-fixed", cross + data(16384, [], [[4, 64, 64]], 0.0, packs_per_step=2), reference=False),
+    ]
     return [
         Rung("h4096-8k-L8", model(4096, 32, 8) + h4096 + one_8k_video),
         Rung("h4096-8k-L6", model(4096, 32, 6) + h4096 + one_8k_video),
         Rung("xl2-256-img", xl2),
         Rung("cross-1k-img-fixed", cross + fixed_1k),
-        Rung("cross-16k-mix-packed", cross + mixed),
+        *other_fixed,
+        Rung("cross-16k-mix-packed", cross + mixed, mix_of=["cross-1k-img-fixed", *(r.name for r in other_fixed)]),
         Rung("xl2-256-img-nomaskcache", xl2, variant="flex_mask_per_call", reference=False),
         Rung("xl2-256-img-compiled-modulate", xl2, variant="compiled_modulate", reference=False),
         Rung("h4096-8k-L6-compiled-modulate", model(4096, 32, 6) + h4096 + one_8k_video, variant="compiled_modulate", reference=False),
         Rung("h4096-8k-L6-adaln-matmul", model(4096, 32, 6) + h4096 + one_8k_video, variant="adaln_matmul_broadcast", reference=False),
         Rung("xl2-256-img-adaln-matmul", xl2, variant="adaln_matmul_broadcast", reference=False),
+        Rung("h4096-8k-L6-adaln-gather", model(4096, 32, 6) + h4096 + one_8k_video, variant="adaln_gather_backward", reference=False),
+        Rung("xl2-256-img-adaln-gather", xl2, variant="adaln_gather_backward", reference=False),
         Rung("h4096-8k-L6-uniform-sdpa", model(4096, 32, 6) + h4096 + one_8k_video, variant="uniform_segments_sdpa", reference=False),
         Rung("xl2-256-img-uniform-sdpa", xl2, variant="uniform_segments_sdpa", reference=False),
         Rung("cross-64k-video", cross + data(65536, [], [[16, 128, 128]], 0.0, packs_per_step=1)),

@@ -13,6 +13,7 @@ def side_metrics(cfg, timing: Timing, gpus_sharing: int, peak: Optional[float]) 
     flops = dit_training_flops(cfg.model, timing.video_lens, timing.text_lens) / gpus_sharing
     tflops = flops / timing.elapsed_s / 1e12
     return {
+        "flops_by_tokens": flops_by_tokens(cfg, timing, gpus_sharing),
         "step_time_s": timing.step_time_s,
         "tokens_per_sec_per_gpu": sum(timing.video_lens) / gpus_sharing / timing.elapsed_s,
         "samples_per_sec_per_gpu": len(timing.video_lens) / gpus_sharing / timing.elapsed_s,
@@ -20,6 +21,31 @@ def side_metrics(cfg, timing: Timing, gpus_sharing: int, peak: Optional[float]) 
         "mfu": None if peak is None else tflops * 1e12 / peak,
         "peak_mem_gib": timing.peak_mem_gib,
     }
+
+
+def flops_by_tokens(cfg, timing: Timing, gpus_sharing: int) -> dict[str, float]:
+    """Training FLOPs per GPU of the timed samples, summed by the samples' video-token count."""
+    by_tokens: dict[str, float] = {}
+    for video, text in zip(timing.video_lens, timing.text_lens):
+        by_tokens[str(video)] = by_tokens.get(str(video), 0.0) + dit_training_flops(cfg.model, [video], [text]) / gpus_sharing
+    return by_tokens
+
+
+def mixed_vs_fixed(row: dict, rows: list[dict]) -> Optional[float]:
+    """A mixed rung's speed over what its samples would take in fixed-size packs: each sample
+    shape (token count) at the TFLOP/s of the ``mix_of`` rung that holds only that shape, so the
+    work compared is the same (1.0: packing mixed shapes costs nothing; the target is >= 0.95)."""
+    speeds = {}
+    for side in (r["dfm"] for r in rows if r["config"] in row["mix_of"]):
+        if "error" in side or len(side["flops_by_tokens"]) != 1:
+            return None
+        speeds[next(iter(side["flops_by_tokens"]))] = side["tflops_per_gpu"]
+    mixed = row["dfm"]
+    if "error" in mixed or not set(mixed["flops_by_tokens"]) <= set(speeds):
+        return None
+    fixed_time = sum(flops / speeds[tokens] for tokens, flops in mixed["flops_by_tokens"].items())
+    mixed_time = sum(mixed["flops_by_tokens"].values()) / mixed["tflops_per_gpu"]
+    return fixed_time / mixed_time
 
 
 def ratio(dfm: dict, reference: Optional[dict]) -> Optional[float]:
@@ -52,6 +78,7 @@ COLUMNS = (
     ("ref TFLOP/s", "reference", "tflops_per_gpu", 2),
     ("ref GiB", "reference", "peak_mem_gib", 1),
     ("dfm/ref", None, "ratio", 2),
+    ("mixed/fixed", None, "mixed_vs_fixed", 2),
 )
 
 

@@ -28,7 +28,7 @@ import torch
 from benchmarks.dfm_runner import time_dfm
 from benchmarks.ladders import Rung, get_ladder
 from benchmarks.reference_runner import time_reference
-from benchmarks.report import markdown_table, ratio, side_metrics
+from benchmarks.report import markdown_table, mixed_vs_fixed, ratio, side_metrics
 from benchmarks.variants import apply_variant
 from dfm.config.loader import build_config
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
@@ -74,7 +74,7 @@ def timed_side(label: str, timer, cfg, device, args, gpus_sharing: int, peak) ->
 
 def run_rung(rung: Rung, args, device, peak) -> dict:
     cfg = rung_config(rung, args.set)
-    row = {"config": rung.name, "variant": rung.variant, "overrides": rung.overrides + args.set}
+    row = {"config": rung.name, "variant": rung.variant, "overrides": rung.overrides + args.set, "mix_of": rung.mix_of}
     with apply_variant(rung.variant):
         row["dfm"] = timed_side("dfm", time_dfm, cfg, device, args, model_parallel_size(cfg), peak)
     if rung.reference and not args.no_reference:
@@ -123,6 +123,9 @@ def main(argv=None) -> None:
         peak, env, rows = device_peak_flops(device), environment(device, argv), []
         for rung in rungs:
             rows.append(run_rung(rung, args, device, peak))
+            for row in rows:  # a mixed rung's comparison completes once its fixed rungs ran
+                if row["mix_of"]:
+                    row["mixed_vs_fixed"] = mixed_vs_fixed(row, rows)
             if torch.distributed.get_rank() == 0:  # written after every rung: a cut-off run keeps its rows
                 print(json.dumps(rows[-1]), flush=True)
                 table = write_results(Path(args.out), env, rows)

@@ -59,6 +59,21 @@ def adaln_matmul_broadcast() -> contextlib.AbstractContextManager:
     return _patched(adaln.AdaLNModulation, "forward", forward)
 
 
+def adaln_gather_backward() -> contextlib.AbstractContextManager:
+    """Before the landed segment sum: per-sample adaLN rows reach tokens by plain indexing, whose
+    backward scatters every token's grad into its sample's row (serialised on CUDA)."""
+    from dfm.models.common import adaln
+    from dfm.models.dit import dit_model
+
+    def gather(rows, token_row_ids):
+        return rows[token_row_ids]
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(_patched(adaln, "rows_to_tokens", gather))
+    stack.enter_context(_patched(dit_model, "rows_to_tokens", gather))
+    return stack
+
+
 def uniform_segments_sdpa() -> contextlib.AbstractContextManager:
     """Candidate: a pack whose segments are all one length with no padding (one 8k video, 64
     same-size images) runs as one batched SDPA call (cuDNN/flash) instead of FlexAttention.
@@ -97,6 +112,7 @@ VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "flex_mask_per_call": flex_mask_per_call,
     "compiled_modulate": compiled_modulate,
     "adaln_matmul_broadcast": adaln_matmul_broadcast,
+    "adaln_gather_backward": adaln_gather_backward,
     "uniform_segments_sdpa": uniform_segments_sdpa,
 }
 
