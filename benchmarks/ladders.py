@@ -66,6 +66,8 @@ def cpu_ladder() -> list[Rung]:
     mixed = data(4096, [[32, 32], [16, 32]], [[4, 32, 32], [2, 32, 32]], 0.5)
     return tiny + [
         Rung("small-4k-video", small + data(4096, [], [[4, 32, 32]], 0.0)),  # fixed, 1024 tokens
+        Rung("small-4k-video-adaln-gather", small + data(4096, [], [[4, 32, 32]], 0.0),
+             variant="adaln_gather_backward", reference=False),
         Rung("small-4k-mix", small + mixed, mix_of=["small-4k-video", *(r.name for r in fixed)]),
         *fixed,
     ]

@@ -60,8 +60,8 @@ def adaln_matmul_broadcast() -> contextlib.AbstractContextManager:
 
 
 def adaln_gather_backward() -> contextlib.AbstractContextManager:
-    """Before the landed segment sum: per-sample adaLN rows reach tokens by plain indexing, whose
-    backward scatters every token's grad into its sample's row (serialised on CUDA)."""
+    """Before the landed ``rows_to_tokens``: per-sample adaLN rows reach tokens by plain indexing,
+    whose backward scatters every token's grad into its sample's row (serialised on CUDA)."""
     from dfm.models.common import adaln
     from dfm.models.dit import dit_model
 

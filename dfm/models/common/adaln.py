@@ -13,8 +13,20 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return x * (1 + scale) + shift
 
 
+def sum_rows_by_one_hot_gemm(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor:
+    """[s, k] -> [N, k]: row n sums the grads of the tokens with id n, as a one-hot [N, s] GEMM."""
+    one_hot = ids[None, :] == torch.arange(num_rows, device=ids.device)[:, None]
+    return one_hot.to(grad.dtype) @ grad
+
+
+def sum_rows_by_index_add(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor:
+    """Same sums by index_add_ in fp32 (deterministic on the CPU, in token order)."""
+    sums = torch.zeros(num_rows, grad.shape[1], dtype=torch.float32, device=grad.device)
+    return sums.index_add_(0, ids, grad.float()).to(grad.dtype)
+
+
 class _RowsToTokens(torch.autograd.Function):
-    """Gather forward, segment sum backward (see ``rows_to_tokens``)."""
+    """Gather forward; backward sums each row's token grads (see ``rows_to_tokens``)."""
 
     @staticmethod
     def forward(ctx, rows: Tensor, token_row_ids: Tensor) -> Tensor:
@@ -25,21 +37,18 @@ class _RowsToTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         (ids,) = ctx.saved_tensors
-        counts = torch.zeros(ctx.num_rows, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids, dtype=torch.long))
-        # unsafe=True skips the checks that read ``counts`` back on the host (a device sync);
-        # fp32 so 64k bf16 token grads add up without losing the small ones.
-        summed = torch.segment_reduce(grad.float(), "sum", lengths=counts, axis=0, unsafe=True)
-        return summed.to(grad.dtype), None
+        sum_rows = sum_rows_by_one_hot_gemm if grad.is_cuda else sum_rows_by_index_add
+        return sum_rows(grad.contiguous(), ids, ctx.num_rows), None
 
 
 def rows_to_tokens(rows: Tensor, token_row_ids: Tensor) -> Tensor:
-    """rows [N, k], token_row_ids [s] (non-decreasing) -> [s, k], token i taking row ``token_row_ids[i]``.
+    """rows [N, k], token_row_ids [s] -> [s, k], token i taking row ``token_row_ids[i]``.
 
-    Same values as ``rows[token_row_ids]``, but the backward sums each row's contiguous run of
-    token grads (a segmented reduction) instead of scattering them with a gather's backward,
-    which on CUDA serialises thousands of adds into the same few rows (16.6% of a step at 8k
-    tokens per sample, docs/performance.md). THD packs, their SP slices and their CP chunks all
-    keep each sample's tokens contiguous and in sample order, which is all this needs.
+    Same values as ``rows[token_row_ids]``; only the backward differs. A gather's backward
+    (index_put with accumulate) sorts the ids and serialises thousands of adds into the same few
+    rows on CUDA: 16.6% of a step at 8k tokens per sample (docs/performance.md). Here CUDA sums
+    by a one-hot GEMM (2*N*s*k FLOPs, deterministic, tensor cores); the CPU by index_add_, which
+    measured fastest there (a one-hot GEMM 1.6-3x slower, segment_reduce 20-60x).
     """
     return _RowsToTokens.apply(rows, token_row_ids)
 
