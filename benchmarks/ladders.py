@@ -115,6 +115,8 @@ def gpu_ladder() -> list[Rung]:
         Rung("xl2-256-img-adaln-gather", xl2, variant="adaln_gather_backward", reference=False),
         Rung("h4096-8k-L6-uniform-sdpa", model(4096, 32, 6) + h4096 + one_8k_video, variant="uniform_segments_sdpa", reference=False),
         Rung("xl2-256-img-uniform-sdpa", xl2, variant="uniform_segments_sdpa", reference=False),
+        Rung("h4096-8k-L6-uniform-cudnn", model(4096, 32, 6) + h4096 + one_8k_video, variant="uniform_segments_cudnn", reference=False),
+        Rung("xl2-256-img-uniform-cudnn", xl2, variant="uniform_segments_cudnn", reference=False),
         Rung("cross-64k-video", cross + data(65536, [], [[16, 128, 128]], 0.0, packs_per_step=1)),
         Rung("cross-64k-video-L12", cross + ["model.num_layers=12"] + data(65536, [], [[16, 128, 128]], 0.0, packs_per_step=1)),
         Rung("xl2-256-img-sdpa", XL2 + BF16 + ["model.attention_backend=sdpa"] + data(16384, [[32, 32]], [], 1.0, 4), reference=False),

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from benchmarks import run_benchmarks
 from benchmarks.ladders import LADDERS, get_ladder
@@ -52,3 +53,21 @@ def test_mixed_vs_fixed_compares_the_same_work_at_each_shapes_fixed_speed():
     mixed["dfm"]["tflops_per_gpu"] = 7 / 10  # twice as slow as fixed packs
     assert mixed_vs_fixed(mixed, [mixed, *fixed]) == pytest.approx(0.5)
     assert mixed_vs_fixed(mixed, [mixed, fixed[0]]) is None  # a shape without its fixed rung yet
+
+
+@pytest.mark.parametrize("variant", ["uniform_segments_sdpa", "uniform_segments_cudnn"])
+def test_uniform_segment_variants_attend_like_the_per_segment_reference(variant):
+    """Their batched call (cuDNN/flash on GPU; the CPU's flash kernel here) equals SDPA per segment."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from dfm.models.common import packed_attention
+
+    cu = torch.tensor([0, 16, 32, 48], dtype=torch.int32)
+    params = packed_attention.PackedSegments(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu)
+    q, k, v = (torch.randn(48, 1, 2, 8) for _ in range(3))
+    expected = packed_attention.sdpa_per_segment(q, k, v, params, scale=0.3)
+    with apply_variant(variant):
+        got = packed_attention.flex_document_attention(q, k, v, params, 0.3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert isinstance(params, PackedSeqParams) and params._dfm_uniform_q == 16
