@@ -57,6 +57,7 @@ class ModelConfig:
     num_moe_experts: Optional[int] = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
+    moe_aux_loss_coeff: float = 1e-3  # load-balancing loss weight (padding tokens are left out)
     recompute_granularity: Optional[RecomputeGranularity] = None
     recompute_method: Optional[RecomputeMethod] = "uniform"
     recompute_num_layers: Optional[int] = None

@@ -75,3 +75,33 @@ def test_packed_equals_unpacked(dist, name, backend):
     assert packed_grads.keys() == single_grads.keys()
     for param_name, grad in packed_grads.items():
         assert_close_scaled(grad, single_grads[param_name], f"grad of {param_name}")
+
+
+def moe_grads_with_padding(segment_multiple: int) -> dict[str, torch.Tensor]:
+    """Parameter grads (load-balancing loss included) of an MoE model on the test samples packed
+    with segments padded to ``segment_multiple``; the loss reads real tokens only."""
+    cfg = tiny_config("moviegen_moe")
+    model = build_random_model(cfg, seed=4).double().train()
+    pack = as_double(pack_samples(make_samples(cfg), segment_multiple=segment_multiple), "cpu")
+    c_noise, labels = conditioning(pack.num_samples)
+    out = model(pack.latents, c_noise.double(), pack, labels)
+    (out.square().sum(dim=1) * pack.loss_mask).sum().backward()
+    return parameter_grads(model)
+
+
+def test_moe_load_balancing_loss_leaves_padding_out(dist, monkeypatch):
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    tight, padded = moe_grads_with_padding(1), moe_grads_with_padding(16)
+    assert sorted(tight) == sorted(padded)
+    for name, grad in tight.items():
+        assert_close_scaled(padded[name], grad, name)
+
+    # The same comparison with the mask dropped: padding tokens change the router's gradient.
+    from dfm.models.dit.dit_layer import DiTLayer
+
+    feed_forward = DiTLayer.feed_forward
+    monkeypatch.setattr(DiTLayer, "feed_forward", lambda self, h, shift, scale, gate, padding_mask=None:
+                        feed_forward(self, h, shift, scale, gate))
+    unmasked = moe_grads_with_padding(16)
+    router = [name for name in tight if "router" in name]
+    assert router and any(not torch.allclose(unmasked[name], tight[name], rtol=1e-6) for name in router)

@@ -70,12 +70,14 @@ class DiTLayer(MegatronModule):
         rotary_pos_emb: Optional[Tensor],
         self_attn_params: PackedSeqParams,
         cross_attn_params: Optional[PackedSeqParams],
+        padding_mask: Optional[Tensor] = None,
     ) -> Tensor:
-        """hidden [s, b, h]; cond [N, h] per sample; token_sample_ids [s]; context [s_kv, b, h]."""
+        """hidden [s, b, h]; cond [N, h] per sample; token_sample_ids [s]; context [s_kv, b, h];
+        padding_mask [s] bool, True on padding tokens (MoE routing statistics leave them out)."""
         *attn_mod, shift_mlp, scale_mlp, gate_mlp = self.adaln(cond, token_sample_ids)
         hidden = self.self_attend(hidden, attn_mod, rotary_pos_emb, self_attn_params)
         hidden = self.cross_attend(hidden, context, cross_attn_params)
-        return self.feed_forward(hidden, shift_mlp, scale_mlp, gate_mlp)
+        return self.feed_forward(hidden, shift_mlp, scale_mlp, gate_mlp, padding_mask)
 
     def self_attend(self, hidden: Tensor, modulation: list[Tensor], rotary_pos_emb, params: PackedSeqParams) -> Tensor:
         """modulation: (shift, scale, gate), each [s, 1, h]."""
@@ -93,8 +95,10 @@ class DiTLayer(MegatronModule):
         out = self.cross_attention(self.norm2(hidden), attention_mask=None, key_value_states=context, packed_seq_params=params)
         return hidden + _add_bias(out)
 
-    def feed_forward(self, hidden: Tensor, shift: Tensor, scale: Tensor, gate: Tensor) -> Tensor:
-        return hidden + gate * _add_bias(self.mlp(modulate(self.norm3(hidden), shift, scale)))
+    def feed_forward(self, hidden: Tensor, shift: Tensor, scale: Tensor, gate: Tensor, padding_mask=None) -> Tensor:
+        # megatron's MoE layer takes the mask as [b, s] (a dense MLP ignores it).
+        mask = {} if padding_mask is None else {"padding_mask": padding_mask[None]}
+        return hidden + gate * _add_bias(self.mlp(modulate(self.norm3(hidden), shift, scale), **mask))
 
 
 class STDiTLayer(DiTLayer):

@@ -197,7 +197,9 @@ class DiTModel(MegatronModule):
         if self.model_cfg.pos_embedding == "rope3d":
             rope = rope_3d_freqs(split.local(batch.pos_ids), self.config.kv_channels)
         local_ids = self.local_token_ids(token_ids) if sp else token_ids
-        hidden = self.run_layers(hidden, cond, local_ids, context, rope, batch, split)
+        padding = split.local(batch.loss_mask == 0)
+        padding = self.local_token_ids(padding) if sp else padding
+        hidden = self.run_layers(hidden, cond, local_ids, context, rope, batch, split, padding)
         if not self.post_process:
             return hidden
         if sp:
@@ -207,7 +209,7 @@ class DiTModel(MegatronModule):
         return split.gather(out, grad_is_partial=False)
 
     def local_token_ids(self, token_ids: Tensor) -> Tensor:
-        """The slice of [S] ids held by this rank when the sequence is split over TP ranks."""
+        """The slice of a per-token [S] tensor held by this rank when the sequence is split over TP ranks."""
         tp = parallel_state.get_tensor_model_parallel_world_size()
         rank = parallel_state.get_tensor_model_parallel_rank()
         return token_ids.chunk(tp)[rank]
@@ -226,8 +228,8 @@ class DiTModel(MegatronModule):
                 segments.context_parallel = UlyssesAttention(split, segments)
         return params
 
-    def run_layers(self, hidden, cond, token_ids, context, rope, batch, split: SequenceSplit) -> Tensor:
+    def run_layers(self, hidden, cond, token_ids, context, rope, batch, split: SequenceSplit, padding=None) -> Tensor:
         self_params = self.self_attention_params(batch, split)
         cross_params = packed_seq_params(batch, True, split) if self.cross else None
         runs = layer_runs(len(self.layers), self.config, self.training)
-        return forward_layers(self.layers, runs, hidden, cond, token_ids, context, rope, self_params, cross_params)
+        return forward_layers(self.layers, runs, hidden, cond, token_ids, context, rope, self_params, cross_params, padding)
