@@ -83,3 +83,24 @@ def test_the_detector_sees_reads_back(dist):
     ids.tolist(), int(ids.max()), ids[ids > 0], torch.repeat_interleave(ids, ids)
     torch.repeat_interleave(ids, ids, output_size=1)
     assert [read.split(" ")[0] for read in DeviceTensor.reads] == ["tolist", "__int__", "__getitem__", "repeat_interleave"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["dit_cross", "moviegen"])
+def test_micro_batch_on_cuda_never_syncs(dist, arch):
+    """The same on a real GPU: CUDA's sync debug mode turns every synchronising call into an error.
+    The first micro-batch compiles FlexAttention's kernels and runs outside the mode.
+    (Written in a session without a GPU: not yet run.)"""
+    cfg = tiny_config(arch)
+    model = build_random_model(cfg).cuda()
+    step = DiffusionForwardStep(build_pipeline("edm"), seed=1, cfg_dropout_prob=0.5, device=torch.device("cuda"))
+    for debug_mode in ("default", "error"):
+        batch, noise, level = step.prepare(pack_samples(make_samples(cfg), segment_multiple=8))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(debug_mode)
+        try:
+            output, loss_fn = step.run(model, batch, noise, level)
+            loss_fn(output)[0].backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
