@@ -25,23 +25,23 @@ class FactorizedAttentionParams:
     temporal: PackedSegments  # per-(h, w) segments; token_order: (to_temporal [S], to_token [S])
 
 
-def _cumulative(lengths: list[Tensor], device) -> Tensor:
+def _cumulative(lengths: list[Tensor]) -> Tensor:
     lengths = torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.long)
-    return torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device=device, dtype=torch.int32)
+    return torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
 
 
 def _segments(starts: list[Tensor], lengths: list[Tensor], total: int, device, token_order=None) -> PackedSegments:
     """Segments given by their starts and real lengths; each padded segment runs to the next start.
     Built on the host; a copy on ``device`` keeps the host one as ``host``."""
-    offsets = torch.cat([torch.cat(starts), torch.tensor([total])]).to(torch.int32)
-    cu = _cumulative(lengths, "cpu")
-    host = PackedSegments(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                          cu_seqlens_q_padded=offsets, cu_seqlens_kv_padded=offsets, token_order=token_order)
+
+    def segments(cu: Tensor, offsets: Tensor, host=None) -> PackedSegments:
+        return PackedSegments(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=offsets,
+                              cu_seqlens_kv_padded=offsets, token_order=token_order, host=host)
+
+    host = segments(_cumulative(lengths), torch.cat([torch.cat(starts), torch.tensor([total])]).to(torch.int32))
     if torch.device(device).type == "cpu":
         return host
-    cu, offsets = cu.to(device), offsets.to(device)
-    return PackedSegments(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=offsets,
-                          cu_seqlens_kv_padded=offsets, token_order=token_order, host=host)
+    return segments(host.cu_seqlens_q.to(device), host.cu_seqlens_q_padded.to(device), host)
 
 
 def sample_grids(latent_shape: Tensor, patch_temporal: int, patch_spatial: int) -> list[tuple[int, int, int]]:
