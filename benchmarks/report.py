@@ -10,10 +10,10 @@ from dfm.models.dit.flops import dit_training_flops
 
 def side_metrics(cfg, timing: Timing, gpus_sharing: int, peak: Optional[float]) -> dict:
     """Per-GPU figures of one side; ``gpus_sharing`` = GPUs that split these packs (TP x CP x PP)."""
-    flops = dit_training_flops(cfg.model, timing.video_lens, timing.text_lens) / gpus_sharing
-    tflops = flops / timing.elapsed_s / 1e12
+    by_tokens = flops_by_tokens(cfg, timing, gpus_sharing)
+    tflops = sum(by_tokens.values()) / timing.elapsed_s / 1e12
     return {
-        "flops_by_tokens": flops_by_tokens(cfg, timing, gpus_sharing),
+        "flops_by_tokens": by_tokens,
         "step_time_s": timing.step_time_s,
         "tokens_per_sec_per_gpu": sum(timing.video_lens) / gpus_sharing / timing.elapsed_s,
         "samples_per_sec_per_gpu": len(timing.video_lens) / gpus_sharing / timing.elapsed_s,

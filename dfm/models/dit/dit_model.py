@@ -87,6 +87,11 @@ def packed_seq_params(batch: PackedBatch, cross: bool, split: Optional[SequenceS
     return params
 
 
+def pack_split(batch: PackedBatch) -> SequenceSplit:
+    """This CP rank's share of ``batch``, built from its host offsets (no device sync)."""
+    return sequence_split(batch.host_view().cu_seqlens_q_padded, batch.latents.device)
+
+
 class DiTModel(MegatronModule):
     """Packed DiT: (x_in [S, D], c_noise [N], batch) -> raw prediction [S, D] (last stage)."""
 
@@ -179,7 +184,7 @@ class DiTModel(MegatronModule):
         """Under context parallelism each rank runs its share of the tokens (``split``) and the
         output is gathered: every CP rank returns the whole [S, D]."""
         sp = self.config.sequence_parallel
-        split = sequence_split(batch.host_view().cu_seqlens_q_padded, batch.latents.device)
+        split = pack_split(batch)
         token_ids = split.local(batch.token_sample_ids())
         cond = self.conditioning(c_noise, class_labels)
         context = None
@@ -196,9 +201,8 @@ class DiTModel(MegatronModule):
         rope = None
         if self.model_cfg.pos_embedding == "rope3d":
             rope = rope_3d_freqs(split.local(batch.pos_ids), self.config.kv_channels)
-        local_ids = self.local_token_ids(token_ids) if sp else token_ids
-        padding = split.local(batch.loss_mask == 0)
-        padding = self.local_token_ids(padding) if sp else padding
+        local_ids = self.sequence_parallel_slice(token_ids)
+        padding = self.sequence_parallel_slice(split.local(batch.loss_mask == 0))
         hidden = self.run_layers(hidden, cond, local_ids, context, rope, batch, split, padding)
         if not self.post_process:
             return hidden
@@ -208,16 +212,19 @@ class DiTModel(MegatronModule):
         # The loss is computed on the gathered output by every CP rank alike: keep own rows' grads.
         return split.gather(out, grad_is_partial=False)
 
-    def local_token_ids(self, token_ids: Tensor) -> Tensor:
-        """The slice of a per-token [S] tensor held by this rank when the sequence is split over TP ranks."""
+    def sequence_parallel_slice(self, per_token: Tensor) -> Tensor:
+        """The slice of a per-token [S] tensor held by this rank when the sequence is split over TP
+        ranks (sequence parallelism); the whole tensor otherwise."""
+        if not self.config.sequence_parallel:
+            return per_token
         tp = parallel_state.get_tensor_model_parallel_world_size()
         rank = parallel_state.get_tensor_model_parallel_rank()
-        return token_ids.chunk(tp)[rank]
+        return per_token.chunk(tp)[rank]
 
     def self_attention_params(self, batch: PackedBatch, split: Optional[SequenceSplit] = None):
         """Per-sample segments; ST-DiT's factorized attention needs per-frame / per-position ones
         (under CP re-sharded by all-to-all, as frames and positions span the CP ranks)."""
-        split = split if split is not None else sequence_split(batch.host_view().cu_seqlens_q_padded, batch.latents.device)
+        split = split if split is not None else pack_split(batch)
         if self.model_cfg.architecture != "stdit":
             return packed_seq_params(batch, cross=False, split=split)
         host = batch.host_view()
