@@ -37,15 +37,23 @@ def parse_args() -> argparse.Namespace:
 def synthetic_settings(text_embed_dim: int) -> MockDataSettings:
     # 16-channel latents of 256p-like buckets (after an 8x VAE) and short clips; T5 captions of 8-120 tokens.
     return MockDataSettings(
-        seed=0, image_sizes=[(32, 32), (32, 48), (48, 32)], video_sizes=[(5, 32, 32), (5, 32, 48)],
-        image_fraction=0.5, text_len_range=(8, 120), in_channels=16, text_embed_dim=text_embed_dim,
+        seed=0,
+        image_sizes=[(32, 32), (32, 48), (48, 32)],
+        video_sizes=[(5, 32, 32), (5, 32, 48)],
+        image_fraction=0.5,
+        text_len_range=(8, 120),
+        in_channels=16,
+        text_embed_dim=text_embed_dim,
     )
 
 
 def time_loader(dataset: Path, num_workers: int, args: argparse.Namespace) -> dict:
     settings = EnergonDataSettings(
-        path=str(dataset), packing=PackingSettings(seq_length=args.seq_length, max_text_len=512),
-        packing_buffer_size=args.packing_buffer_size, num_workers=num_workers, shuffle_buffer_size=100,
+        path=str(dataset),
+        packing=PackingSettings(seq_length=args.seq_length, max_text_len=512),
+        packing_buffer_size=args.packing_buffer_size,
+        num_workers=num_workers,
+        shuffle_buffer_size=100,
     )
     loader = build_train_loader(settings, dp_rank=0, dp_size=1)
     for _ in range(args.warmup_packs):  # includes filling the first packing buffer
@@ -73,13 +81,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Path(args.dataset_dir or tmp) / "bench_dataset"
         if not (dataset / ".nv-meta").is_dir():
-            write_synthetic_dataset(dataset, args.num_samples, synthetic_settings(args.text_embed_dim), shard_maxcount=64)
+            write_synthetic_dataset(
+                dataset, args.num_samples, synthetic_settings(args.text_embed_dim), shard_maxcount=64
+            )
         print("workers  samples/s  tokens/s  samples/s/worker  tokens/s/worker  packs/s  efficiency")
         for num_workers in args.num_workers:
             r = time_loader(dataset, num_workers, args)
-            print(f"{r['num_workers']:7d}  {r['samples_per_s']:9.1f}  {r['tokens_per_s']:8.0f}  "
-                  f"{r['samples_per_s_per_worker']:16.1f}  {r['tokens_per_s_per_worker']:15.0f}  "
-                  f"{r['packs_per_s']:7.2f}  {r['packing_efficiency']:10.4f}")
+            print(
+                f"{r['num_workers']:7d}  {r['samples_per_s']:9.1f}  {r['tokens_per_s']:8.0f}  "
+                f"{r['samples_per_s_per_worker']:16.1f}  {r['tokens_per_s_per_worker']:15.0f}  "
+                f"{r['packs_per_s']:7.2f}  {r['packing_efficiency']:10.4f}"
+            )
 
 
 if __name__ == "__main__":

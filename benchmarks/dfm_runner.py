@@ -10,9 +10,9 @@ import torch
 
 from benchmarks.timing import Timing, peak_memory_gib, reset_memory, start_clock, stop_clock
 from dfm.diffusion.pipeline import pipeline_from_config
+from dfm.training.data import build_mock_loader
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.pretrain import RecordingIterator, finalize_defaults, train_step
-from dfm.training.data import build_mock_loader
 from dfm.training.setup import build_model, build_optimizer, num_microbatches
 
 

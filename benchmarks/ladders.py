@@ -66,8 +66,12 @@ def cpu_ladder() -> list[Rung]:
     mixed = data(4096, [[32, 32], [16, 32]], [[4, 32, 32], [2, 32, 32]], 0.5)
     return tiny + [
         Rung("small-4k-video", small + data(4096, [], [[4, 32, 32]], 0.0)),  # fixed, 1024 tokens
-        Rung("small-4k-video-adaln-gather", small + data(4096, [], [[4, 32, 32]], 0.0),
-             variant="adaln_gather_backward", reference=False),
+        Rung(
+            "small-4k-video-adaln-gather",
+            small + data(4096, [], [[4, 32, 32]], 0.0),
+            variant="adaln_gather_backward",
+            reference=False,
+        ),
         Rung("small-4k-mix", small + mixed, mix_of=["small-4k-video", *(r.name for r in fixed)]),
         *fixed,
     ]
@@ -80,8 +84,18 @@ def gpu_smoke_ladder() -> list[Rung]:
     return [
         Rung("smoke-8k-mix-flex", small + mix + ["model.attention_backend=flex"]),
         Rung("smoke-8k-mix-sdpa", small + mix + ["model.attention_backend=sdpa"], reference=False),
-        Rung("smoke-8k-mix-nomaskcache", small + mix + ["model.attention_backend=flex"], variant="flex_mask_per_call", reference=False),
-        Rung("smoke-8k-mix-compiled-modulate", small + mix + ["model.attention_backend=flex"], variant="compiled_modulate", reference=False),
+        Rung(
+            "smoke-8k-mix-nomaskcache",
+            small + mix + ["model.attention_backend=flex"],
+            variant="flex_mask_per_call",
+            reference=False,
+        ),
+        Rung(
+            "smoke-8k-mix-compiled-modulate",
+            small + mix + ["model.attention_backend=flex"],
+            variant="compiled_modulate",
+            reference=False,
+        ),
     ]
 
 
@@ -108,19 +122,55 @@ def gpu_ladder() -> list[Rung]:
         Rung("cross-16k-mix-packed", cross + mixed, mix_of=["cross-1k-img-fixed", *(r.name for r in other_fixed)]),
         Rung("xl2-256-img-nomaskcache", xl2, variant="flex_mask_per_call", reference=False),
         Rung("xl2-256-img-compiled-modulate", xl2, variant="compiled_modulate", reference=False),
-        Rung("h4096-8k-L6-compiled-modulate", model(4096, 32, 6) + h4096 + one_8k_video, variant="compiled_modulate", reference=False),
-        Rung("h4096-8k-L6-adaln-matmul", model(4096, 32, 6) + h4096 + one_8k_video, variant="adaln_matmul_broadcast", reference=False),
+        Rung(
+            "h4096-8k-L6-compiled-modulate",
+            model(4096, 32, 6) + h4096 + one_8k_video,
+            variant="compiled_modulate",
+            reference=False,
+        ),
+        Rung(
+            "h4096-8k-L6-adaln-matmul",
+            model(4096, 32, 6) + h4096 + one_8k_video,
+            variant="adaln_matmul_broadcast",
+            reference=False,
+        ),
         Rung("xl2-256-img-adaln-matmul", xl2, variant="adaln_matmul_broadcast", reference=False),
-        Rung("h4096-8k-L6-adaln-gather", model(4096, 32, 6) + h4096 + one_8k_video, variant="adaln_gather_backward", reference=False),
+        Rung(
+            "h4096-8k-L6-adaln-gather",
+            model(4096, 32, 6) + h4096 + one_8k_video,
+            variant="adaln_gather_backward",
+            reference=False,
+        ),
         Rung("xl2-256-img-adaln-gather", xl2, variant="adaln_gather_backward", reference=False),
-        Rung("h4096-8k-L6-uniform-sdpa", model(4096, 32, 6) + h4096 + one_8k_video, variant="uniform_segments_sdpa", reference=False),
+        Rung(
+            "h4096-8k-L6-uniform-sdpa",
+            model(4096, 32, 6) + h4096 + one_8k_video,
+            variant="uniform_segments_sdpa",
+            reference=False,
+        ),
         Rung("xl2-256-img-uniform-sdpa", xl2, variant="uniform_segments_sdpa", reference=False),
-        Rung("h4096-8k-L6-uniform-cudnn", model(4096, 32, 6) + h4096 + one_8k_video, variant="uniform_segments_cudnn", reference=False),
+        Rung(
+            "h4096-8k-L6-uniform-cudnn",
+            model(4096, 32, 6) + h4096 + one_8k_video,
+            variant="uniform_segments_cudnn",
+            reference=False,
+        ),
         Rung("xl2-256-img-uniform-cudnn", xl2, variant="uniform_segments_cudnn", reference=False),
         Rung("cross-64k-video", cross + data(65536, [], [[16, 128, 128]], 0.0, packs_per_step=1)),
-        Rung("cross-64k-video-L12", cross + ["model.num_layers=12"] + data(65536, [], [[16, 128, 128]], 0.0, packs_per_step=1)),
-        Rung("xl2-256-img-sdpa", XL2 + BF16 + ["model.attention_backend=sdpa"] + data(16384, [[32, 32]], [], 1.0, 4), reference=False),
-        Rung("cross-16k-mix-sdpa", model(1152, 16, 28) + LATENT + BF16 + ["model.attention_backend=sdpa"] + mixed, reference=False),
+        Rung(
+            "cross-64k-video-L12",
+            cross + ["model.num_layers=12"] + data(65536, [], [[16, 128, 128]], 0.0, packs_per_step=1),
+        ),
+        Rung(
+            "xl2-256-img-sdpa",
+            XL2 + BF16 + ["model.attention_backend=sdpa"] + data(16384, [[32, 32]], [], 1.0, 4),
+            reference=False,
+        ),
+        Rung(
+            "cross-16k-mix-sdpa",
+            model(1152, 16, 28) + LATENT + BF16 + ["model.attention_backend=sdpa"] + mixed,
+            reference=False,
+        ),
     ]
 
 

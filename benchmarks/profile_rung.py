@@ -1,6 +1,6 @@
 """Kernel-time breakdown of one rung's timed steps, dfm and reference: where the gap is.
 
-    python -m benchmarks.profile_rung --ladder gpu --rung h4096-8k-L6 --out $OUT/profile
+python -m benchmarks.profile_rung --ladder gpu --rung h4096-8k-L6 --out $OUT/profile
 """
 
 from __future__ import annotations

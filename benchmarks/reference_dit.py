@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +51,7 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         return x.view(b, n, self.heads, -1).transpose(1, 2)
 
-    def forward(self, x: Tensor, rope: Optional[Tensor] = None, context=None, context_mask=None) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor | None = None, context=None, context_mask=None) -> Tensor:
         if context is None:
             q, k, v = (self.split_heads(t) for t in self.qkv(x).chunk(3, dim=-1))
             if rope is not None:
@@ -73,7 +72,9 @@ class Block(nn.Module):
         self.cross_attn = Attention(hidden, heads, cross=True) if cross else None
         self.norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6) if cross else None
         self.norm3 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(approximate="tanh"), nn.Linear(4 * hidden, hidden))
+        self.mlp = nn.Sequential(
+            nn.Linear(hidden, 4 * hidden), nn.GELU(approximate="tanh"), nn.Linear(4 * hidden, hidden)
+        )
 
     def forward(self, x, c, rope, context, context_mask):
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
@@ -131,9 +132,9 @@ class ShapeBatch:
     latents: Tensor  # [B, L, patch_dim]
     pos_ids: Tensor  # [L, 3]
     text: Tensor  # [B, Lt, D], zero-padded
-    text_mask: Optional[Tensor]  # [B, 1, 1, Lt] bool (True = attend), None when no padding
+    text_mask: Tensor | None  # [B, 1, 1, Lt] bool (True = attend), None when no padding
 
-    def to(self, device) -> "ShapeBatch":
+    def to(self, device) -> ShapeBatch:
         mask = None if self.text_mask is None else self.text_mask.to(device, non_blocking=True)
         return ShapeBatch(*(t.to(device, non_blocking=True) for t in (self.latents, self.pos_ids, self.text)), mask)
 

@@ -37,7 +37,9 @@ def batch_loss(model, pipeline, batch: ShapeBatch, autocast) -> torch.Tensor:
     x_in, c_noise = pipeline.model_input(x0, noise, level, sample_ids)
     with autocast:
         out = model(x_in.view(b, length, dim), c_noise, batch.pos_ids, batch.text, batch.text_mask)
-    per_sample = pipeline.training_loss(out.flatten(0, 1).float(), x0, noise, level, sample_ids, torch.ones_like(x0[:, 0]))
+    per_sample = pipeline.training_loss(
+        out.flatten(0, 1).float(), x0, noise, level, sample_ids, torch.ones_like(x0[:, 0])
+    )
     return per_sample.sum()
 
 
@@ -47,8 +49,12 @@ def reference_step(cfg, model, optimizer, pipeline, loader, n_micro: int, device
     lengths = []
     for _ in range(n_micro):
         pack = next(loader)
-        lengths.append(((pack.cu_seqlens_q[1:] - pack.cu_seqlens_q[:-1]).tolist(),
-                        (pack.cu_seqlens_kv[1:] - pack.cu_seqlens_kv[:-1]).tolist()))
+        lengths.append(
+            (
+                (pack.cu_seqlens_q[1:] - pack.cu_seqlens_q[:-1]).tolist(),
+                (pack.cu_seqlens_kv[1:] - pack.cu_seqlens_kv[:-1]).tolist(),
+            )
+        )
         # dfm's loss is the mean over a pack's samples, averaged over micro-batches: match it.
         weight = 1.0 / (pack.num_samples * n_micro)
         for batch in batches_from_pack(pack):

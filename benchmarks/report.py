@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from benchmarks.timing import Timing
 from dfm.models.dit.flops import dit_training_flops
 
 
-def side_metrics(cfg, timing: Timing, gpus_sharing: int, peak: Optional[float]) -> dict:
+def side_metrics(cfg, timing: Timing, gpus_sharing: int, peak: float | None) -> dict:
     """Per-GPU figures of one side; ``gpus_sharing`` = GPUs that split these packs (TP x CP x PP)."""
     by_tokens = flops_by_tokens(cfg, timing, gpus_sharing)
     tflops = sum(by_tokens.values()) / timing.elapsed_s / 1e12
@@ -27,11 +25,13 @@ def flops_by_tokens(cfg, timing: Timing, gpus_sharing: int) -> dict[str, float]:
     """Training FLOPs per GPU of the timed samples, summed by the samples' video-token count."""
     by_tokens: dict[str, float] = {}
     for video, text in zip(timing.video_lens, timing.text_lens):
-        by_tokens[str(video)] = by_tokens.get(str(video), 0.0) + dit_training_flops(cfg.model, [video], [text]) / gpus_sharing
+        by_tokens[str(video)] = (
+            by_tokens.get(str(video), 0.0) + dit_training_flops(cfg.model, [video], [text]) / gpus_sharing
+        )
     return by_tokens
 
 
-def mixed_vs_fixed(row: dict, rows: list[dict]) -> Optional[float]:
+def mixed_vs_fixed(row: dict, rows: list[dict]) -> float | None:
     """A mixed rung's speed over what its samples would take in fixed-size packs: each sample
     shape (token count) at the TFLOP/s of the ``mix_of`` rung that holds only that shape, so the
     work compared is the same (1.0: packing mixed shapes costs nothing; the target is >= 0.95)."""
@@ -48,7 +48,7 @@ def mixed_vs_fixed(row: dict, rows: list[dict]) -> Optional[float]:
     return fixed_time / mixed_time
 
 
-def ratio(dfm: dict, reference: Optional[dict]) -> Optional[float]:
+def ratio(dfm: dict, reference: dict | None) -> float | None:
     """dfm / reference throughput on the same samples (tokens/s per GPU)."""
     if not reference or "error" in reference or "error" in dfm:
         return None

@@ -87,7 +87,11 @@ def run_rung(rung: Rung, args, device, peak) -> dict:
 
 
 def environment(device, argv) -> dict:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()})"
+    )
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": name,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -18,7 +17,7 @@ class Timing:
     steps: int
     video_lens: list[int] = field(default_factory=list)
     text_lens: list[int] = field(default_factory=list)
-    peak_mem_gib: Optional[float] = None
+    peak_mem_gib: float | None = None
 
     @property
     def step_time_s(self) -> float:
@@ -48,5 +47,5 @@ def reset_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_memory_gib(device: torch.device) -> Optional[float]:
+def peak_memory_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None

@@ -7,7 +7,7 @@ bought) or a candidate not yet landed (to show what it would buy). Each is undon
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 from dfm.config.container import ConfigContainer
 from dfm.config.errors import ConfigError
@@ -21,9 +21,9 @@ _OVERRIDE_PATTERN = re.compile(r"^[A-Za-z_][\w.]*=")
 class CliArgs:
     """What the command line asked for, before the config is built."""
 
-    config_file: Optional[str] = None
+    config_file: str | None = None
     mock: bool = False
-    recipe: Optional[str] = None
+    recipe: str | None = None
     overrides: list[str] = field(default_factory=list)
 
 
@@ -45,7 +45,7 @@ def load_config_from_cli(argv: Sequence[str]) -> tuple[ConfigContainer, CliArgs]
     return build_config(args.recipe, args.config_file, args.overrides), args
 
 
-def config_or_exit(argv: Optional[Sequence[str]] = None) -> tuple[ConfigContainer, CliArgs]:
+def config_or_exit(argv: Sequence[str] | None = None) -> tuple[ConfigContainer, CliArgs]:
     """`load_config_from_cli`, but a ConfigError prints to stderr and exits with status 2.
 
     Entry scripts call this before any process group starts, so a typo costs no cluster time.

@@ -7,7 +7,7 @@ Every field needs a default so a recipe only states what differs from it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 from dfm.diffusion.edm import EDMSettings
 from dfm.diffusion.flow import FlowSettings
@@ -31,9 +31,9 @@ class ModelConfig:
     num_layers: int = 12
     hidden_size: int = 384
     num_attention_heads: int = 6
-    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size
+    ffn_hidden_size: int | None = None  # None: 4 * hidden_size
     in_channels: int = 16
-    out_channels: Optional[int] = None  # None: in_channels; 2x for DiT's learned-sigma head
+    out_channels: int | None = None  # None: in_channels; 2x for DiT's learned-sigma head
     patch_spatial: int = 2
     patch_temporal: int = 1
     text_embed_dim: int = 4096
@@ -47,20 +47,20 @@ class ModelConfig:
     max_latent_thw: list[int] = field(default_factory=lambda: [32, 128, 128])
     attention_backend: AttentionBackend = "auto"
     pipeline: DiffusionPipeline = "edm"
-    num_classes: Optional[int] = None  # class-conditioned dit_adaln only
+    num_classes: int | None = None  # class-conditioned dit_adaln only
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: int | None = None
     context_parallel_size: int = 1
     sequence_parallel: bool = False
     expert_model_parallel_size: int = 1
-    num_moe_experts: Optional[int] = None
+    num_moe_experts: int | None = None
     moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None
+    moe_ffn_hidden_size: int | None = None
     moe_aux_loss_coeff: float = 1e-3  # load-balancing loss weight (padding tokens are left out)
-    recompute_granularity: Optional[RecomputeGranularity] = None
-    recompute_method: Optional[RecomputeMethod] = "uniform"
-    recompute_num_layers: Optional[int] = None
+    recompute_granularity: RecomputeGranularity | None = None
+    recompute_method: RecomputeMethod | None = "uniform"
+    recompute_num_layers: int | None = None
     init_method_std: float = 0.02
 
     @property
@@ -75,8 +75,8 @@ class TrainConfig:
 
     train_iters: int = 20
     micro_batch_size: int = 1
-    global_batch_size: Optional[int] = None  # None: the trainer sets micro_batch_size * dp
-    eval_interval: Optional[int] = None
+    global_batch_size: int | None = None  # None: the trainer sets micro_batch_size * dp
+    eval_interval: int | None = None
     eval_iters: int = 2  # validation packs per evaluation (per DP rank)
     eval_sampling_steps: int = 10  # sampler steps of the validation generation
     max_consecutive_nonfinite: int = 5
@@ -85,7 +85,7 @@ class TrainConfig:
     manual_gc_interval: int = 0  # 0: leave Python's GC automatic
     # Tests / debugging: after the last step rank 0 saves every parameter, gathered to its full
     # tensor under its global name, to this .pt file (dfm/training/full_weights.py). Small models only.
-    dump_full_weights: Optional[str] = None
+    dump_full_weights: str | None = None
 
 
 @dataclass
@@ -100,7 +100,7 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    ema_decay: Optional[float] = None  # None: no EMA weights
+    ema_decay: float | None = None  # None: no EMA weights
 
 
 @dataclass
@@ -109,7 +109,7 @@ class SchedulerConfig:
 
     lr_warmup_iters: int = 0
     lr_decay_style: LrDecayStyle = "constant"
-    lr_decay_iters: Optional[int] = None  # None: train.train_iters
+    lr_decay_iters: int | None = None  # None: train.train_iters
 
     def decay_iters(self, train_iters: int) -> int:
         """`lr_decay_iters`, or the run length when unset."""
@@ -120,16 +120,16 @@ class SchedulerConfig:
 class DatasetConfig:
     """Where samples come from (energon path or mock) and how they are packed."""
 
-    path: Optional[str] = None
+    path: str | None = None
     seq_length: int = 4096  # packing limit, in video tokens
-    packing_buffer_size: Optional[int] = 100
+    packing_buffer_size: int | None = 100
     num_workers: int = 2
     mock_image_fraction: float = 0.5
     # Latent sizes: images [H, W], videos [T, H, W].
     mock_image_sizes: list[list[int]] = field(default_factory=lambda: [[16, 16], [32, 32], [16, 32]])
     mock_video_sizes: list[list[int]] = field(default_factory=lambda: [[4, 16, 16], [8, 16, 16]])
     mock_text_len_range: list[int] = field(default_factory=lambda: [8, 32])
-    mock_samples_per_pack: Optional[int] = None  # None: fill each pack up to seq_length
+    mock_samples_per_pack: int | None = None  # None: fill each pack up to seq_length
     cfg_dropout_prob: float = 0.1
 
 
@@ -137,10 +137,10 @@ class DatasetConfig:
 class CheckpointConfig:
     """Where and how often to save, and what to resume from."""
 
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    keep_last: Optional[int] = None  # None: keep every checkpoint
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    keep_last: int | None = None  # None: keep every checkpoint
     async_save: bool = False
 
 
@@ -150,9 +150,9 @@ class LoggerConfig:
 
     log_dir: str = "outputs/logs"
     log_interval: int = 1
-    tensorboard_dir: Optional[str] = None
-    wandb_project: Optional[str] = None
-    wandb_exp_name: Optional[str] = None
+    tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
 
 
 @dataclass
@@ -178,7 +178,7 @@ class MixedPrecisionConfig:
     """Compute precision; fp8 needs Transformer Engine."""
 
     precision: Precision = "fp32"
-    fp8: Optional[Fp8Format] = None
+    fp8: Fp8Format | None = None
 
 
 @dataclass

@@ -7,8 +7,9 @@ import dataclasses
 import difflib
 import re
 import typing
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 import yaml
 
@@ -21,9 +22,7 @@ from dfm.config.validate import validate_config
 RECIPE_KEY = "recipe"
 
 
-def build_config(
-    recipe: Optional[str], config_file: Optional[str], overrides: Sequence[str] = ()
-) -> ConfigContainer:
+def build_config(recipe: str | None, config_file: str | None, overrides: Sequence[str] = ()) -> ConfigContainer:
     """Recipe -> YAML file -> dotted overrides, each layer overriding the one before.
 
     The base recipe is `recipe` if given, else the file's top-level `recipe:` key, else the
@@ -150,7 +149,7 @@ def _resolve_section(cfg: ConfigContainer, section_key: str, full_key: str) -> A
     return node
 
 
-def _unknown_key_message(key: str, unknown_section: Optional[str] = None) -> str:
+def _unknown_key_message(key: str, unknown_section: str | None = None) -> str:
     message = f"unknown config key '{key}'"
     if unknown_section is not None:
         message += f" (no section '{unknown_section}')"
@@ -158,7 +157,7 @@ def _unknown_key_message(key: str, unknown_section: Optional[str] = None) -> str
     return message + (f"; did you mean '{suggestion}'?" if suggestion else "")
 
 
-def _closest_key(key: str, keys: list[str]) -> Optional[str]:
+def _closest_key(key: str, keys: list[str]) -> str | None:
     """Closest valid key: same field name in another section, else the most similar dotted key."""
     leaf = key.rpartition(".")[2]
     same_leaf = [k for k in keys if k.rpartition(".")[2] == leaf]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import difflib
 import functools
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Callable, Mapping
 
 from dfm.config.container import ConfigContainer, DatasetConfig, LoggerConfig, ModelConfig, OptimizerConfig, TrainConfig
 from dfm.config.errors import ConfigError

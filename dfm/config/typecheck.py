@@ -62,7 +62,7 @@ def _coerce_union(value: Any, options: tuple, key: str) -> Any:
             return coerce_value(value, option, key)
         except ConfigError:
             continue
-    raise _type_error(value, Union[options], key)
+    raise _type_error(value, Union[options], key)  # noqa: UP007 (built from a runtime tuple)
 
 
 def _coerce_literal(value: Any, choices: tuple, key: str) -> Any:

@@ -23,9 +23,20 @@ def validate_config(cfg: ConfigContainer) -> None:
 
 def _check_model(cfg: ConfigContainer) -> None:
     model = cfg.model
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "in_channels", "patch_spatial",
-                 "patch_temporal", "text_embed_dim", "max_text_len", "tensor_model_parallel_size",
-                 "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "in_channels",
+        "patch_spatial",
+        "patch_temporal",
+        "text_embed_dim",
+        "max_text_len",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+        "expert_model_parallel_size",
+    ):
         _check_positive(getattr(model, name), f"model.{name}")
     if model.hidden_size % model.num_attention_heads:
         raise ConfigError(
@@ -87,7 +98,9 @@ def _check_context_parallel(cfg: ConfigContainer) -> None:
         return
     tp = model.tensor_model_parallel_size
     multiple = 2 * cp * (tp if model.sequence_parallel else 1)
-    split = f"2 x context_parallel_size ({cp})" + (f" x tensor_model_parallel_size ({tp})" if multiple != 2 * cp else "")
+    split = f"2 x context_parallel_size ({cp})" + (
+        f" x tensor_model_parallel_size ({tp})" if multiple != 2 * cp else ""
+    )
     length = cfg.dataset.seq_length
     problem = "is too short to split" if length < multiple else "is not divisible" if length % multiple else None
     if problem:

@@ -18,9 +18,9 @@ the layout's padding: ``seq_length`` counts real tokens.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -38,7 +38,9 @@ _GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) over 
 class MockDataSettings:
     seed: int = 1234
     image_sizes: list[tuple[int, int]] = field(default_factory=lambda: [(16, 16), (16, 24), (24, 16)])  # latent [H, W]
-    video_sizes: list[tuple[int, int, int]] = field(default_factory=lambda: [(4, 16, 16), (2, 16, 24)])  # latent [T, H, W]
+    video_sizes: list[tuple[int, int, int]] = field(
+        default_factory=lambda: [(4, 16, 16), (2, 16, 24)]
+    )  # latent [T, H, W]
     image_fraction: float = 0.5
     text_len_range: tuple[int, int] = (8, 64)  # inclusive
     in_channels: int = 16
@@ -115,7 +117,7 @@ class MockPackedLoader:
         seq_length: int,
         segment_multiple: int = 1,
         total_multiple: int = 1,
-        samples_per_pack: Optional[int] = None,
+        samples_per_pack: int | None = None,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
@@ -138,7 +140,10 @@ class MockPackedLoader:
             self.skipped_too_long += 1
             logger.warning(
                 "mock sample %d has %d tokens, more than seq_length=%d: skipped (%d skipped so far)",
-                index, length, self.seq_length, self.skipped_too_long,
+                index,
+                length,
+                self.seq_length,
+                self.skipped_too_long,
             )
         return fits
 
@@ -196,8 +201,13 @@ class MockPackedLoader:
         return pack_samples(self.next_pack_samples(), self.segment_multiple, self.total_multiple)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_global_index": self.next_global_index, "next_global_pack": self.next_global_pack,
-                "dp_rank": self.dp_rank, "dp_size": self.dp_size, "seed": self.settings.seed}
+        return {
+            "next_global_index": self.next_global_index,
+            "next_global_pack": self.next_global_pack,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "seed": self.settings.seed,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         expected = {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "seed": self.settings.seed}

@@ -13,7 +13,6 @@ keeps the host original (``host``), so code that needs the segment layout as Pyt
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Optional
 
 import torch
 
@@ -31,7 +30,7 @@ class PackedBatch:
     latent_shape: torch.Tensor  # [N, 4] long, (C, T, H, W) of each sample's latent
     sample_index: torch.Tensor  # [N] long, global sample index (seeds noise, proves layout independence)
     # The host original of a device copy (set by .to()); None when this batch is the original.
-    host: Optional["PackedBatch"] = field(default=None, repr=False, compare=False)
+    host: PackedBatch | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_samples(self) -> int:
@@ -50,7 +49,7 @@ class PackedBatch:
         samples = torch.arange(len(lengths), device=lengths.device)
         return torch.repeat_interleave(samples, lengths, output_size=self.seq_len)
 
-    def host_view(self) -> "PackedBatch":
+    def host_view(self) -> PackedBatch:
         """This batch with host tensors: the original it was copied from, itself when it is on
         the host, or (a device sync) a fresh copy back."""
         if self.host is not None:
@@ -59,7 +58,7 @@ class PackedBatch:
             return self
         return PackedBatch(**self._tensors_to("cpu"))
 
-    def to(self, device: torch.device | str) -> "PackedBatch":
+    def to(self, device: torch.device | str) -> PackedBatch:
         """The copy on ``device``, keeping the host original (also when ``device`` is the CPU, so
         that CPU runs take the same path)."""
         return PackedBatch(**self._tensors_to(device), host=self.host_view())

@@ -32,9 +32,7 @@ def _scatter_segments(parts: Sequence[torch.Tensor], offsets: torch.Tensor, tota
     return out
 
 
-def pack_samples(
-    samples: Sequence[DiffusionSample], segment_multiple: int = 1, total_multiple: int = 1
-) -> PackedBatch:
+def pack_samples(samples: Sequence[DiffusionSample], segment_multiple: int = 1, total_multiple: int = 1) -> PackedBatch:
     """Pack samples along the sequence.
 
     ``segment_multiple`` pads every sample's video segment (context parallelism needs 2*cp);

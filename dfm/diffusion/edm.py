@@ -59,8 +59,8 @@ class Preconditioning(NamedTuple):
 
 
 class EDMPipeline(DiffusionPipeline):
-    def __init__(self, settings: EDMSettings = EDMSettings()) -> None:
-        self.settings = settings
+    def __init__(self, settings: EDMSettings | None = None) -> None:
+        self.settings = settings or EDMSettings()
 
     # --- Table 1 -------------------------------------------------------------------------------
 

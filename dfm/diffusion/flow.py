@@ -70,8 +70,8 @@ def shift_for_num_tokens(
 
 
 class FlowPipeline(DiffusionPipeline):
-    def __init__(self, settings: FlowSettings = FlowSettings()) -> None:
-        self.settings = settings
+    def __init__(self, settings: FlowSettings | None = None) -> None:
+        self.settings = settings or FlowSettings()
 
     # --- the path ---------------------------------------------------------------------------------
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 from PIL import Image
@@ -59,7 +58,7 @@ def write_digit_vae(out_dir: str | Path) -> Path:
     return write_identity_vae(out_dir, 1, float(pixels.mean()), DIGIT_LATENT_STD / float(pixels.std()))
 
 
-def write_digit_folder(raw_dir: str | Path, limit: Optional[int] = None) -> int:
+def write_digit_folder(raw_dir: str | Path, limit: int | None = None) -> int:
     """Write ``digit_NNNN.png`` (8x8 grey) and one ``captions.jsonl``; -> number of images."""
     raw_dir = Path(raw_dir)
     raw_dir.mkdir(parents=True, exist_ok=True)
@@ -101,7 +100,7 @@ def digit_prepare_settings(root: Path, t5_dir: Path, vae_dir: Path, patch_spatia
 
 
 def prepare_digits_dataset(
-    root: str | Path, t5_dir: str | Path, vae_dir: str | Path, patch_spatial: int = 2, limit: Optional[int] = None
+    root: str | Path, t5_dir: str | Path, vae_dir: str | Path, patch_spatial: int = 2, limit: int | None = None
 ) -> tuple[Path, PrepareReport]:
     """Raw folder under ``root/raw`` -> energon dataset under ``root/dataset``."""
     root = Path(root)

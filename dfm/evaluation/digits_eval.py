@@ -23,7 +23,7 @@ from dfm.diffusion.pipeline import pipeline_from_config
 from dfm.evaluation.digit_classifier import DigitClassifier, train_digit_classifier
 from dfm.evaluation.digits_data import DIGIT_SIZE, DIGIT_WORDS, digit_caption, video_to_digit_pixels
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
-from dfm.inference.encoders import EncoderSources, Encoders, check_encoders_match, load_encoders
+from dfm.inference.encoders import Encoders, EncoderSources, check_encoders_match, load_encoders
 from dfm.inference.generation_batch import draw_noise, generation_pack, null_text_batch
 from dfm.inference.sampling import sample_latents
 
@@ -67,8 +67,15 @@ def generate_digits(model, cfg, encoders: Encoders, sampling: DigitSampling, con
     if not conditional:
         batch = null_text_batch(batch)
     latents = sample_latents(
-        model, pipeline_from_config(cfg), cfg.model.pipeline, batch.to(device), cfg.model,
-        sampling.steps, guidance, sampling.sampler, sampling.seed,
+        model,
+        pipeline_from_config(cfg),
+        cfg.model.pipeline,
+        batch.to(device),
+        cfg.model,
+        sampling.steps,
+        guidance,
+        sampling.sampler,
+        sampling.seed,
     )
     video = encoders.vae.decode(torch.stack(latents))  # [N, 3, 1, H, W] in [-1, 1]
     return video_to_digit_pixels(video[:, :, 0].mean(dim=1).cpu().numpy())
@@ -95,7 +102,9 @@ def score_checkpoint(
     )
 
 
-def score_checkpoints(paths: Sequence[str | Path], sources: EncoderSources, sampling: DigitSampling) -> list[DigitScores]:
+def score_checkpoints(
+    paths: Sequence[str | Path], sources: EncoderSources, sampling: DigitSampling
+) -> list[DigitScores]:
     """Score each checkpoint in this process (starts and ends a one-process torch.distributed)."""
     from dfm.platform.distributed import destroy_distributed, initialize_distributed
 
@@ -128,8 +137,10 @@ def main(argv: Sequence[str] | None = None) -> list[DigitScores]:
     sources = EncoderSources(t5=args.t5, vae=args.vae, vae_subfolder=None)
     scores = score_checkpoints(args.checkpoint, sources, sampling)
     for s in scores:
-        print(f"{s.pipeline} iteration {s.iteration}: conditional accuracy: {s.conditional_accuracy:.2f}, "
-              f"unconditional accuracy: {s.unconditional_accuracy:.2f}")
+        print(
+            f"{s.pipeline} iteration {s.iteration}: conditional accuracy: {s.conditional_accuracy:.2f}, "
+            f"unconditional accuracy: {s.unconditional_accuracy:.2f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(s) for s in scores]))
     return scores

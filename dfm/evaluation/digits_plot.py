@@ -40,8 +40,20 @@ def plot_learning_curves(runs: dict[str, Run], path: str | Path, smooth: int = 1
         iterations, values = zip(*losses)
         line = loss_ax.plot(iterations, moving_average(list(values), smooth), label=name)[0]
         steps = [s["iteration"] for s in scores]
-        acc_ax.plot(steps, [s["conditional_accuracy"] for s in scores], "o-", color=line.get_color(), label=f"{name} conditional")
-        acc_ax.plot(steps, [s["unconditional_accuracy"] for s in scores], "x--", color=line.get_color(), label=f"{name} unconditional")
+        acc_ax.plot(
+            steps,
+            [s["conditional_accuracy"] for s in scores],
+            "o-",
+            color=line.get_color(),
+            label=f"{name} conditional",
+        )
+        acc_ax.plot(
+            steps,
+            [s["unconditional_accuracy"] for s in scores],
+            "x--",
+            color=line.get_color(),
+            label=f"{name} unconditional",
+        )
     loss_ax.set(xlabel="iteration", ylabel=f"training loss (mean of {smooth} logged)", title="loss")
     acc_ax.axhline(1 / len(DIGIT_WORDS), color="grey", linestyle=":", label="chance")
     acc_ax.set(xlabel="iteration", ylabel="classified as the prompted digit", ylim=(0, 1), title="accuracy")

@@ -36,7 +36,9 @@ def run_child(cmd: list[str], log_file: Path, threads: int, timeout: int) -> Non
     """Run to exit with output in ``log_file``; raise with its tail on failure."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "w") as log:
-        result = subprocess.run(cmd, cwd=RECIPE_DIR, env=child_env(threads), stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        result = subprocess.run(
+            cmd, cwd=RECIPE_DIR, env=child_env(threads), stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+        )
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {result.returncode}):\n{log_file.read_text()[-4000:]}")
 
@@ -54,15 +56,25 @@ def prepare_digits(root: str | Path, patch_spatial: int = 2) -> Path:
 
 
 def train_digits(
-    dataset_dir: Path, out_dir: Path, config: Path = CI_CONFIG, overrides: Sequence[str] = (),
-    threads: int = 1, timeout: int = 3600,
+    dataset_dir: Path,
+    out_dir: Path,
+    config: Path = CI_CONFIG,
+    overrides: Sequence[str] = (),
+    threads: int = 1,
+    timeout: int = 3600,
 ) -> Path:
     """``pretrain_dit_model.py --config-file CONFIG dataset.path=...``; -> the checkpoint root."""
     # Absolute: the entry point runs in the recipe folder.
     dataset_dir, out_dir = Path(dataset_dir).resolve(), Path(out_dir).resolve()
     cmd = [
-        sys.executable, str(TRAIN_ENTRY), "--config-file", str(config), f"dataset.path={dataset_dir}",
-        f"checkpoint.save={out_dir / 'ckpt'}", f"logger.log_dir={out_dir / 'logs'}", *overrides,
+        sys.executable,
+        str(TRAIN_ENTRY),
+        "--config-file",
+        str(config),
+        f"dataset.path={dataset_dir}",
+        f"checkpoint.save={out_dir / 'ckpt'}",
+        f"logger.log_dir={out_dir / 'logs'}",
+        *overrides,
     ]
     run_child(cmd, out_dir / "train.log", threads, timeout)
     return out_dir / "ckpt"
@@ -75,8 +87,12 @@ def read_losses(out_dir: Path) -> list[tuple[int, float]]:
 
 
 def score_digits(
-    checkpoints: Sequence[Path], root: Path, sampling: DigitSampling, json_path: Path,
-    threads: int = 1, timeout: int = 3600,
+    checkpoints: Sequence[Path],
+    root: Path,
+    sampling: DigitSampling,
+    json_path: Path,
+    threads: int = 1,
+    timeout: int = 3600,
 ) -> list[dict]:
     """``python -m dfm.evaluation.digits_eval`` on each checkpoint, with the encoders ``prepare_digits``
     wrote under ``root`` -> the scores (also in ``json_path``)."""
@@ -84,8 +100,18 @@ def score_digits(
     checkpoints = [Path(c).resolve() for c in checkpoints]
     flags = {k: v for k, v in asdict(sampling).items() if v is not None}
     cmd = [
-        sys.executable, "-m", "dfm.evaluation.digits_eval", "--checkpoint", *map(str, checkpoints),
-        "--t5", str(root / "t5"), "--vae", str(root / "vae"), "--json", str(json_path), *[f"--{k}={v}" for k, v in flags.items()],
+        sys.executable,
+        "-m",
+        "dfm.evaluation.digits_eval",
+        "--checkpoint",
+        *map(str, checkpoints),
+        "--t5",
+        str(root / "t5"),
+        "--vae",
+        str(root / "vae"),
+        "--json",
+        str(json_path),
+        *[f"--{k}={v}" for k, v in flags.items()],
     ]
     run_child(cmd, Path(json_path).with_suffix(".log"), threads, timeout)
     return json.loads(Path(json_path).read_text())
@@ -104,13 +130,19 @@ def train_and_score(
     """Train one pipeline on ``root/dataset`` into ``root/<pipeline>``, score every saved checkpoint."""
     start = time.perf_counter()
     out = Path(root) / pipeline
-    checkpoint_root = train_digits(Path(root) / "dataset", out, config, [f"model.pipeline={pipeline}", *overrides], threads)
+    checkpoint_root = train_digits(
+        Path(root) / "dataset", out, config, [f"model.pipeline={pipeline}", *overrides], threads
+    )
     scores = score_digits(sorted(checkpoint_root.glob("iter_*")), root, sampling, out / "scores.json", threads)
     return PipelineRun(read_losses(out), scores, time.perf_counter() - start)
 
 
 def train_and_score_pipelines(
-    root: Path, pipelines: Sequence[str], config: Path, overrides: Sequence[str], sampling: DigitSampling,
+    root: Path,
+    pipelines: Sequence[str],
+    config: Path,
+    overrides: Sequence[str],
+    sampling: DigitSampling,
     threads: int = 1,
 ) -> dict[str, PipelineRun]:
     """``train_and_score`` for each pipeline side by side (one single-threaded child each: 2 cores, 2 runs)."""

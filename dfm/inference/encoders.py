@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -18,11 +17,11 @@ from dfm.data.encoders import T5TextEncoder, VideoVAE, build_tiny_random_encoder
 @dataclass
 class EncoderSources:
     t5: str
-    t5_cache_dir: Optional[str] = None
+    t5_cache_dir: str | None = None
     vae: str = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
-    vae_subfolder: Optional[str] = "vae"
+    vae_subfolder: str | None = "vae"
     vae_kind: str = "auto"
-    vae_cache_dir: Optional[str] = None
+    vae_cache_dir: str | None = None
 
 
 @dataclass
@@ -39,9 +38,13 @@ def load_encoders(sources: EncoderSources, max_text_len: int, device: torch.devi
     return Encoders(text, vae)
 
 
-def tiny_random_encoders(model_cfg, out_dir: str | Path, max_text_len: int, device: torch.device, seed: int = 0) -> Encoders:
+def tiny_random_encoders(
+    model_cfg, out_dir: str | Path, max_text_len: int, device: torch.device, seed: int = 0
+) -> Encoders:
     """Tiny random T5 (width text_embed_dim) and Wan VAE (in_channels latents), saved under ``out_dir``."""
-    paths = build_tiny_random_encoders(out_dir, seed, text_dim=model_cfg.text_embed_dim, latent_channels=model_cfg.in_channels)
+    paths = build_tiny_random_encoders(
+        out_dir, seed, text_dim=model_cfg.text_embed_dim, latent_channels=model_cfg.in_channels
+    )
     sources = EncoderSources(t5=str(paths.t5_dir), vae=str(paths.wan_vae_dir), vae_subfolder=None)
     return load_encoders(sources, max_text_len, device)
 

@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance_scale", type=float, default=7.0, help="classifier-free guidance; 1 disables it")
     p.add_argument("--sampler", default=None, help="edm: heun|euler; flow: euler|heun (default: the pipeline's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no_ema", action="store_true", help="sample from the trained weights even if the checkpoint has EMA ones")
+    p.add_argument(
+        "--no_ema", action="store_true", help="sample from the trained weights even if the checkpoint has EMA ones"
+    )
     p.add_argument("--video_save_path", default=None, help="default: outputs/dit_sample.mp4 (or .png for 1 frame)")
     p.add_argument("--t5", default=DEFAULT_T5, help="T5 hub name or local folder")
     p.add_argument("--t5_cache_dir")
@@ -45,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vae_subfolder", default="vae", help="'' for a folder that is the VAE itself")
     p.add_argument("--vae_kind", choices=["auto", "wan", "kl"], default="auto")
     p.add_argument("--vae_cache_dir")
-    p.add_argument("--tiny_random_encoders", action="store_true", help="tiny random T5 + VAE shaped to the checkpoint (tests)")
+    p.add_argument(
+        "--tiny_random_encoders", action="store_true", help="tiny random T5 + VAE shaped to the checkpoint (tests)"
+    )
     return p
 
 
@@ -61,8 +65,12 @@ def encoders_for(args: argparse.Namespace, model_cfg, device: torch.device, scra
     if args.tiny_random_encoders:
         return tiny_random_encoders(model_cfg, scratch / "tiny_encoders", model_cfg.max_text_len, device, args.seed)
     sources = EncoderSources(
-        t5=args.t5, t5_cache_dir=args.t5_cache_dir, vae=args.vae, vae_subfolder=args.vae_subfolder or None,
-        vae_kind=args.vae_kind, vae_cache_dir=args.vae_cache_dir,
+        t5=args.t5,
+        t5_cache_dir=args.t5_cache_dir,
+        vae=args.vae,
+        vae_subfolder=args.vae_subfolder or None,
+        vae_kind=args.vae_kind,
+        vae_cache_dir=args.vae_cache_dir,
     )
     return load_encoders(sources, model_cfg.max_text_len, device)
 
@@ -80,8 +88,15 @@ def generate(args: argparse.Namespace, device: torch.device) -> Path:
     batch = generation_batch(draw_noise(shape, args.seed), text, cfg.model).to(device)
     logger.info("sampling a latent of shape %s (%d tokens)", shape, batch.seq_len)
     latent = sample_latent(
-        model, pipeline_from_config(cfg), cfg.model.pipeline, batch, cfg.model,
-        args.num_steps, args.guidance_scale, args.sampler, args.seed,
+        model,
+        pipeline_from_config(cfg),
+        cfg.model.pipeline,
+        batch,
+        cfg.model,
+        args.num_steps,
+        args.guidance_scale,
+        args.sampler,
+        args.seed,
     )
     video = encoders.vae.decode(latent.unsqueeze(0))[0]  # [3, T, H, W] in [-1, 1]
     path = write_media(to_uint8_frames(video), args.video_save_path, args.fps)

@@ -26,7 +26,12 @@ def latent_shape_for(vae, model_cfg, height: int, width: int, num_frames: int) -
         )
     if not vae.valid_num_frames(num_frames):
         raise ValueError(f"--num_video_frames must be 1 + {vae.temporal_compression}k for this VAE, got {num_frames}")
-    shape = (model_cfg.in_channels, vae.latent_frames(num_frames), height // vae.spatial_compression, width // vae.spatial_compression)
+    shape = (
+        model_cfg.in_channels,
+        vae.latent_frames(num_frames),
+        height // vae.spatial_compression,
+        width // vae.spatial_compression,
+    )
     check_patchable(shape, model_cfg.patch_temporal, model_cfg.patch_spatial)
     return shape
 
@@ -47,7 +52,9 @@ def generation_pack(noises: list[torch.Tensor], texts: list[torch.Tensor], model
     for index, (noise, text) in enumerate(zip(noises, texts, strict=True)):
         tokens, pos_ids = patchify(noise, model_cfg.patch_temporal, model_cfg.patch_spatial)
         samples.append(
-            DiffusionSample(tokens=tokens, pos_ids=pos_ids, text=text, latent_shape=tuple(noise.shape), sample_index=index)
+            DiffusionSample(
+                tokens=tokens, pos_ids=pos_ids, text=text, latent_shape=tuple(noise.shape), sample_index=index
+            )
         )
     return pack_samples(samples)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from tqdm import tqdm
 
@@ -37,7 +35,7 @@ class ProgressNet:
         return out
 
 
-def resolve_sampler(pipeline: DiffusionPipeline, sampler: Optional[str]) -> str:
+def resolve_sampler(pipeline: DiffusionPipeline, sampler: str | None) -> str:
     return sampler or pipeline.settings.sampler
 
 
@@ -55,7 +53,7 @@ def sample_latents(
     model_cfg,
     steps: int,
     guidance_scale: float,
-    sampler: Optional[str] = None,
+    sampler: str | None = None,
     seed: int = 0,
 ) -> list[torch.Tensor]:
     """Denoise ``batch.latents`` (the starting noise of every sample in the pack) at once
@@ -86,6 +84,8 @@ def unpack_latents(latents: torch.Tensor, batch: PackedBatch, model_cfg) -> list
     starts = batch.cu_seqlens_q_padded[:-1].tolist()
     lengths = (batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).tolist()
     return [
-        unpatchify(latents[start : start + length].float(), tuple(shape), model_cfg.patch_temporal, model_cfg.patch_spatial)
+        unpatchify(
+            latents[start : start + length].float(), tuple(shape), model_cfg.patch_temporal, model_cfg.patch_spatial
+        )
         for start, length, shape in zip(starts, lengths, batch.latent_shape.tolist())
     ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional
 
 import torch
 from megatron.core import parallel_state
@@ -40,17 +39,19 @@ def layer_spec_for(model_cfg):
     return dit_layer_spec(model_cfg.architecture, modules, model_cfg.qk_layernorm, model_cfg.num_moe_experts)
 
 
-def build_model(model_cfg, precision: str, vp_stage: Optional[int] = None):
+def build_model(model_cfg, precision: str, vp_stage: int | None = None):
     """One (virtual) pipeline stage, parameters allocated but not initialised (use under
     ``torch.device('meta')`` to count parameters without memory)."""
     tconfig = build_transformer_config(model_cfg, precision)
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    model = DiTModel(tconfig, layer_spec_for(model_cfg), model_cfg, pre_process=pre, post_process=post, vp_stage=vp_stage)
+    model = DiTModel(
+        tconfig, layer_spec_for(model_cfg), model_cfg, pre_process=pre, post_process=post, vp_stage=vp_stage
+    )
     return model, tconfig
 
 
-def build_model_chunk(model_cfg, precision: str, seed: int, vp_stage: Optional[int] = None):
+def build_model_chunk(model_cfg, precision: str, seed: int, vp_stage: int | None = None):
     """One (virtual) pipeline stage of the model, initialised layout-independently from ``seed``."""
     model, tconfig = build_model(model_cfg, precision, vp_stage)
     init_params(model, seed, model.global_param_name, std=model_cfg.init_method_std)

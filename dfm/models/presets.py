@@ -9,13 +9,24 @@ from types import MappingProxyType
 # facebookresearch/DiT: class-conditional ImageNet 256x256 -> 32x32x4 SD-VAE latents,
 # fixed sin-cos positions, learned-sigma head (2x output channels), a null class for CFG.
 _DIT_IMAGENET = dict(
-    architecture="dit_adaln", patch_spatial=2, patch_temporal=1, in_channels=4, out_channels=8,
-    num_classes=1000, pos_embedding="sincos3d", max_latent_thw=[1, 32, 32],
+    architecture="dit_adaln",
+    patch_spatial=2,
+    patch_temporal=1,
+    in_channels=4,
+    out_channels=8,
+    num_classes=1000,
+    pos_embedding="sincos3d",
+    max_latent_thw=[1, 32, 32],
 )
 # NVIDIA's video DiT configs: text cross-attention (T5-XXL, 4096-d), 3D RoPE, QK RMSNorm.
 _VIDEO = dict(
-    patch_spatial=2, patch_temporal=1, in_channels=16, text_embed_dim=4096, max_text_len=512,
-    pos_embedding="rope3d", qk_layernorm=True,
+    patch_spatial=2,
+    patch_temporal=1,
+    in_channels=16,
+    text_embed_dim=4096,
+    max_text_len=512,
+    pos_embedding="rope3d",
+    qk_layernorm=True,
 )
 
 
@@ -33,8 +44,17 @@ PRESETS = MappingProxyType(
         "DiT-28B": _shape(48, 6144, 48, architecture="dit_cross", **_VIDEO),
         # Open-Sora 1.0 STDiT-XL/2: SD-VAE latents, T5 captions of 120 tokens, sin-cos positions.
         "STDiT-XL/2": _shape(
-            28, 1152, 16, architecture="stdit", patch_spatial=2, patch_temporal=1, in_channels=4,
-            out_channels=8, text_embed_dim=4096, max_text_len=120, pos_embedding="sincos3d",
+            28,
+            1152,
+            16,
+            architecture="stdit",
+            patch_spatial=2,
+            patch_temporal=1,
+            in_channels=4,
+            out_channels=8,
+            text_embed_dim=4096,
+            max_text_len=120,
+            pos_embedding="sincos3d",
         ),
         "STDiT-30B": _shape(28, 6144, 48, architecture="stdit", **_VIDEO),
         # MovieGen Video (Polyak et al. 2024), 30B: Llama-style blocks, 48 x 6144, 48 heads, FFN 16384.

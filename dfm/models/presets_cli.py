@@ -1,7 +1,7 @@
 """Exact parameter counts of the presets, built on the meta device (no memory, no init).
 
-    python -m dfm.models.presets_cli --all
-    dfm-params --preset DiT-XL/2
+python -m dfm.models.presets_cli --all
+dfm-params --preset DiT-XL/2
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ def _cuda_type_names():
             return original(tensor, dtype, non_blocking, **kwargs)
         name = original(tensor)
         if tensor.device.type == "cpu" and name.startswith("torch.") and "cuda" not in name:
-            return "torch.cuda." + name[len("torch."):]
+            return "torch.cuda." + name[len("torch.") :]
         return name
 
     torch.Tensor.type = type_with_cuda_name
@@ -454,8 +454,14 @@ def _patch_pipeline_p2p() -> None:
     pending_sends = []  # (request, storage): the storage stays alive until the send is waited
 
     def batched_p2p_ops(
-        *, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
-        prev_pipeline_rank, next_pipeline_rank,
+        *,
+        tensor_send_prev,
+        tensor_recv_prev,
+        tensor_send_next,
+        tensor_recv_next,
+        group,
+        prev_pipeline_rank,
+        next_pipeline_rank,
     ):
         dist, requests = torch.distributed, []
         for op, tensor, peer, tag in (  # megatron's order
@@ -480,9 +486,13 @@ def _patch_pipeline_p2p() -> None:
         recv_prev_shape = torch.empty(3, dtype=torch.int64) if recv_prev else None
         recv_next_shape = torch.empty(3, dtype=torch.int64) if recv_next else None
         for request in batched_p2p_ops(
-            tensor_send_prev=shape_of(tensor_send_prev), tensor_recv_prev=recv_prev_shape,
-            tensor_send_next=shape_of(tensor_send_next), tensor_recv_next=recv_next_shape,
-            group=self.pp_group, prev_pipeline_rank=self.prev_rank, next_pipeline_rank=self.next_rank,
+            tensor_send_prev=shape_of(tensor_send_prev),
+            tensor_recv_prev=recv_prev_shape,
+            tensor_send_next=shape_of(tensor_send_next),
+            tensor_recv_next=recv_next_shape,
+            group=self.pp_group,
+            prev_pipeline_rank=self.prev_rank,
+            next_pipeline_rank=self.next_rank,
         ):
             request.wait()
         received = (recv_prev_shape, recv_next_shape)

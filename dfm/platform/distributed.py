@@ -2,7 +2,6 @@
 
 import os
 from datetime import timedelta
-from typing import Optional
 
 import torch
 
@@ -12,7 +11,7 @@ from dfm.platform.device import compute_device, enable_cpu_support
 def initialize_distributed(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
-    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    virtual_pipeline_model_parallel_size: int | None = None,
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     seed: int = 1234,
@@ -79,7 +78,7 @@ def validate_parallel_layout(
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
-    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    virtual_pipeline_model_parallel_size: int | None = None,
 ) -> int:
     """Check that the parallel sizes tile the world; return the data-parallel size."""
     sizes = {

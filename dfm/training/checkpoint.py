@@ -15,7 +15,7 @@ import random
 import shutil
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,8 +23,8 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.transformer.utils import sharded_state_dict_default
 
-from dfm.training.progress import StageProgress
 from dfm.platform.megatron_compat import ensure_adam_state, patch_distrib_optimizer_step_copy, unshare_adam_steps
+from dfm.training.progress import StageProgress
 
 logger = logging.getLogger("dfm.checkpoint")
 
@@ -36,7 +36,7 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
-def resolve_load_dir(path: str | Path) -> Optional[Path]:
+def resolve_load_dir(path: str | Path) -> Path | None:
     """A checkpoint directory, or the one a root's ``latest`` names; None if the root has none yet."""
     path = Path(path)
     if (path / LATEST).exists():
@@ -65,7 +65,7 @@ def model_sharded_state_dict(chunk) -> dict[str, Any]:
             for local, layer in enumerate(child):
                 global_prefix = f"layers.{chunk.layer_offset + local}."
                 for key, value in layer.sharded_state_dict(prefix=global_prefix).items():
-                    state[f"layers.{local}." + key[len(global_prefix):]] = value
+                    state[f"layers.{local}." + key[len(global_prefix) :]] = value
             continue
         # tp_group given explicitly: megatron 0.16.1 otherwise marks every TP rank a main replica.
         part = sharded_state_dict_default(
@@ -130,7 +130,10 @@ def full_sharded_state_dict(
         state.update(ema.sharded_state_dict(chunk_states))
     # Fully reshardable: optimizer state in model space, loadable into any TP/PP/DP layout. The
     # memory-efficient variant gathers over gloo groups on the host, the same on CPU and GPU.
-    metadata = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True}
+    metadata = {
+        "distrib_optim_sharding_type": "fully_reshardable",
+        "distrib_optim_fully_reshardable_mem_efficient": True,
+    }
     state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)
     if with_rng:  # per rank: only meaningful in the same layout
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -147,8 +150,16 @@ def full_sharded_state_dict(
 
 
 def save_checkpoint(
-    root: str, iteration: int, model, optimizer, scheduler, loader, config_dict: dict, keep_last: Optional[int],
-    ema=None, async_queue=None,
+    root: str,
+    iteration: int,
+    model,
+    optimizer,
+    scheduler,
+    loader,
+    config_dict: dict,
+    keep_last: int | None,
+    ema=None,
+    async_queue=None,
 ) -> Path:
     """Write ``<root>/iter_N`` on all ranks, then mark it ``latest`` (rank 0) and prune old ones.
 
@@ -165,7 +176,11 @@ def save_checkpoint(
     torch.distributed.barrier()
     state = full_sharded_state_dict(model, optimizer, loader, is_loading=False, ema=ema)
     state.update(
-        iteration=iteration, scheduler=scheduler.state_dict(), config=config_dict, layout=layout(), has_ema=ema is not None
+        iteration=iteration,
+        scheduler=scheduler.state_dict(),
+        config=config_dict,
+        layout=layout(),
+        has_ema=ema is not None,
     )
     if async_queue is None:
         dist_checkpointing.save(state, str(target))
@@ -177,7 +192,7 @@ def save_checkpoint(
     return target
 
 
-def finalize_save(root: str, iteration: int, keep_last: Optional[int]) -> None:
+def finalize_save(root: str, iteration: int, keep_last: int | None) -> None:
     """On all ranks, once every rank's files are written: mark ``latest``, prune, log."""
     rank = torch.distributed.get_rank()
     torch.distributed.barrier()
@@ -189,7 +204,7 @@ def finalize_save(root: str, iteration: int, keep_last: Optional[int]) -> None:
         logger.info("saved checkpoint %s", iteration_dir(root, iteration))
 
 
-def restore_ema(ema, loaded: Optional[dict], model, directory: Path) -> None:
+def restore_ema(ema, loaded: dict | None, model, directory: Path) -> None:
     """EMA from the checkpoint; a run that turns EMA on mid-way starts it from the loaded weights."""
     if ema is None:
         return
@@ -206,7 +221,7 @@ def mark_latest(root: str | Path, iteration: int) -> None:
     os.replace(tmp, Path(root) / LATEST)
 
 
-def prune_checkpoints(root: str | Path, keep_last: Optional[int]) -> None:
+def prune_checkpoints(root: str | Path, keep_last: int | None) -> None:
     if not keep_last:
         return
     for old in sorted(Path(root).glob("iter_*"))[:-keep_last]:
@@ -247,7 +262,9 @@ def load_checkpoint(path: str, model, optimizer, scheduler, loader, ema=None) ->
         else:
             logger.warning(
                 "checkpoint %s was written with data-parallel size %s, now %s: the data position is not restored",
-                directory, common.get("layout", {}).get("dp"), layout()["dp"],
+                directory,
+                common.get("layout", {}).get("dp"),
+                layout()["dp"],
             )
         progress.advance()
     logger.info("loaded checkpoint %s (iteration %d)", directory, loaded["iteration"])

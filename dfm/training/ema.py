@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -40,7 +41,9 @@ class WeightEMA:
 
     def sharded_state_dict(self, model_states: list[dict[str, Any]]) -> dict[str, Any]:
         """The model chunks' sharded state dicts with the EMA tensors in place of the weights."""
-        return {f"ema{i}": with_weights(state, shadow) for i, (shadow, state) in enumerate(zip(self.shadow, model_states))}
+        return {
+            f"ema{i}": with_weights(state, shadow) for i, (shadow, state) in enumerate(zip(self.shadow, model_states))
+        }
 
     def load(self, loaded: dict[str, Any]) -> None:
         for index, shadow in enumerate(self.shadow):
@@ -74,5 +77,5 @@ def copy_into(model: list, weights: list[dict[str, torch.Tensor]]) -> None:
             param.copy_(chunk_weights[name])
 
 
-def build_ema(model: list, decay) -> "WeightEMA | None":
+def build_ema(model: list, decay) -> WeightEMA | None:
     return WeightEMA(model, decay) if decay is not None else None

@@ -10,7 +10,6 @@ checkpoints of real runs go through ``dfm.training.checkpoint``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -50,7 +49,7 @@ def merge_replicas(parts: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return dict(sorted(full.items()))
 
 
-def gather_full_state_dict(model_chunks) -> Optional[dict[str, Tensor]]:
+def gather_full_state_dict(model_chunks) -> dict[str, Tensor] | None:
     """Collective over all ranks. Rank 0: {global name: full tensor}; other ranks: None."""
     finish_param_gather(model_chunks)
     local = local_full_tensors(model_chunks)

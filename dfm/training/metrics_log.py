@@ -7,7 +7,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 logger = logging.getLogger("dfm.train")
 
@@ -20,7 +20,7 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def open_wandb_run(project: str, name: Optional[str], log_dir: str, config: dict[str, Any]):
+def open_wandb_run(project: str, name: str | None, log_dir: str, config: dict[str, Any]):
     """A W&B run; ``WANDB_MODE=offline`` and ``WANDB_API_KEY`` are read from the environment by wandb."""
     try:
         import wandb
@@ -33,8 +33,13 @@ class MetricsLog:
     """Writes on the logging rank only; other ranks hold a disabled instance."""
 
     def __init__(
-        self, log_dir: str, enabled: bool, tensorboard_dir: Optional[str] = None,
-        wandb_project: Optional[str] = None, wandb_name: Optional[str] = None, run_config: Optional[dict] = None,
+        self,
+        log_dir: str,
+        enabled: bool,
+        tensorboard_dir: str | None = None,
+        wandb_project: str | None = None,
+        wandb_name: str | None = None,
+        run_config: dict | None = None,
     ):
         self.enabled = enabled
         self.path = Path(log_dir) / "metrics.jsonl"
@@ -51,7 +56,8 @@ class MetricsLog:
     def scalars(self, section: str, record: dict[str, Any]) -> None:
         """Numbers of ``record`` to TensorBoard and W&B as ``<section>/<key>`` at its iteration."""
         values = {
-            f"{section}/{k}": v for k, v in record.items()
+            f"{section}/{k}": v
+            for k, v in record.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"
         }
         if self.tb is not None:
@@ -75,7 +81,12 @@ class MetricsLog:
         with self.path.with_name("validation.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
         self.scalars("validation", {"iteration": record["iteration"], "loss": record["val_loss"]})
-        logger.info("validation at iter %d | val loss %s | sample %s", record["iteration"], _fmt(record["val_loss"]), record["generation"])
+        logger.info(
+            "validation at iter %d | val loss %s | sample %s",
+            record["iteration"],
+            _fmt(record["val_loss"]),
+            record["generation"],
+        )
 
     @staticmethod
     def console_line(r: dict[str, Any]) -> str:

@@ -193,8 +193,12 @@ class TrainLoop:
         self.n_micro = num_microbatches(cfg)
         self.peak = device_peak_flops(device)
         self.metrics = MetricsLog(
-            cfg.logger.log_dir, enabled=torch.distributed.get_rank() == 0, tensorboard_dir=cfg.logger.tensorboard_dir,
-            wandb_project=cfg.logger.wandb_project, wandb_name=cfg.logger.wandb_exp_name, run_config=config_to_dict(cfg),
+            cfg.logger.log_dir,
+            enabled=torch.distributed.get_rank() == 0,
+            tensorboard_dir=cfg.logger.tensorboard_dir,
+            wandb_project=cfg.logger.wandb_project,
+            wandb_name=cfg.logger.wandb_exp_name,
+            run_config=config_to_dict(cfg),
         )
         self.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite)
         self.signal = PreemptionSignal(cfg.train.exit_signal_handler)
@@ -207,7 +211,13 @@ class TrainLoop:
                 for chunk in self.model:
                     chunk.train()
                 losses, updated, grad_norm = train_step(
-                    self.forward_step, self.data_iter, self.model, self.optimizer, self.scheduler, self.n_micro, self.device
+                    self.forward_step,
+                    self.data_iter,
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                    self.n_micro,
+                    self.device,
                 )
                 self.guard.record(updated, iteration)
                 if updated and self.ema is not None:
@@ -253,7 +263,9 @@ class TrainLoop:
             path = generate_validation_sample(
                 self.cfg, self.model, self.forward_step.pipeline, val_iter.first, iteration, self.device
             )
-        self.metrics.write_validation({"iteration": iteration, "val_loss": loss, "generation": str(path) if path else None})
+        self.metrics.write_validation(
+            {"iteration": iteration, "val_loss": loss, "generation": str(path) if path else None}
+        )
 
     def save(self, iteration: int) -> None:
         if not self.cfg.checkpoint.save:
@@ -261,8 +273,16 @@ class TrainLoop:
         if self.async_saves is not None:
             self.async_saves.maybe_finalize_async_calls(blocking=True)  # one save in flight at a time
         save_checkpoint(
-            self.cfg.checkpoint.save, iteration, self.model, self.optimizer, self.scheduler, self.data_iter,
-            config_to_dict(self.cfg), self.cfg.checkpoint.keep_last, self.ema, self.async_saves,
+            self.cfg.checkpoint.save,
+            iteration,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.data_iter,
+            config_to_dict(self.cfg),
+            self.cfg.checkpoint.keep_last,
+            self.ema,
+            self.async_saves,
         )
 
     def log(self, iteration: int, losses, grad_norm, window: LogWindow) -> None:

@@ -22,7 +22,7 @@ class StageProgress:
         if self.bar.n < len(self.stages):
             self.bar.set_postfix_str(self.stages[self.bar.n])
 
-    def __enter__(self) -> "StageProgress":
+    def __enter__(self) -> StageProgress:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s. Matched against the device name.
@@ -16,7 +14,7 @@ PEAK_BF16_FLOPS = {
 }
 
 
-def device_peak_flops(device: torch.device) -> Optional[float]:
+def device_peak_flops(device: torch.device) -> float | None:
     """Peak FLOP/s of ``device`` or None where unknown (CPUs): MFU is then reported as null."""
     if device.type != "cuda":
         return None
@@ -27,5 +25,5 @@ def device_peak_flops(device: torch.device) -> Optional[float]:
     return None
 
 
-def mfu(tflops_per_gpu: float, peak: Optional[float]) -> Optional[float]:
+def mfu(tflops_per_gpu: float, peak: float | None) -> float | None:
     return None if peak is None else tflops_per_gpu * 1e12 / peak

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
 
 import torch
 from megatron.core import parallel_state
@@ -55,7 +54,7 @@ def can_generate() -> bool:
 
 def generate_validation_sample(
     cfg: ConfigContainer, model: list, pipeline: DiffusionPipeline, batch: PackedBatch, iteration: int, device
-) -> Optional[Path]:
+) -> Path | None:
     """Sample one latent from the first validation sample's text; -> where it was saved (or None)."""
     if not cfg.checkpoint.save or not can_generate() or cfg.model.sequence_parallel:
         return None
@@ -64,7 +63,13 @@ def generate_validation_sample(
     noise = draw_noise(shape, seed=cfg.rng.seed + dp_rank)
     gen_batch = generation_batch(noise, text, cfg.model).to(device)
     latent = sample_latent(
-        model[0], pipeline, cfg.model.pipeline, gen_batch, cfg.model, steps=cfg.train.eval_sampling_steps, guidance_scale=1.0
+        model[0],
+        pipeline,
+        cfg.model.pipeline,
+        gen_batch,
+        cfg.model,
+        steps=cfg.train.eval_sampling_steps,
+        guidance_scale=1.0,
     )
     if parallel_state.get_tensor_model_parallel_rank() != 0:
         return None

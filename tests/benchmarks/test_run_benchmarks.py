@@ -22,9 +22,14 @@ def test_every_rung_names_a_known_variant_and_variants_undo_their_patch():
     from dfm.models.common import adaln, packed_attention
     from dfm.models.dit import dit_layer, dit_model
 
-    patched = [(adaln, "rows_to_tokens"), (dit_model, "rows_to_tokens"), (dit_layer, "modulate"),
-               (adaln.AdaLNModulation, "forward"), (packed_attention, "document_block_mask"),
-               (packed_attention, "flex_document_attention")]
+    patched = [
+        (adaln, "rows_to_tokens"),
+        (dit_model, "rows_to_tokens"),
+        (dit_layer, "modulate"),
+        (adaln.AdaLNModulation, "forward"),
+        (packed_attention, "document_block_mask"),
+        (packed_attention, "flex_document_attention"),
+    ]
     before = [getattr(owner, name) for owner, name in patched]
     assert all(rung.variant in VARIANTS for ladder in LADDERS for rung in get_ladder(ladder))
     for name in VARIANTS:
@@ -34,8 +39,22 @@ def test_every_rung_names_a_known_variant_and_variants_undo_their_patch():
 
 
 def test_tiny_rung_times_both_sides_and_writes_the_table(tmp_path):
-    run_benchmarks.main(["--ladder", "cpu", "--only", "tiny-256-mix", "--warmup", "0", "--steps", "1",
-                         "--set", "model.num_layers=1", "--out", str(tmp_path)])
+    run_benchmarks.main(
+        [
+            "--ladder",
+            "cpu",
+            "--only",
+            "tiny-256-mix",
+            "--warmup",
+            "0",
+            "--steps",
+            "1",
+            "--set",
+            "model.num_layers=1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     row = json.loads((tmp_path / "results.json").read_text())["rows"][0]
     assert "error" not in row["dfm"] and "error" not in row["reference"]
     assert row["dfm"]["tokens_per_sec_per_gpu"] > 0 and row["ratio"] > 0
@@ -45,10 +64,16 @@ def test_tiny_rung_times_both_sides_and_writes_the_table(tmp_path):
 def test_mixed_vs_fixed_compares_the_same_work_at_each_shapes_fixed_speed():
     from benchmarks.report import mixed_vs_fixed
 
-    fixed = [{"config": "a", "dfm": {"flops_by_tokens": {"256": 5.0}, "tflops_per_gpu": 2.0}},
-             {"config": "b", "dfm": {"flops_by_tokens": {"1024": 7.0}, "tflops_per_gpu": 1.0}}]
+    fixed = [
+        {"config": "a", "dfm": {"flops_by_tokens": {"256": 5.0}, "tflops_per_gpu": 2.0}},
+        {"config": "b", "dfm": {"flops_by_tokens": {"1024": 7.0}, "tflops_per_gpu": 1.0}},
+    ]
     # 4 units of 256-token work at 2/s and 3 of 1024-token work at 1/s take 5 s in fixed packs.
-    mixed = {"config": "m", "mix_of": ["a", "b"], "dfm": {"flops_by_tokens": {"256": 4.0, "1024": 3.0}, "tflops_per_gpu": 7 / 5}}
+    mixed = {
+        "config": "m",
+        "mix_of": ["a", "b"],
+        "dfm": {"flops_by_tokens": {"256": 4.0, "1024": 3.0}, "tflops_per_gpu": 7 / 5},
+    }
     assert mixed_vs_fixed(mixed, [mixed, *fixed]) == pytest.approx(1.0)
     mixed["dfm"]["tflops_per_gpu"] = 7 / 10  # twice as slow as fixed packs
     assert mixed_vs_fixed(mixed, [mixed, *fixed]) == pytest.approx(0.5)
@@ -63,8 +88,9 @@ def test_uniform_segment_variants_attend_like_the_per_segment_reference(variant)
     from dfm.models.common import packed_attention
 
     cu = torch.tensor([0, 16, 32, 48], dtype=torch.int32)
-    params = packed_attention.PackedSegments(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu)
+    params = packed_attention.PackedSegments(
+        qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu
+    )
     q, k, v = (torch.randn(48, 1, 2, 8) for _ in range(3))
     expected = packed_attention.sdpa_per_segment(q, k, v, params, scale=0.3)
     with apply_variant(variant):

@@ -78,7 +78,9 @@ def test_no_recipe_and_no_file_gives_defaults():
 
 
 def test_file_overrides_recipe_and_picks_base_recipe(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         recipe: dit_tiny
         train:
           train_iters: 7
@@ -90,7 +92,8 @@ def test_file_overrides_recipe_and_picks_base_recipe(tmp_path):
         checkpoint:
           save: /tmp/ckpt
         logger:
-    """)
+    """,
+    )
     cfg = build_config(None, path, [])
     assert cfg.model.hidden_size == 64  # from dit_tiny
     assert cfg.train.train_iters == 7
@@ -119,19 +122,23 @@ def test_empty_file_is_no_overrides(tmp_path):
 
 
 def test_hydra_values_lists_null_bools_strings_floats():
-    cfg = build_config("dit_tiny", None, [
-        "dataset.mock_image_sizes=[[8,8],[16,16]]",
-        "dataset.packing_buffer_size=null",
-        "model.qk_layernorm=true",
-        "train.exit_signal_handler=False",
-        "model.pos_embedding=learned3d",
-        "logger.wandb_exp_name='my run'",
-        "logger.wandb_project=2024",
-        "optimizer.lr=1e-3",
-        "optimizer.clip_grad=0",
-        "optimizer.ema_decay=0.9999",
-        "model.num_classes=1000",
-    ])
+    cfg = build_config(
+        "dit_tiny",
+        None,
+        [
+            "dataset.mock_image_sizes=[[8,8],[16,16]]",
+            "dataset.packing_buffer_size=null",
+            "model.qk_layernorm=true",
+            "train.exit_signal_handler=False",
+            "model.pos_embedding=learned3d",
+            "logger.wandb_exp_name='my run'",
+            "logger.wandb_project=2024",
+            "optimizer.lr=1e-3",
+            "optimizer.clip_grad=0",
+            "optimizer.ema_decay=0.9999",
+            "model.num_classes=1000",
+        ],
+    )
     assert cfg.dataset.mock_image_sizes == [[8, 8], [16, 16]]
     assert cfg.dataset.packing_buffer_size is None
     assert cfg.model.qk_layernorm is True and cfg.train.exit_signal_handler is False
@@ -154,8 +161,11 @@ def test_whole_section_override_with_a_mapping():
     [
         ("train.train_itres=5", r"unknown config key 'train\.train_itres'; did you mean 'train\.train_iters'\?"),
         ("train.lr=1", r"unknown config key 'train\.lr'; did you mean 'optimizer\.lr'\?"),
-        ("trian.train_iters=3", r"unknown config key 'trian\.train_iters' \(no section 'trian'\); "
-                                r"did you mean 'train\.train_iters'\?"),
+        (
+            "trian.train_iters=3",
+            r"unknown config key 'trian\.train_iters' \(no section 'trian'\); "
+            r"did you mean 'train\.train_iters'\?",
+        ),
         ("train.train_iters=abc", r"config key 'train\.train_iters' expects int, got str 'abc'"),
         ("train.train_iters=[1,2]", r"config key 'train\.train_iters' expects int, got list"),
         ("train.train_iters=1.5", r"config key 'train\.train_iters' expects int, got float"),
@@ -171,8 +181,11 @@ def test_whole_section_override_with_a_mapping():
         ("+train.new_key=3", r"only plain 'key=value'"),
         ("~train.train_iters", r"only plain 'key=value'"),
         ("train.train_iters=1,2", r"sweeps are not supported"),
-        ("model.pipeline_model_parallel_size=4", r"model\.num_layers \(2\) must be a multiple of the pipeline "
-                                                 r"stages: pipeline_model_parallel_size \(4\) x virtual_pipeline_model_parallel_size \(1\) = 4"),
+        (
+            "model.pipeline_model_parallel_size=4",
+            r"model\.num_layers \(2\) must be a multiple of the pipeline "
+            r"stages: pipeline_model_parallel_size \(4\) x virtual_pipeline_model_parallel_size \(1\) = 4",
+        ),
         ("mixed_precision.fp8=e4m3", r"mixed_precision\.fp8='e4m3' is not supported yet"),
         ("optimizer.ema_decay=1.0", r"optimizer\.ema_decay must be in \(0, 1\), got 1\.0"),
     ],
@@ -203,7 +216,9 @@ def test_unknown_section_in_file(tmp_path):
 
 def test_wrong_type_in_file(tmp_path):
     path = write(tmp_path, "dataset:\n  mock_video_sizes: 5\n")
-    with pytest.raises(ConfigError, match=r"config key 'dataset\.mock_video_sizes' expects list\[list\[int\]\], got int"):
+    with pytest.raises(
+        ConfigError, match=r"config key 'dataset\.mock_video_sizes' expects list\[list\[int\]\], got int"
+    ):
         build_config(None, path, [])
 
 
@@ -261,10 +276,17 @@ def test_cross_field_validation(override, message):
 
 
 def test_save_then_load_round_trips(tmp_path):
-    cfg = build_config("dit_tiny", None, [
-        "optimizer.adam_eps=1e-12", "checkpoint.save=/tmp/x", "dataset.mock_image_sizes=[[8,8],[16,16]]",
-        "model.recompute_granularity=full", "logger.wandb_exp_name='007'",
-    ])
+    cfg = build_config(
+        "dit_tiny",
+        None,
+        [
+            "optimizer.adam_eps=1e-12",
+            "checkpoint.save=/tmp/x",
+            "dataset.mock_image_sizes=[[8,8],[16,16]]",
+            "model.recompute_granularity=full",
+            "logger.wandb_exp_name='007'",
+        ],
+    )
     path = save_config_yaml(cfg, tmp_path / "nested" / "resolved.yaml")
     assert build_config(None, str(path), []) == cfg
     assert config_to_dict(cfg)["optimizer"]["adam_eps"] == 1e-12
@@ -303,8 +325,6 @@ def test_config_or_exit_exits_2_with_message_on_stderr():
         "config_or_exit(['--recipe', 'dit_tiny', 'train.train_itres=5'])\n"
         "print('unreachable')\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
-    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "train.train_iters" in result.stderr and "unreachable" not in result.stdout

@@ -12,8 +12,14 @@ CP2 = "model.context_parallel_size=2"
     "overrides,message",
     [
         # One sample of a pack is cut into 2*cp chunks: 2 tokens cannot be split 4 ways.
-        ([CP2, "dataset.seq_length=2"], r"dataset\.seq_length \(2\) is too short to split.*2 x context_parallel_size \(2\) = 4"),
-        ([CP2, "dataset.seq_length=18"], r"dataset\.seq_length \(18\) is not divisible.*multiple of 2 x context_parallel_size \(2\) = 4"),
+        (
+            [CP2, "dataset.seq_length=2"],
+            r"dataset\.seq_length \(2\) is too short to split.*2 x context_parallel_size \(2\) = 4",
+        ),
+        (
+            [CP2, "dataset.seq_length=18"],
+            r"dataset\.seq_length \(18\) is not divisible.*multiple of 2 x context_parallel_size \(2\) = 4",
+        ),
         (
             [CP2, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true", "dataset.seq_length=4"],
             r"dataset\.seq_length \(4\) is too short.*2 x context_parallel_size \(2\) x tensor_model_parallel_size \(2\) = 8",
@@ -36,5 +42,7 @@ def test_valid_context_parallel_layout_is_accepted():
 
 
 def test_world_not_divisible_by_tp_pp_cp_names_the_sizes():
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tensor \(2\) x pipeline \(1\) x context \(2\)"):
+    with pytest.raises(
+        ValueError, match=r"world size 6 is not divisible by tensor \(2\) x pipeline \(1\) x context \(2\)"
+    ):
         validate_parallel_layout(6, tensor_model_parallel_size=2, context_parallel_size=2)

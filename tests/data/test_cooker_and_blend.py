@@ -20,8 +20,14 @@ from dfm.data.prepare.synthetic import write_synthetic_dataset
 
 
 def small_settings(path, **overrides) -> EnergonDataSettings:
-    values = dict(path=str(path), packing=PackingSettings(seq_length=160), packing_buffer_size=8,
-                  num_workers=0, shuffle_buffer_size=4, max_samples_per_sequence=4)
+    values = dict(
+        path=str(path),
+        packing=PackingSettings(seq_length=160),
+        packing_buffer_size=8,
+        num_workers=0,
+        shuffle_buffer_size=4,
+        max_samples_per_sequence=4,
+    )
     values.update(overrides)
     return EnergonDataSettings(**values)
 
@@ -63,7 +69,9 @@ def test_cooker_rejects_a_malformed_latent():
 
 
 def test_blend_metadataset_mixes_datasets_by_weight(tmp_path, synthetic_dataset, second_synthetic_dataset):
-    blend = write_blend_metadataset(tmp_path / "blend.yaml", [(synthetic_dataset, 1.0), (second_synthetic_dataset, 1.0)])
+    blend = write_blend_metadataset(
+        tmp_path / "blend.yaml", [(synthetic_dataset, 1.0), (second_synthetic_dataset, 1.0)]
+    )
     loader = build_train_loader(small_settings(blend), 0, 1)
     keys = [m["key"] for _ in range(12) for m in sample_metadata(next(loader))]
     from_second = sum(k.startswith("b") for k in keys)
@@ -73,7 +81,9 @@ def test_blend_metadataset_mixes_datasets_by_weight(tmp_path, synthetic_dataset,
 def test_val_loader_is_one_finite_pass_over_the_val_split(tmp_path):
     from synthetic_data import synthetic_settings
 
-    path = write_synthetic_dataset(tmp_path / "split", 24, synthetic_settings(), shard_maxcount=4, split_ratio="0.5,0.5,0")
+    path = write_synthetic_dataset(
+        tmp_path / "split", 24, synthetic_settings(), shard_maxcount=4, split_ratio="0.5,0.5,0"
+    )
     val_keys = [m["key"] for batch in build_val_loader(small_settings(path), 0, 1) for m in sample_metadata(batch)]
     train = build_train_loader(small_settings(path), 0, 1)
     train_keys = {m["key"] for _ in range(6) for m in sample_metadata(next(train))}

@@ -16,8 +16,12 @@ NUM_PACKS = 6
 
 def energon_settings(path) -> EnergonDataSettings:
     return EnergonDataSettings(
-        path=str(path), packing=PackingSettings(seq_length=160), packing_buffer_size=8,
-        num_workers=1, shuffle_buffer_size=4, max_samples_per_sequence=4,
+        path=str(path),
+        packing=PackingSettings(seq_length=160),
+        packing_buffer_size=8,
+        num_workers=1,
+        shuffle_buffer_size=4,
+        max_samples_per_sequence=4,
     )
 
 
@@ -61,8 +65,9 @@ def test_data_parallel_ranks_see_different_samples(rank_keys):
 
 def mock_loader(dp_rank: int, dp_size: int, samples_per_pack=None) -> MockPackedLoader:
     mock = MockDataSettings(seed=11, in_channels=4, text_embed_dim=8)
-    return MockPackedLoader(mock, dp_rank, dp_size, seq_length=1024, segment_multiple=2, total_multiple=4,
-                            samples_per_pack=samples_per_pack)
+    return MockPackedLoader(
+        mock, dp_rank, dp_size, seq_length=1024, segment_multiple=2, total_multiple=4, samples_per_pack=samples_per_pack
+    )
 
 
 def test_mock_loader_same_dp_rank_same_packs_and_disjoint_across_dp():

@@ -44,8 +44,13 @@ mock_strategy = st.builds(
 
 
 @settings(max_examples=25, deadline=None)
-@given(mock=mock_strategy, cp=st.sampled_from([1, 2]), tp=st.sampled_from([1, 2]),
-       seq_length=st.sampled_from([160, 256, 512]), first=st.integers(0, 10_000))
+@given(
+    mock=mock_strategy,
+    cp=st.sampled_from([1, 2]),
+    tp=st.sampled_from([1, 2]),
+    seq_length=st.sampled_from([160, 256, 512]),
+    first=st.integers(0, 10_000),
+)
 def test_packs_never_exceed_the_limit_nor_split_samples(mock, cp, tp, seq_length, first):
     packing = PackingSettings(seq_length=seq_length, segment_multiple=2 * cp if cp > 1 else 1, total_multiple=tp * cp)
     encoder = DiffusionTaskEncoder(packing)
@@ -73,7 +78,8 @@ def test_packs_never_exceed_the_limit_nor_split_samples(mock, cp, tp, seq_length
 MIXED = dict(
     image_sizes=[(32, 32), (32, 48), (48, 32), (64, 64), (48, 64)],
     video_sizes=[(4, 32, 32), (8, 32, 48), (16, 32, 32), (4, 48, 64)],
-    in_channels=1, text_embed_dim=4,  # token counts do not depend on channels; fewer keep the test fast
+    in_channels=1,
+    text_embed_dim=4,  # token counts do not depend on channels; fewer keep the test fast
 )
 
 
@@ -86,9 +92,14 @@ def test_packing_efficiency_on_mixed_sizes_with_default_buffer(seed, image_fract
     stream = [mock_sample(mock, i) for i in range(3 * DEFAULT_BUFFER)]
     batches = []
     for start in range(0, len(stream), DEFAULT_BUFFER):  # as energon's PackingDataset feeds buffers
-        batches += [encoder.pack_selected_samples(p) for p in encoder.select_samples_to_pack(stream[start : start + DEFAULT_BUFFER])]
+        batches += [
+            encoder.pack_selected_samples(p)
+            for p in encoder.select_samples_to_pack(stream[start : start + DEFAULT_BUFFER])
+        ]
     efficiency = packing_efficiency(batches, seq_length)
-    logger.warning("packing efficiency %.4f (seed %d, image fraction %.2f, cp %d)", efficiency, seed, image_fraction, cp)
+    logger.warning(
+        "packing efficiency %.4f (seed %d, image fraction %.2f, cp %d)", efficiency, seed, image_fraction, cp
+    )
     assert efficiency >= 0.95
 
 
@@ -102,8 +113,12 @@ def test_energon_packs_do_not_depend_on_the_layout_padding():
     samples = [mock_sample(MockDataSettings(seed=5, **ODD_SIZES), i) for i in range(60)]
     assert any(s.seq_len_q % 16 for s in samples)
     grouping = {
-        name: [[s.sample_index for s in pack] for pack in DiffusionTaskEncoder(
-            PackingSettings(seq_length=96, segment_multiple=seg, total_multiple=tot)).select_samples_to_pack(samples)]
+        name: [
+            [s.sample_index for s in pack]
+            for pack in DiffusionTaskEncoder(
+                PackingSettings(seq_length=96, segment_multiple=seg, total_multiple=tot)
+            ).select_samples_to_pack(samples)
+        ]
         for name, (seg, tot) in LAYOUT_PADDINGS.items()
     }
     assert grouping["tp1"] == grouping["tp2_sp"] == grouping["cp2"]

@@ -63,8 +63,11 @@ def test_no_partial_shards_are_left(example_dataset):
 
 def test_loader_yields_packs_with_the_right_captions(example_dataset):
     settings = EnergonDataSettings(
-        path=str(example_dataset.dataset_dir), packing=PackingSettings(seq_length=256, max_text_len=64),
-        packing_buffer_size=8, num_workers=0, shuffle_buffer_size=4,
+        path=str(example_dataset.dataset_dir),
+        packing=PackingSettings(seq_length=256, max_text_len=64),
+        packing_buffer_size=8,
+        num_workers=0,
+        shuffle_buffer_size=4,
     )
     loader = build_train_loader(settings, dp_rank=0, dp_size=1)
     seen = set()

@@ -21,8 +21,12 @@ RECIPES = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recip
 
 
 @settings(max_examples=200, deadline=None)
-@given(h=st.integers(16, 4000), w=st.integers(16, 4000), preset=st.sampled_from(sorted(RESOLUTION_PRESETS)),
-       multiple=st.sampled_from([8, 16, 32]))
+@given(
+    h=st.integers(16, 4000),
+    w=st.integers(16, 4000),
+    preset=st.sampled_from(sorted(RESOLUTION_PRESETS)),
+    multiple=st.sampled_from([8, 16, 32]),
+)
 def test_budget_bucket_keeps_multiples_budget_and_aspect(h, w, preset, multiple):
     budget = RESOLUTION_PRESETS[preset]
     bh, bw = budget_bucket(h, w, budget, multiple)
@@ -51,15 +55,25 @@ def test_caption_formats_and_fallback(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).touch()
     (tmp_path / "side.json").write_text(json.dumps({"caption": "from sidecar"}))
-    (tmp_path / "c.jsonl").write_text(json.dumps({"path": "sub/deep.png", "caption": "from jsonl"}) + "\n"
-                                      + json.dumps({"video": "lines.mp4", "caption": "video line"}) + "\n")
+    (tmp_path / "c.jsonl").write_text(
+        json.dumps({"path": "sub/deep.png", "caption": "from jsonl"})
+        + "\n"
+        + json.dumps({"video": "lines.mp4", "caption": "video line"})
+        + "\n"
+    )
     (tmp_path / "meta.json").write_text(json.dumps({"meta.webp": "from meta"}))
     lookup = CaptionLookup(tmp_path)
-    got = {n: (c.text, c.source) for n in ("a_b.png", "side.jpg", "lines.mp4", "meta.webp", "sub/deep.png")
-           for c in [lookup.caption(tmp_path / n)]}
+    got = {
+        n: (c.text, c.source)
+        for n in ("a_b.png", "side.jpg", "lines.mp4", "meta.webp", "sub/deep.png")
+        for c in [lookup.caption(tmp_path / n)]
+    }
     assert got == {
-        "a_b.png": ("a b", "filename"), "side.jpg": ("from sidecar", "sidecar"), "lines.mp4": ("video line", "jsonl"),
-        "meta.webp": ("from meta", "meta_json"), "sub/deep.png": ("from jsonl", "jsonl"),
+        "a_b.png": ("a b", "filename"),
+        "side.jpg": ("from sidecar", "sidecar"),
+        "lines.mp4": ("video line", "jsonl"),
+        "meta.webp": ("from meta", "meta_json"),
+        "sub/deep.png": ("from jsonl", "jsonl"),
     }
     only_meta = CaptionLookup(tmp_path, "meta_json")
     assert only_meta.caption(tmp_path / "side.jpg").source == "filename"
@@ -114,16 +128,33 @@ def load_script(name: str):
 def test_prepare_cli_arguments():
     script = load_script("prepare_energon_dataset")
     args = script.build_parser().parse_args(
-        ["--input_dir", "in", "--output_dir", "out", "--caption_format", "jsonl", "--resolution_preset", "512p",
-         "--t5_cache_dir", "t5c", "--vae_cache_dir", "vaec", "--num_frames", "33", "--tiny_random_encoders",
-         "--shard_maxcount", "50"]
+        [
+            "--input_dir",
+            "in",
+            "--output_dir",
+            "out",
+            "--caption_format",
+            "jsonl",
+            "--resolution_preset",
+            "512p",
+            "--t5_cache_dir",
+            "t5c",
+            "--vae_cache_dir",
+            "vaec",
+            "--num_frames",
+            "33",
+            "--tiny_random_encoders",
+            "--shard_maxcount",
+            "50",
+        ]
     )
     settings_ = script.settings_from_args(args)
     assert (settings_.caption_format, settings_.resolution_preset, settings_.num_frames) == ("jsonl", "512p", 33)
     assert settings_.tiny_random_encoders and settings_.shard_maxcount == 50 and settings_.t5_cache_dir == "t5c"
     with pytest.raises(SystemExit):
-        script.build_parser().parse_args(["--input_dir", "i", "--output_dir", "o", "--resolution_preset", "256p",
-                                          "--max_pixels", "10"])
+        script.build_parser().parse_args(
+            ["--input_dir", "i", "--output_dir", "o", "--resolution_preset", "256p", "--max_pixels", "10"]
+        )
 
 
 def test_butterfly_cli_arguments():
@@ -134,9 +165,27 @@ def test_butterfly_cli_arguments():
 
 def test_prepare_cli_runs_end_to_end(tmp_path, example_dataset):
     script = load_script("prepare_energon_dataset")
-    code = script.main(["--input_dir", str(example_dataset.raw_dir), "--output_dir", str(tmp_path / "out"),
-                        "--caption_format", "sidecar", "--height", "32", "--width", "48", "--num_frames", "5",
-                        "--tiny_random_encoders", "--vae_kind", "kl", "--max_text_len", "32"])
+    code = script.main(
+        [
+            "--input_dir",
+            str(example_dataset.raw_dir),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--caption_format",
+            "sidecar",
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--num_frames",
+            "5",
+            "--tiny_random_encoders",
+            "--vae_kind",
+            "kl",
+            "--max_text_len",
+            "32",
+        ]
+    )
     assert code == 0
     report = json.loads((tmp_path / "out" / "prepare_report.rank0.json").read_text())
     assert report["written"] == len(example_dataset.captions) and len(report["skipped"]) == 1

@@ -24,8 +24,12 @@ def pack_signature(batch) -> tuple:
 
 def energon_settings(path, num_workers: int) -> EnergonDataSettings:
     return EnergonDataSettings(
-        path=str(path), packing=PackingSettings(seq_length=160, segment_multiple=2, total_multiple=2),
-        packing_buffer_size=12, num_workers=num_workers, shuffle_buffer_size=8, max_samples_per_sequence=4,
+        path=str(path),
+        packing=PackingSettings(seq_length=160, segment_multiple=2, total_multiple=2),
+        packing_buffer_size=12,
+        num_workers=num_workers,
+        shuffle_buffer_size=8,
+        max_samples_per_sequence=4,
     )
 
 
@@ -55,8 +59,18 @@ def test_energon_state_is_checked_against_the_dp_layout(synthetic_dataset):
 @pytest.mark.parametrize("samples_per_pack", [None, 3])
 def test_mock_loader_resumes_exactly(samples_per_pack):
     mock = MockDataSettings(seed=3, text_embed_dim=8, in_channels=4)
-    make = lambda: MockPackedLoader(mock, dp_rank=1, dp_size=3, seq_length=1024, segment_multiple=4,
-                                    total_multiple=8, samples_per_pack=samples_per_pack)
+
+    def make():
+        return MockPackedLoader(
+            mock,
+            dp_rank=1,
+            dp_size=3,
+            seq_length=1024,
+            segment_multiple=4,
+            total_multiple=8,
+            samples_per_pack=samples_per_pack,
+        )
+
     reference = make()
     for _ in range(5):
         next(reference)

@@ -40,11 +40,16 @@ def test_exact_resume_on_energon_data(dataset, tmp_path, layout):
     nproc, overrides = LAYOUTS[layout]
     save = tmp_path / "ckpt"
     straight = train(
-        dataset.dataset_dir, tmp_path / "a",
-        [*overrides, "train.train_iters=10", f"checkpoint.save={save}", "checkpoint.save_interval=5"], nproc,
+        dataset.dataset_dir,
+        tmp_path / "a",
+        [*overrides, "train.train_iters=10", f"checkpoint.save={save}", "checkpoint.save_interval=5"],
+        nproc,
     )
     resumed = train(
-        dataset.dataset_dir, tmp_path / "b", [*overrides, "train.train_iters=10", f"checkpoint.load={save}/iter_0000005"], nproc
+        dataset.dataset_dir,
+        tmp_path / "b",
+        [*overrides, "train.train_iters=10", f"checkpoint.load={save}/iter_0000005"],
+        nproc,
     )
     assert sorted(resumed) == [6, 7, 8, 9, 10]
     assert all(resumed[i] == straight[i] for i in resumed), (straight, resumed)  # bitwise on CPU

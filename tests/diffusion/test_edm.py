@@ -108,7 +108,10 @@ def test_denoise_applies_the_preconditioning():
     sigma = torch.tensor([0.5, 3.0])
     out = pipe.denoise(net, x, sigma, sample_ids)
     c = pipe.preconditioning(sigma)
-    tok = lambda v: v[sample_ids][:, None]
+
+    def tok(v):
+        return v[sample_ids][:, None]
+
     torch.testing.assert_close(seen["x_in"], tok(c.c_in) * x)
     torch.testing.assert_close(seen["c_noise"], sigma.log() / 4)
     torch.testing.assert_close(out, tok(c.c_skip) * x + tok(c.c_out) * (2 * tok(c.c_in) * x + 1))
@@ -131,7 +134,10 @@ def test_loss_for_chains_the_pieces_deterministically_and_backpropagates():
     pipe = build_pipeline("edm")
     sample_ids, loss_mask, x0 = packed_example()
     layer = torch.nn.Linear(6, 6)
-    net = lambda x_in, c_noise: layer(x_in)
+
+    def net(x_in, c_noise):
+        return layer(x_in)
+
     loss_a = pipe.loss_for(net, x0, sample_ids, loss_mask, torch.Generator().manual_seed(3))
     loss_b = pipe.loss_for(net, x0, sample_ids, loss_mask, torch.Generator().manual_seed(3))
     torch.testing.assert_close(loss_a, loss_b)

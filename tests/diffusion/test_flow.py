@@ -44,7 +44,10 @@ def test_sigma_min_path_and_its_velocity():
     ids = torch.zeros(3, dtype=torch.long)
     g = torch.Generator().manual_seed(1)
     x0, noise = torch.randn(3, 2, generator=g, dtype=torch.float64), torch.randn(3, 2, generator=g, dtype=torch.float64)
-    at = lambda t: pipe.interpolate(x0, noise, torch.tensor([t], dtype=torch.float64), ids)
+
+    def at(t):
+        return pipe.interpolate(x0, noise, torch.tensor([t], dtype=torch.float64), ids)
+
     torch.testing.assert_close(at(0.0), x0 + 0.1 * noise)
     h = 1e-4
     finite_difference = (at(0.4 + h) - at(0.4 - h)) / (2 * h)
@@ -59,7 +62,10 @@ def test_denoise_recovers_data_from_the_true_velocity(sigma_min):
     x0, noise = torch.randn(3, 2, generator=g), torch.randn(3, 2, generator=g)
     t = torch.tensor([0.3, 0.8])
     x_t = pipe.interpolate(x0, noise, t, ids)
-    true_velocity = lambda x, c_noise: pipe.target_velocity(x0, noise)
+
+    def true_velocity(x, c_noise):
+        return pipe.target_velocity(x0, noise)
+
     torch.testing.assert_close(pipe.denoise(true_velocity, x_t, t, ids), x0)
 
 
@@ -93,7 +99,10 @@ def test_shifted_uniform_timesteps_follow_the_mapped_distribution():
     """t' = s t / (1 + (s - 1) t) is increasing, so P(t' <= y) = P(t <= y / (s - (s - 1) y))."""
     shift = 3.0
     t = draw(FlowSettings(timestep_sampling="uniform", shift=shift))
-    cdf = lambda y: np.clip(y / (shift - (shift - 1) * y), 0, 1)
+
+    def cdf(y):
+        return np.clip(y / (shift - (shift - 1) * y), 0, 1)
+
     assert stats.kstest(t, cdf).pvalue > P_MIN
     assert np.median(t) == pytest.approx(0.75, abs=0.02)  # the median 0.5 maps to 1.5 / 2
 
@@ -183,6 +192,9 @@ def test_bf16_activations_keep_fp32_noise_levels_loss_and_sampling(name):
     assert x_in.dtype == torch.bfloat16 and c_noise.dtype == torch.float32
     loss = pipe.training_loss(torch.zeros_like(x0), x0, noise, level, ids, mask)
     assert loss.dtype == torch.float32 and loss.shape == (2,)
-    net = lambda x_in, c_noise: torch.zeros_like(x_in, dtype=torch.bfloat16)
+
+    def net(x_in, c_noise):
+        return torch.zeros_like(x_in, dtype=torch.bfloat16)
+
     samples = pipe.sample(net, noise.bfloat16(), ids, 4)
     assert samples.dtype == torch.float32 and torch.isfinite(samples).all()

@@ -11,7 +11,6 @@ import torch
 
 from dfm.diffusion import build_pipeline
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/diffusion/conftest.py
 
 

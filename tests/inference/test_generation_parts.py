@@ -15,8 +15,10 @@ from dfm.inference.sampling import expected_model_calls
 from dfm.models.common.patchify import unpatchify
 
 WAN_LIKE = SimpleNamespace(
-    spatial_compression=8, temporal_compression=4,
-    latent_frames=lambda n: 1 + (n - 1) // 4, valid_num_frames=lambda n: n >= 1 and (n - 1) % 4 == 0,
+    spatial_compression=8,
+    temporal_compression=4,
+    latent_frames=lambda n: 1 + (n - 1) // 4,
+    valid_num_frames=lambda n: n >= 1 and (n - 1) % 4 == 0,
 )
 
 
@@ -58,7 +60,9 @@ def test_progress_total_counts_every_model_call(name, sampler, guided):
 
     sample_ids = torch.zeros(6, dtype=torch.long)
     cond, uncond = {"batch": "text"}, ({"batch": "null"} if guided else None)
-    build_pipeline(name).sample(net, (6, 4), sample_ids, 4, cond=cond, uncond=uncond, guidance_scale=2.0, sampler=sampler)
+    build_pipeline(name).sample(
+        net, (6, 4), sample_ids, 4, cond=cond, uncond=uncond, guidance_scale=2.0, sampler=sampler
+    )
     assert len(calls) == expected_model_calls(name, sampler, 4, guided)
 
 

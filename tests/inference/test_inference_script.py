@@ -24,8 +24,14 @@ def checkpoint_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("train")
     result = run_in_recipe_dir(
         "pretrain_dit_model.py",
-        ["--config-file", "conf/dit_tiny.yaml", "--mock", "train.train_iters=2",
-         f"checkpoint.save={root / 'ckpt'}", f"logger.log_dir={root / 'logs'}"],
+        [
+            "--config-file",
+            "conf/dit_tiny.yaml",
+            "--mock",
+            "train.train_iters=2",
+            f"checkpoint.save={root / 'ckpt'}",
+            f"logger.log_dir={root / 'logs'}",
+        ],
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert (root / "ckpt" / "latest").is_file()
@@ -35,8 +41,20 @@ def checkpoint_root(tmp_path_factory) -> Path:
 def generate(checkpoint: Path, out: Path, extra: list[str]) -> subprocess.CompletedProcess:
     result = run_in_recipe_dir(
         "inference_dit_model.py",
-        ["--checkpoint_path", str(checkpoint), "--tiny_random_encoders", "--prompt", "a tiny test",
-         "--num_steps", "3", "--guidance_scale", "3.0", "--video_save_path", str(out), *extra],
+        [
+            "--checkpoint_path",
+            str(checkpoint),
+            "--tiny_random_encoders",
+            "--prompt",
+            "a tiny test",
+            "--num_steps",
+            "3",
+            "--guidance_scale",
+            "3.0",
+            "--video_save_path",
+            str(out),
+            *extra,
+        ],
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return result

@@ -36,8 +36,10 @@ def test_classifier_recognises_real_digits():
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_dit_cross_learns_digits(runs, pipeline):
     scores = runs[pipeline].scores[-1]
-    print(f"{pipeline}: conditional accuracy: {scores['conditional_accuracy']:.2f}, "
-          f"unconditional accuracy: {scores['unconditional_accuracy']:.2f}")
+    print(
+        f"{pipeline}: conditional accuracy: {scores['conditional_accuracy']:.2f}, "
+        f"unconditional accuracy: {scores['unconditional_accuracy']:.2f}"
+    )
     assert scores["iteration"] == build_config(None, str(CI_CONFIG)).train.train_iters
     assert scores["conditional_accuracy"] >= CONDITIONAL_THRESHOLD > 5 * CHANCE
     assert scores["unconditional_accuracy"] <= UNCONDITIONAL_CEILING

@@ -30,8 +30,13 @@ def cumulative(lengths):
 
 
 def segments(q_lens, q_padded, kv_lens, kv_padded) -> PackedSegments:
-    return PackedSegments(qkv_format="sbhd", cu_seqlens_q=cumulative(q_lens), cu_seqlens_q_padded=cumulative(q_padded),
-                          cu_seqlens_kv=cumulative(kv_lens), cu_seqlens_kv_padded=cumulative(kv_padded))
+    return PackedSegments(
+        qkv_format="sbhd",
+        cu_seqlens_q=cumulative(q_lens),
+        cu_seqlens_q_padded=cumulative(q_padded),
+        cu_seqlens_kv=cumulative(kv_lens),
+        cu_seqlens_kv_padded=cumulative(kv_padded),
+    )
 
 
 def kernel_of(backend):
@@ -90,8 +95,19 @@ def self_and_cross_cases() -> dict:
         q, k, v, grad_out = random_inputs(sum(q_padded), sum(kv_padded))
         strategy = local_query_attention(params, split, self_attention=is_self)
         for backend in ("sdpa", "flex"):  # FlexAttention has no CPU backward: forward only
-            results |= compare(f"{name}/{backend}", kernel_of(backend), params, strategy, split, q, k, v, grad_out,
-                               kv_split=is_self, backward=backend == "sdpa")
+            results |= compare(
+                f"{name}/{backend}",
+                kernel_of(backend),
+                params,
+                strategy,
+                split,
+                q,
+                k,
+                v,
+                grad_out,
+                kv_split=is_self,
+                backward=backend == "sdpa",
+            )
     return results
 
 
@@ -104,8 +120,18 @@ def factorized_cases() -> dict:
     split = sequence_split(offsets)
     q, k, v, grad_out = random_inputs(sum(padded), sum(padded), seed=1)
     for name, params in (("spatial", layout.spatial), ("temporal", layout.temporal)):
-        results |= compare(f"ulysses_{name}", kernel_of("sdpa"), params, UlyssesAttention(split, params), split,
-                           q, k, v, grad_out, kv_split=True)
+        results |= compare(
+            f"ulysses_{name}",
+            kernel_of("sdpa"),
+            params,
+            UlyssesAttention(split, params),
+            split,
+            q,
+            k,
+            v,
+            grad_out,
+            kv_split=True,
+        )
     return results
 
 

@@ -23,8 +23,17 @@ ARCHITECTURES = {
 
 
 def tiny_config(name: str, **overrides) -> ModelConfig:
-    fields = dict(num_layers=2, hidden_size=48, num_attention_heads=4, in_channels=IN_CHANNELS, text_embed_dim=TEXT_DIM,
-                  max_text_len=16, max_latent_thw=[8, 16, 16], patch_spatial=2, patch_temporal=1)
+    fields = dict(
+        num_layers=2,
+        hidden_size=48,
+        num_attention_heads=4,
+        in_channels=IN_CHANNELS,
+        text_embed_dim=TEXT_DIM,
+        max_text_len=16,
+        max_latent_thw=[8, 16, 16],
+        patch_spatial=2,
+        patch_temporal=1,
+    )
     return ModelConfig(**{**fields, **ARCHITECTURES[name], **overrides})
 
 
@@ -32,8 +41,14 @@ def make_sample(index: int, latent_thw: tuple[int, int, int], text_len: int, cfg
     gen = torch.Generator().manual_seed(100 + index)
     latent = torch.randn((cfg.in_channels, *latent_thw), generator=gen)
     tokens, pos_ids = patchify(latent, cfg.patch_temporal, cfg.patch_spatial)
-    return DiffusionSample(tokens=tokens, pos_ids=pos_ids, text=torch.randn((text_len, cfg.text_embed_dim), generator=gen),
-                           latent_shape=tuple(latent.shape), sample_index=index, metadata={})
+    return DiffusionSample(
+        tokens=tokens,
+        pos_ids=pos_ids,
+        text=torch.randn((text_len, cfg.text_embed_dim), generator=gen),
+        latent_shape=tuple(latent.shape),
+        sample_index=index,
+        metadata={},
+    )
 
 
 # Different (T, H, W) per sample (an image among videos) and different text lengths.
@@ -63,5 +78,13 @@ def conditioning(num_samples: int, seed: int = 1) -> tuple[torch.Tensor, torch.T
     return torch.rand(num_samples, generator=gen), torch.randint(0, 10, (num_samples,), generator=gen)
 
 
-__all__ = ["ARCHITECTURES", "SAMPLE_SHAPES", "build_random_model", "conditioning", "make_samples", "pack_samples",
-           "randomize_", "tiny_config"]
+__all__ = [
+    "ARCHITECTURES",
+    "SAMPLE_SHAPES",
+    "build_random_model",
+    "conditioning",
+    "make_samples",
+    "pack_samples",
+    "randomize_",
+    "tiny_config",
+]

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dfm.models.build import build_model_chunk
-from dfm.models.dit.dit_model import packed_seq_params
 from dfm.models.common.embeddings import rope_3d_freqs
+from dfm.models.dit.dit_model import packed_seq_params
 from tests.models._helpers import ARCHITECTURES, conditioning, make_samples, pack_samples, tiny_config
 
 
@@ -21,7 +21,9 @@ def test_fresh_blocks_are_identity_and_final_layer_is_zero(dist, name):
     rope = rope_3d_freqs(pack.pos_ids, cfg.hidden_size // cfg.num_attention_heads)
     hidden = torch.randn(pack.seq_len, 1, cfg.hidden_size)
     for layer in model.layers:
-        out = layer(hidden, cond, pack.token_sample_ids(), context, rope, model.self_attention_params(pack), cross_params)
+        out = layer(
+            hidden, cond, pack.token_sample_ids(), context, rope, model.self_attention_params(pack), cross_params
+        )
         assert torch.equal(out, hidden)
 
     final = model.final_layer

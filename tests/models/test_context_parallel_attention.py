@@ -22,8 +22,21 @@ TOLERANCE = 1e-10
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("cp_attention")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER), str(out)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(WORKER),
+        str(out),
+    ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
@@ -31,7 +44,8 @@ def cp_results(tmp_path_factory) -> list[dict]:
 
 EXPECTED = [
     *(f"{kind}/sdpa/{what}" for kind in ("self", "cross") for what in ("out", "dq", "dk", "dv")),
-    "self/flex/out", "cross/flex/out",
+    "self/flex/out",
+    "cross/flex/out",
     *(f"ulysses_{kind}/{what}" for kind in ("spatial", "temporal") for what in ("out", "dq", "dk", "dv")),
 ]
 

@@ -7,7 +7,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from dfm.models.dit.flops import dit_training_flops
-from tests.models._helpers import ARCHITECTURES, build_random_model, conditioning, make_samples, pack_samples, tiny_config
+from tests.models._helpers import (
+    ARCHITECTURES,
+    build_random_model,
+    conditioning,
+    make_samples,
+    pack_samples,
+    tiny_config,
+)
 
 
 def counted_training_flops(model, pack, c_noise, labels) -> int:

@@ -21,8 +21,24 @@ from dfm.diffusion.pipeline import build_pipeline
 from dfm.training.forward_step import DiffusionForwardStep
 from tests.models._helpers import build_random_model, make_samples, pack_samples, tiny_config
 
-READS_BACK = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy", "nonzero",
-              "argwhere", "masked_select", "unique", "unique_consecutive", "bincount", "equal", "allclose"}
+READS_BACK = {
+    "tolist",
+    "item",
+    "__int__",
+    "__float__",
+    "__bool__",
+    "__index__",
+    "cpu",
+    "numpy",
+    "nonzero",
+    "argwhere",
+    "masked_select",
+    "unique",
+    "unique_consecutive",
+    "bincount",
+    "equal",
+    "allclose",
+}
 
 
 def _reads_back(func, args, kwargs) -> bool:
@@ -30,7 +46,10 @@ def _reads_back(func, args, kwargs) -> bool:
     if name in READS_BACK:
         return True
     if name == "repeat_interleave":  # its output size is the repeats' sum, unless given
-        return isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor) and kwargs.get("output_size") is None
+        return (
+            isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor)
+            and kwargs.get("output_size") is None
+        )
     if name in ("__getitem__", "__setitem__", "index_put", "index_put_"):  # a boolean mask is a nonzero
         index = args[1] if len(args) > 1 else None
         indices = index if isinstance(index, (tuple, list)) else (index,)
@@ -82,7 +101,12 @@ def test_the_detector_sees_reads_back(dist):
     ids = torch.tensor([0, 0, 1]).as_subclass(DeviceTensor)
     ids.tolist(), int(ids.max()), ids[ids > 0], torch.repeat_interleave(ids, ids)
     torch.repeat_interleave(ids, ids, output_size=1)
-    assert [read.split(" ")[0] for read in DeviceTensor.reads] == ["tolist", "__int__", "__getitem__", "repeat_interleave"]
+    assert [read.split(" ")[0] for read in DeviceTensor.reads] == [
+        "tolist",
+        "__int__",
+        "__getitem__",
+        "repeat_interleave",
+    ]
 
 
 @pytest.mark.gpu

@@ -17,13 +17,17 @@ def cumulative(lengths):
 
 def segments(q_lens, q_padded, kv_lens, kv_padded) -> PackedSeqParams:
     return PackedSeqParams(
-        qkv_format="sbhd", cu_seqlens_q=cumulative(q_lens), cu_seqlens_q_padded=cumulative(q_padded),
-        cu_seqlens_kv=cumulative(kv_lens), cu_seqlens_kv_padded=cumulative(kv_padded),
+        qkv_format="sbhd",
+        cu_seqlens_q=cumulative(q_lens),
+        cu_seqlens_q_padded=cumulative(q_padded),
+        cu_seqlens_kv=cumulative(kv_lens),
+        cu_seqlens_kv_padded=cumulative(kv_padded),
     )
 
 
 def dense_reference(query, key, value, params, scale):
     """One softmax over the whole pack with a block-diagonal mask of real tokens."""
+
     def doc_ids(side, total):
         ids = torch.full((total,), -1)
         starts = getattr(params, f"cu_seqlens_{side}_padded")[:-1].tolist()

@@ -12,7 +12,14 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from dfm.models.common.packed_attention import BACKENDS
 from dfm.platform.device import compute_device
-from tests.models._helpers import ARCHITECTURES, build_random_model, conditioning, make_samples, pack_samples, tiny_config
+from tests.models._helpers import (
+    ARCHITECTURES,
+    build_random_model,
+    conditioning,
+    make_samples,
+    pack_samples,
+    tiny_config,
+)
 
 TOLERANCE = 1e-9  # max |packed - single| relative to max |single|, per tensor
 
@@ -100,8 +107,11 @@ def test_moe_load_balancing_loss_leaves_padding_out(dist, monkeypatch):
     from dfm.models.dit.dit_layer import DiTLayer
 
     feed_forward = DiTLayer.feed_forward
-    monkeypatch.setattr(DiTLayer, "feed_forward", lambda self, h, shift, scale, gate, padding_mask=None:
-                        feed_forward(self, h, shift, scale, gate))
+    monkeypatch.setattr(
+        DiTLayer,
+        "feed_forward",
+        lambda self, h, shift, scale, gate, padding_mask=None: feed_forward(self, h, shift, scale, gate),
+    )
     unmasked = moe_grads_with_padding(16)
     router = [name for name in tight if "router" in name]
     assert router and any(not torch.allclose(unmasked[name], tight[name], rtol=1e-6) for name in router)

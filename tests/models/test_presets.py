@@ -19,8 +19,10 @@ def test_dit_xl2_has_the_published_parameter_count():
 
 
 def test_presets_are_recipes_with_their_published_shapes():
-    shapes = {name: (PRESETS[name]["num_layers"], PRESETS[name]["hidden_size"], PRESETS[name]["num_attention_heads"])
-              for name in PRESETS}
+    shapes = {
+        name: (PRESETS[name]["num_layers"], PRESETS[name]["hidden_size"], PRESETS[name]["num_attention_heads"])
+        for name in PRESETS
+    }
     assert shapes["DiT-XL/2"] == (28, 1152, 16) and shapes["DiT-S/2"] == (12, 384, 6)
     assert shapes["DiT-7B"] == (32, 4096, 32) and shapes["DiT-28B"] == (48, 6144, 48)
     assert shapes["MovieGen-30B"] == (48, 6144, 48) and PRESETS["MovieGen-30B"]["ffn_hidden_size"] == 16384

@@ -33,7 +33,11 @@ WEIGHT_ATOL = 1e-6
 DP_DATA = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=2"]  # same samples for DP=1 and DP=2
 # Gradient accumulation: 2 micro-batches per DP rank and step (4 on the single process).
 ACCUMULATE = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=4"]
-TP2, PP2, SP = "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2", "model.sequence_parallel=true"
+TP2, PP2, SP = (
+    "model.tensor_model_parallel_size=2",
+    "model.pipeline_model_parallel_size=2",
+    "model.sequence_parallel=true",
+)
 DIST_OPT = "ddp.use_distributed_optimizer=true"
 # Virtual pipeline: 4 layers in 2 chunks per stage (megatron's interleaved 1F1B schedule), with the
 # 4 accumulated micro-batches so both stages also run its steady state, not only warm-up/cool-down.
@@ -62,6 +66,8 @@ CASES = [
     ("moviegen_tiny", [TP2, SP, "model.context_parallel_size=2"], []),
     ("dit_tiny", VPP, ["model.num_layers=4", *ACCUMULATE]),
 ]
+
+
 @dataclass
 class Run:
     metrics: list[dict]
@@ -103,7 +109,11 @@ def assert_same_metrics(expected: list[dict], actual: list[dict]) -> None:
     assert [r["iteration"] for r in actual] == [1, 2, 3]
     for ref, got in zip(expected, actual):
         assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (ref["iteration"], ref["loss"], got["loss"])
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3), (ref["iteration"], ref["grad_norm"], got["grad_norm"])
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3), (
+            ref["iteration"],
+            ref["grad_norm"],
+            got["grad_norm"],
+        )
 
 
 def assert_same_weights(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:

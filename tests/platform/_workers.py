@@ -103,8 +103,7 @@ def forward_step(data_iterator, model):
 
 
 def wrap_ddp_and_optimizer(model, use_distributed_optimizer=False, lr=1e-2):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp_config = DistributedDataParallelConfig(
@@ -306,9 +305,7 @@ def _run_moe(results, ep, key, reference_state=None):
 def _expert_renamer(offset):
 
     def rename(key):
-        return re.sub(
-            r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m.group(1)) + offset}.", key
-        )
+        return re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m.group(1)) + offset}.", key)
 
     return rename
 

@@ -65,10 +65,7 @@ def _launch(launch, out_dir, world_size):
         if proc.returncode != 0:
             tail = (out_dir / f"{launch}_rank{rank}.log").read_text()[-4000:]
             pytest.fail(f"{launch} rank {rank} exited with {proc.returncode}:\n{tail}")
-    return [
-        torch.load(out_dir / f"{launch}_rank{rank}.pt", weights_only=False)
-        for rank in range(world_size)
-    ]
+    return [torch.load(out_dir / f"{launch}_rank{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
 def _scenario(results, key, scenario):

@@ -146,8 +146,15 @@ def slurm_cluster():
 
     starts = [
         ["mungekey", "--create", f"--keyfile={root}/munge.key"],
-        ["munged", "--force", f"--socket={root}/munge.socket", f"--key-file={root}/munge.key",
-         f"--log-file={root}/log/munged.log", f"--pid-file={root}/munged.pid", f"--seed-file={root}/munged.seed"],
+        [
+            "munged",
+            "--force",
+            f"--socket={root}/munge.socket",
+            f"--key-file={root}/munge.key",
+            f"--log-file={root}/log/munged.log",
+            f"--pid-file={root}/munged.pid",
+            f"--seed-file={root}/munged.seed",
+        ],
         ["slurmctld", "-i"],
         ["slurmd", "-N", host],
     ]

@@ -15,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "scripts" / "slurm" / "pretrain.sbatch"
 
-FAKE_TRAINER = '''
+FAKE_TRAINER = """
 import json, os, signal, sys, time
 received = []
 signal.signal(signal.SIGUSR1, lambda *_: received.append(1))
@@ -37,7 +37,7 @@ event("saved" if received else "timed out")
 if rank == 0:
     os.makedirs(ckpt, exist_ok=True)
     open(os.path.join(ckpt, "latest"), "w").write("1")
-'''
+"""
 
 
 def wait_for(condition, timeout: float, what: str, interval: float = 0.2):
@@ -59,8 +59,15 @@ def test_tiny_dit_trains_through_sbatch(slurm_cluster, tmp_path):
     cwd = submit_dir(tmp_path)
     env = {**slurm_cluster.env, "DFM_DIR": str(REPO), "NPROC_PER_NODE": "2"}
     result = slurm_cluster.run(
-        "sbatch", "--wait", "--parsable", str(SBATCH), "--mock", "train.train_iters=3",
-        cwd=cwd, env=env, timeout=300,
+        "sbatch",
+        "--wait",
+        "--parsable",
+        str(SBATCH),
+        "--mock",
+        "train.train_iters=3",
+        cwd=cwd,
+        env=env,
+        timeout=300,
     )
     job_id = result.stdout.strip().split(";")[0]
     out_file = cwd / "logs" / f"dfm-pretrain-{job_id}.out"
@@ -89,9 +96,15 @@ def test_preempted_training_requeues_and_resumes(slurm_cluster, tmp_path):
 
     wait_for(lambda: len(iterations()) >= 3, 120, "3 logged iterations")
     assert slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id).returncode == 0
-    state = wait_for(lambda: slurm_cluster.job_field(job_id, "Restarts") == "1"
-                     and (s := slurm_cluster.job_field(job_id, "JobState")) in ("COMPLETED", "FAILED", "CANCELLED")
-                     and s, 150, "the requeued job to finish")
+    state = wait_for(
+        lambda: (
+            slurm_cluster.job_field(job_id, "Restarts") == "1"
+            and (s := slurm_cluster.job_field(job_id, "JobState")) in ("COMPLETED", "FAILED", "CANCELLED")
+            and s
+        ),
+        150,
+        "the requeued job to finish",
+    )
     output = out_file.read_text()
     assert state == "COMPLETED", output[-4000:]
     assert "preemption signal received" in output and "requeueing job" in output
@@ -105,11 +118,16 @@ def test_usr1_reaches_every_srun_task_and_requeues(slurm_cluster, tmp_path):
     events_dir = cwd / "events"
     events_dir.mkdir()
     env = {
-        **slurm_cluster.env, "DFM_DIR": str(REPO), "NPROC_PER_NODE": "2", "LAUNCHER": "srun",
-        "ENTRY": str(cwd / "fake_trainer.py"), "FAKE_EVENTS": str(events_dir),
+        **slurm_cluster.env,
+        "DFM_DIR": str(REPO),
+        "NPROC_PER_NODE": "2",
+        "LAUNCHER": "srun",
+        "ENTRY": str(cwd / "fake_trainer.py"),
+        "FAKE_EVENTS": str(events_dir),
     }
-    result = slurm_cluster.run("sbatch", "--parsable", "--job-name=preempt", str(SBATCH), "model.num_layers=1",
-                               cwd=cwd, env=env)
+    result = slurm_cluster.run(
+        "sbatch", "--parsable", "--job-name=preempt", str(SBATCH), "model.num_layers=1", cwd=cwd, env=env
+    )
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.strip().split(";")[0]
     out_file = cwd / "logs" / f"preempt-{job_id}.out"
@@ -123,8 +141,11 @@ def test_usr1_reaches_every_srun_task_and_requeues(slurm_cluster, tmp_path):
 
     # A requeued job may start again after AuthInfo's cred_expire + 1 s (120 s by default; 5 s in conftest).
     wait_for(lambda: slurm_cluster.job_field(job_id, "Restarts") == "1", 60, "the job to requeue")
-    state = wait_for(lambda: (s := slurm_cluster.job_field(job_id, "JobState")) in ("COMPLETED", "FAILED", "CANCELLED")
-                     and s, 120, "the requeued job to finish")
+    state = wait_for(
+        lambda: (s := slurm_cluster.job_field(job_id, "JobState")) in ("COMPLETED", "FAILED", "CANCELLED") and s,
+        120,
+        "the requeued job to finish",
+    )
     output = out_file.read_text()
     job = slurm_cluster.run("scontrol", "show", "job", job_id).stdout
     assert state == "COMPLETED", f"{output[-3000:]}\n{job}\n{slurm_cluster.logs()}"

@@ -43,8 +43,13 @@ def run_entry(
     process group is killed afterwards for the same reason."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(
-            entry_command(nproc, overrides, entry, config, mock), stdout=out, stderr=err, text=True,
-            env=entry_env(env), cwd=RECIPE_DIR, start_new_session=True,
+            entry_command(nproc, overrides, entry, config, mock),
+            stdout=out,
+            stderr=err,
+            text=True,
+            env=entry_env(env),
+            cwd=RECIPE_DIR,
+            start_new_session=True,
         )
         try:
             proc.wait(timeout=timeout)

@@ -32,9 +32,16 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
 def straight_and_resumed(tmp: Path, nproc: int, layout: list[str]) -> tuple[dict, dict]:
     """10 iterations straight (saving at 5), then 5 more resumed from the iteration-5 checkpoint."""
     save = tmp / "ckpt"
-    result, straight = train(tmp, "straight", nproc, [*layout, "train.train_iters=10", f"checkpoint.save={save}", "checkpoint.save_interval=5"])
+    result, straight = train(
+        tmp,
+        "straight",
+        nproc,
+        [*layout, "train.train_iters=10", f"checkpoint.save={save}", "checkpoint.save_interval=5"],
+    )
     assert_ok(result)
-    result, resumed = train(tmp, "resumed", nproc, [*layout, "train.train_iters=10", f"checkpoint.load={save}/iter_0000005"])
+    result, resumed = train(
+        tmp, "resumed", nproc, [*layout, "train.train_iters=10", f"checkpoint.load={save}/iter_0000005"]
+    )
     assert_ok(result)
     return losses(straight), losses(resumed)
 
@@ -59,7 +66,9 @@ def test_exact_resume_tp2_pp2(tmp_path):
 def test_kill_during_save_keeps_previous_latest(tmp_path, dp2_runs):
     save = tmp_path / "ckpt"
     overrides = [*DP2, "train.train_iters=6", f"checkpoint.save={save}", "checkpoint.save_interval=2"]
-    result, _ = train(tmp_path, "crash", 2, overrides, entry=FAULT_ENTRY, env={"DFM_TEST_FAULT": "kill_during_save:1:4"})
+    result, _ = train(
+        tmp_path, "crash", 2, overrides, entry=FAULT_ENTRY, env={"DFM_TEST_FAULT": "kill_during_save:1:4"}
+    )
     assert result.returncode != 0
     assert (save / "latest").read_text().strip() == "2"
     result, resumed = train(tmp_path, "resumed", 2, [*DP2, "train.train_iters=4", f"checkpoint.load={save}"])
@@ -70,9 +79,24 @@ def test_kill_during_save_keeps_previous_latest(tmp_path, dp2_runs):
 
 def test_tp2_checkpoint_loads_into_tp1_pp2(tmp_path):
     save = tmp_path / "ckpt"
-    result, tp2 = train(tmp_path, "tp2", 2, ["model.tensor_model_parallel_size=2", "train.train_iters=3", f"checkpoint.save={save}", "checkpoint.save_interval=2"])
+    result, tp2 = train(
+        tmp_path,
+        "tp2",
+        2,
+        [
+            "model.tensor_model_parallel_size=2",
+            "train.train_iters=3",
+            f"checkpoint.save={save}",
+            "checkpoint.save_interval=2",
+        ],
+    )
     assert_ok(result)
-    result, pp2 = train(tmp_path, "pp2", 2, ["model.pipeline_model_parallel_size=2", "train.train_iters=3", f"checkpoint.load={save}/iter_0000002"])
+    result, pp2 = train(
+        tmp_path,
+        "pp2",
+        2,
+        ["model.pipeline_model_parallel_size=2", "train.train_iters=3", f"checkpoint.load={save}/iter_0000002"],
+    )
     assert_ok(result)
     assert losses(pp2)[3] == pytest.approx(losses(tp2)[3], rel=1e-5)
 
@@ -89,7 +113,9 @@ def test_nonfinite_loss_skips_the_update(tmp_path):
 
 def test_consecutive_nonfinite_steps_stop_the_run(tmp_path):
     env = {"DFM_TEST_FAULT": "nonfinite_loss:2,3"}
-    result, _ = train(tmp_path, "nan", 1, ["train.train_iters=5", "train.max_consecutive_nonfinite=2"], entry=FAULT_ENTRY, env=env)
+    result, _ = train(
+        tmp_path, "nan", 1, ["train.train_iters=5", "train.max_consecutive_nonfinite=2"], entry=FAULT_ENTRY, env=env
+    )
     assert result.returncode != 0
     assert "2 consecutive iterations with a non-finite loss" in result.stderr
 
@@ -97,7 +123,9 @@ def test_consecutive_nonfinite_steps_stop_the_run(tmp_path):
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
     save, log_dir = tmp_path / "ckpt", tmp_path / "logs"
     cmd = entry_command(1, ["train.train_iters=100000", f"checkpoint.save={save}", f"logger.log_dir={log_dir}"])
-    proc = subprocess.Popen(cmd, cwd=RECIPE_DIR, env=entry_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=RECIPE_DIR, env=entry_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 300
     while not (log_dir / "metrics.jsonl").exists() or len(read_metrics(log_dir)) < 3:
         assert proc.poll() is None and time.time() < deadline, "training did not start"

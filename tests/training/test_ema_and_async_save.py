@@ -69,10 +69,18 @@ def test_async_save_resume_is_exact_with_ema(tmp_path):
     assert (save / "iter_0000003" / "metadata.json").exists()
 
     resumed_save = tmp_path / "resumed_ckpt"
-    resumed = train(tmp_path, "resumed", 2, [
-        *DP2, "train.train_iters=6", f"checkpoint.load={save}/iter_0000003",
-        "checkpoint.async_save=true", f"checkpoint.save={resumed_save}",
-    ])
+    resumed = train(
+        tmp_path,
+        "resumed",
+        2,
+        [
+            *DP2,
+            "train.train_iters=6",
+            f"checkpoint.load={save}/iter_0000003",
+            "checkpoint.async_save=true",
+            f"checkpoint.save={resumed_save}",
+        ],
+    )
     straight_losses = losses(straight)
     assert losses(resumed) == {i: straight_losses[i] for i in (4, 5, 6)}  # bitwise on CPU
     expected, got = ema_weights(save / "iter_0000006"), ema_weights(resumed_save / "iter_0000006")

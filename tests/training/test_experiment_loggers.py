@@ -59,8 +59,13 @@ def test_tensorboard_and_wandb_offline_match_metrics(tmp_path):
     log_dir, tb_dir = tmp_path / "logs", tmp_path / "tb"
     result = run_entry(
         1,
-        ["train.train_iters=3", f"logger.log_dir={log_dir}", f"logger.tensorboard_dir={tb_dir}",
-         "logger.wandb_project=dfm-test", "logger.wandb_exp_name=offline"],
+        [
+            "train.train_iters=3",
+            f"logger.log_dir={log_dir}",
+            f"logger.tensorboard_dir={tb_dir}",
+            "logger.wandb_project=dfm-test",
+            "logger.wandb_exp_name=offline",
+        ],
         env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
     )
     assert result.returncode == 0, result.stderr[-4000:]

@@ -8,7 +8,9 @@ from entry import read_metrics, run_entry
 
 def losses(tmp_path, precision: str) -> list[float]:
     log_dir = tmp_path / precision
-    result = run_entry(1, ["train.train_iters=6", f"mixed_precision.precision={precision}", f"logger.log_dir={log_dir}"])
+    result = run_entry(
+        1, ["train.train_iters=6", f"mixed_precision.precision={precision}", f"logger.log_dir={log_dir}"]
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return [r["loss"] for r in read_metrics(log_dir)]
 

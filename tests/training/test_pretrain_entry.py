@@ -22,7 +22,10 @@ def tp_runs(tmp_path_factory):
     logs = {}
     for tp in (1, 2):
         log_dir = tmp_path_factory.mktemp(f"tp{tp}")
-        result = run_entry(2 if tp == 2 else 1, [f"model.tensor_model_parallel_size={tp}", "train.train_iters=20", f"logger.log_dir={log_dir}"])
+        result = run_entry(
+            2 if tp == 2 else 1,
+            [f"model.tensor_model_parallel_size={tp}", "train.train_iters=20", f"logger.log_dir={log_dir}"],
+        )
         assert result.returncode == 0, result.stderr[-4000:]
         logs[tp] = read_metrics(log_dir)
     return logs
@@ -43,12 +46,22 @@ def test_tp2_losses_match_tp1(tp_runs):
     for a, b in zip(tp_runs[1], tp_runs[2]):
         rel = 1e-5 if a["iteration"] <= 3 else 3e-3
         assert a["loss"] == pytest.approx(b["loss"], rel=rel), (a["iteration"], a["loss"], b["loss"])
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=10 * rel), (a["iteration"], a["grad_norm"], b["grad_norm"])
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=10 * rel), (
+            a["iteration"],
+            a["grad_norm"],
+            b["grad_norm"],
+        )
 
 
 def test_validation_loss_and_one_generated_sample_per_dp_rank(tmp_path):
     save, log_dir = tmp_path / "ckpt", tmp_path / "logs"
-    overrides = ["train.train_iters=2", "train.eval_interval=2", "train.eval_sampling_steps=3", f"checkpoint.save={save}", f"logger.log_dir={log_dir}"]
+    overrides = [
+        "train.train_iters=2",
+        "train.eval_interval=2",
+        "train.eval_sampling_steps=3",
+        f"checkpoint.save={save}",
+        f"logger.log_dir={log_dir}",
+    ]
     result = run_entry(2, overrides)
     assert result.returncode == 0, result.stderr[-4000:]
     records = [json.loads(line) for line in (log_dir / "validation.jsonl").read_text().splitlines()]

@@ -35,8 +35,12 @@ def write_identity_vae(folder: str | Path, latent_channels: int, shift_factor: f
     """Save an identity VAE with a normalisation as a folder that ``--vae FOLDER --vae_subfolder ''`` loads."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"_class_name": CLASS_NAME, "latent_channels": latent_channels, "shift_factor": shift_factor,
-              "scaling_factor": scaling_factor}
+    config = {
+        "_class_name": CLASS_NAME,
+        "latent_channels": latent_channels,
+        "shift_factor": shift_factor,
+        "scaling_factor": scaling_factor,
+    }
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     return folder
 
@@ -48,14 +52,16 @@ class IdentityVAE:
     spatial_compression = 1
     temporal_compression = 1
 
-    def __init__(self, name: str = "identity", latent_channels: int = 3, shift_factor: float = 0.0, scaling_factor: float = 1.0):
+    def __init__(
+        self, name: str = "identity", latent_channels: int = 3, shift_factor: float = 0.0, scaling_factor: float = 1.0
+    ):
         if latent_channels not in (1, 3):
             raise ValueError(f"an identity VAE has 1 (grey) or 3 (RGB) latent channels, got {latent_channels}")
         self.name, self.latent_channels = name, latent_channels
         self.shift_factor, self.scaling_factor = shift_factor, scaling_factor
 
     @classmethod
-    def load(cls, name_or_dir: str | Path) -> "IdentityVAE":
+    def load(cls, name_or_dir: str | Path) -> IdentityVAE:
         """By name (``identity``, ``identity_grey``) or from a folder written by ``write_identity_vae``."""
         if str(name_or_dir) in IDENTITY_VAE_CHANNELS:
             return cls(str(name_or_dir), IDENTITY_VAE_CHANNELS[str(name_or_dir)])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import torch
 from transformers import AutoTokenizer, T5EncoderModel
@@ -20,11 +19,11 @@ class T5TextEncoder:
     def from_pretrained_or_cache(
         cls,
         name_or_dir: str | Path,
-        cache_dir: Optional[str | Path] = None,
+        cache_dir: str | Path | None = None,
         max_length: int = 512,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
-    ) -> "T5TextEncoder":
+    ) -> T5TextEncoder:
         """Load from a local folder (tokenizer + model saved together) or a hub name via ``cache_dir``."""
         source = str(name_or_dir)
         cache = str(cache_dir) if cache_dir is not None else None

@@ -36,8 +36,14 @@ def build_tiny_t5(out_dir: Path, seed: int, text_dim: int) -> Path:
     torch.manual_seed(seed)
     tokenizer = ByT5Tokenizer()  # byte-level: needs no vocabulary file
     config = T5Config(
-        vocab_size=len(tokenizer), d_model=text_dim, d_kv=8, d_ff=2 * text_dim, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, dropout_rate=0.0,
+        vocab_size=len(tokenizer),
+        d_model=text_dim,
+        d_kv=8,
+        d_ff=2 * text_dim,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
     )
     T5EncoderModel(config).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -48,8 +54,13 @@ def build_tiny_t5(out_dir: Path, seed: int, text_dim: int) -> Path:
 def build_tiny_wan_vae(out_dir: Path, seed: int, latent_channels: int) -> Path:
     torch.manual_seed(seed)
     model = AutoencoderKLWan(
-        base_dim=8, z_dim=latent_channels, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
-        temperal_downsample=[False, True, True], latents_mean=[0.0] * latent_channels,
+        base_dim=8,
+        z_dim=latent_channels,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        attn_scales=[],
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * latent_channels,
         latents_std=[1.0] * latent_channels,
     )
     model.save_pretrained(out_dir)
@@ -60,9 +71,15 @@ def build_tiny_wan_vae(out_dir: Path, seed: int, latent_channels: int) -> Path:
 def build_tiny_kl_vae(out_dir: Path, seed: int, latent_channels: int) -> Path:
     torch.manual_seed(seed)
     model = AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[8, 8, 16, 16], layers_per_block=1,
-        latent_channels=latent_channels, norm_num_groups=4, sample_size=64,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4,
+        block_out_channels=[8, 8, 16, 16],
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=64,
     )
     model.save_pretrained(out_dir)
     _mark(out_dir, "AutoencoderKL", seed)

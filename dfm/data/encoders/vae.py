@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan
@@ -24,7 +24,7 @@ VaeKind = Literal["wan", "kl"]
 _CLASS_TO_KIND = {"AutoencoderKLWan": "wan", "AutoencoderKL": "kl"}
 
 
-def detect_vae_kind(name_or_dir: str | Path, subfolder: Optional[str] = None) -> VaeKind:
+def detect_vae_kind(name_or_dir: str | Path, subfolder: str | None = None) -> VaeKind:
     """Read ``_class_name`` from a local VAE folder's config.json."""
     folder = Path(name_or_dir) / (subfolder or "")
     config_file = folder / "config.json"
@@ -46,12 +46,12 @@ class VideoVAE:
     def from_pretrained_or_cache(
         cls,
         name_or_dir: str | Path,
-        cache_dir: Optional[str | Path] = None,
+        cache_dir: str | Path | None = None,
         kind: VaeKind | Literal["auto"] = "auto",
-        subfolder: Optional[str] = None,
+        subfolder: str | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
-    ) -> "VideoVAE | IdentityVAE":
+    ) -> VideoVAE | IdentityVAE:
         """Load a local folder or a hub name (e.g. ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` with subfolder ``vae``)."""
         for candidate in (name_or_dir, Path(name_or_dir) / (subfolder or "")):
             if is_identity_vae(candidate):
@@ -60,7 +60,10 @@ class VideoVAE:
             kind = detect_vae_kind(name_or_dir, subfolder)
         model_class = AutoencoderKLWan if kind == "wan" else AutoencoderKL
         model = model_class.from_pretrained(
-            str(name_or_dir), subfolder=subfolder, cache_dir=None if cache_dir is None else str(cache_dir), torch_dtype=dtype
+            str(name_or_dir),
+            subfolder=subfolder,
+            cache_dir=None if cache_dir is None else str(cache_dir),
+            torch_dtype=dtype,
         ).to(device)
         return cls(model, kind, name=str(name_or_dir))
 

@@ -12,7 +12,16 @@ from dfm.data.energon.pack_selection import first_fit_decreasing, packing_effici
 from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings, sample_metadata
 
 __all__ = [
-    "CookedDiffusionSample", "cook_diffusion_sample", "EnergonDataSettings", "EnergonTrainLoader",
-    "build_train_loader", "build_val_loader", "write_blend_metadataset", "first_fit_decreasing",
-    "packing_efficiency", "DiffusionTaskEncoder", "PackingSettings", "sample_metadata",
+    "CookedDiffusionSample",
+    "cook_diffusion_sample",
+    "EnergonDataSettings",
+    "EnergonTrainLoader",
+    "build_train_loader",
+    "build_val_loader",
+    "write_blend_metadataset",
+    "first_fit_decreasing",
+    "packing_efficiency",
+    "DiffusionTaskEncoder",
+    "PackingSettings",
+    "sample_metadata",
 ]

@@ -10,7 +10,7 @@ import pickle
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 from megatron.energon import (
@@ -36,10 +36,10 @@ class EnergonDataSettings:
     packing_buffer_size: int = 256  # samples per first-fit-decreasing round
     num_workers: int = 2
     shuffle_buffer_size: int = 100
-    max_samples_per_sequence: Optional[int] = 100  # shard-local runs before jumping to another shard
+    max_samples_per_sequence: int | None = 100  # shard-local runs before jumping to another shard
     seed: int = 1234  # energon's seed_offset: shard order and shuffling
-    val_path: Optional[str] = None  # defaults to ``path`` (its "val" split)
-    val_limit: Optional[int] = None  # max validation packs per pass
+    val_path: str | None = None  # defaults to ``path`` (its "val" split)
+    val_limit: int | None = None  # max validation packs per pass
     skip_bad_samples: bool = False  # False: a broken sample stops the run with its shard and key
     prefetch_factor: int = 2
     extra_worker_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -80,7 +80,7 @@ class EnergonTrainLoader:
         self.loader = get_savable_loader(
             build_train_dataset(settings, dp_rank, dp_size), prefetch_factor=settings.prefetch_factor
         )
-        self._iterator: Optional[Iterator[PackedBatch]] = None
+        self._iterator: Iterator[PackedBatch] | None = None
 
     def __iter__(self) -> Iterator[PackedBatch]:
         return self
@@ -141,5 +141,7 @@ def write_blend_metadataset(
     }
     if val_datasets:
         splits["val"] = {"blend": [{"path": str(Path(p).resolve()), "subflavors": {}} for p in val_datasets]}
-    yaml_path.write_text(yaml.safe_dump({"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": splits}))
+    yaml_path.write_text(
+        yaml.safe_dump({"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": splits})
+    )
     return yaml_path

@@ -90,7 +90,10 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
             self.truncated_texts += 1
             logger.warning(
                 "key %s: text embedding length %d truncated to max_text_len=%d (%d truncated so far)",
-                sample.__key__, sample.text_embeddings.shape[0], self.settings.max_text_len, self.truncated_texts,
+                sample.__key__,
+                sample.text_embeddings.shape[0],
+                self.settings.max_text_len,
+                self.truncated_texts,
             )
         return encoded
 
@@ -101,7 +104,9 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
             self.skipped_too_long += 1
             logger.warning(
                 "key %s: %d tokens exceed seq_length=%d: sample skipped (%d skipped so far)",
-                samples[i].metadata.get("key"), samples[i].seq_len_q, self.settings.seq_length,
+                samples[i].metadata.get("key"),
+                samples[i].seq_len_q,
+                self.settings.seq_length,
                 self.skipped_too_long,
             )
         return [[samples[i] for i in pack] for pack in plan.packs]
@@ -117,4 +122,3 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
         if len(samples) != 1:
             raise ValueError(f"with sequence packing the micro-batch size must be 1, got {len(samples)} packs")
         return samples[0]
-

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -20,9 +19,9 @@ RESOLUTION_PRESETS = {"256p": 256 * 256, "512p": 512 * 512, "768p": 768 * 768, "
 @dataclass
 class ResolutionPolicy:
     multiple: int  # patch_spatial * VAE spatial compression
-    max_pixels: Optional[int] = None  # pixel budget (aspect ratio kept)
-    height: Optional[int] = None  # or a fixed size
-    width: Optional[int] = None
+    max_pixels: int | None = None  # pixel budget (aspect ratio kept)
+    height: int | None = None  # or a fixed size
+    width: int | None = None
 
     def __post_init__(self) -> None:
         fixed = self.height is not None or self.width is not None
@@ -39,9 +38,13 @@ class ResolutionPolicy:
 
     @classmethod
     def from_args(
-        cls, multiple: int, preset: Optional[str] = None, max_pixels: Optional[int] = None,
-        height: Optional[int] = None, width: Optional[int] = None,
-    ) -> "ResolutionPolicy":
+        cls,
+        multiple: int,
+        preset: str | None = None,
+        max_pixels: int | None = None,
+        height: int | None = None,
+        width: int | None = None,
+    ) -> ResolutionPolicy:
         if preset is not None:
             if preset not in RESOLUTION_PRESETS:
                 raise ValueError(f"unknown resolution preset {preset!r}; choose from {sorted(RESOLUTION_PRESETS)}")

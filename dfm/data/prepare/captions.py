@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def read_meta_json_captions(input_dir: Path) -> dict[str, str]:
     raise ValueError(f"{meta}: expected a list of entries or a file -> caption mapping")
 
 
-def read_sidecar_caption(path: Path) -> Optional[str]:
+def read_sidecar_caption(path: Path) -> str | None:
     sidecar = path.with_suffix(".json")
     if not sidecar.is_file() or sidecar.name == META_FILE:
         return None
@@ -92,7 +92,7 @@ def read_sidecar_caption(path: Path) -> Optional[str]:
 class CaptionLookup:
     """Finds the caption of each media file under one input folder."""
 
-    def __init__(self, input_dir: str | Path, caption_format: Optional[CaptionFormat] = None) -> None:
+    def __init__(self, input_dir: str | Path, caption_format: CaptionFormat | None = None) -> None:
         if caption_format is not None and caption_format not in CAPTION_FORMATS:
             raise ValueError(f"caption_format must be one of {CAPTION_FORMATS}, got {caption_format!r}")
         self.input_dir = Path(input_dir)
@@ -102,7 +102,7 @@ class CaptionLookup:
             "meta_json": read_meta_json_captions(self.input_dir) if "meta_json" in self.formats else {},
         }
 
-    def _from_table(self, table: dict[str, str], path: Path) -> Optional[str]:
+    def _from_table(self, table: dict[str, str], path: Path) -> str | None:
         relative = path.relative_to(self.input_dir).as_posix()
         return table.get(relative, table.get(path.name))
 

@@ -12,9 +12,19 @@ def energon_prepare_command(dataset_dir: str | Path, split_ratio: str = "1,0,0",
     """The exact command line; same as ``energon prepare DIR --non-interactive --split-ratio 1,0,0
     --sample-type CrudeWebdataset --force-overwrite``."""
     return [
-        sys.executable, "-m", "megatron.energon.cli.main", "prepare", str(dataset_dir),
-        "--non-interactive", "--split-ratio", split_ratio, "--sample-type", "CrudeWebdataset",
-        "--force-overwrite", "--num-workers", str(num_workers),
+        sys.executable,
+        "-m",
+        "megatron.energon.cli.main",
+        "prepare",
+        str(dataset_dir),
+        "--non-interactive",
+        "--split-ratio",
+        split_ratio,
+        "--sample-type",
+        "CrudeWebdataset",
+        "--force-overwrite",
+        "--num-workers",
+        str(num_workers),
     ]
 
 

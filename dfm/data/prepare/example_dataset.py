@@ -66,8 +66,10 @@ def write_raw_folder(raw_dir: Path) -> tuple[dict[str, str], list[str]]:
     (raw_dir / "china_palace.json").write_text(json.dumps({"caption": "a red palace under a blue sky"}))
     (raw_dir / "moving_bars.json").write_text(json.dumps({"caption": "stripes sliding to the left"}))
     (raw_dir / "captions.jsonl").write_text(
-        json.dumps({"file": "flower_crop.png", "caption": "close-up of a pink flower"}) + "\n"
-        + json.dumps({"file": "clips/pan_over_palace.mp4", "caption": "camera pans over a palace"}) + "\n"
+        json.dumps({"file": "flower_crop.png", "caption": "close-up of a pink flower"})
+        + "\n"
+        + json.dumps({"file": "clips/pan_over_palace.mp4", "caption": "camera pans over a palace"})
+        + "\n"
     )
     (raw_dir / "meta.json").write_text(json.dumps([{"file_name": "tall_flower.webp", "caption": "a tall flower"}]))
     captions = {

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import imageio.v2 as imageio
 import numpy as np
@@ -18,7 +17,7 @@ VIDEO_EXTENSIONS = frozenset({".mp4", ".avi", ".mov", ".mkv", ".webm"})
 class MediaItem:
     path: Path
     frames: np.ndarray  # [T, H, W, 3] uint8; images have T=1
-    fps: Optional[float]  # None for images; frames per second after the stride
+    fps: float | None  # None for images; frames per second after the stride
     source_frames: int  # frames in the source file (1 for images; -1 if the container does not say)
 
     @property
@@ -77,7 +76,9 @@ def read_video(path: Path, num_frames: int, frame_stride: int, temporal_compress
         path=path,
         frames=np.stack(frames[:count]),
         fps=float(fps) / frame_stride if fps else None,
-        source_frames=int(source_frames) if isinstance(source_frames, (int, float)) and np.isfinite(source_frames) else -1,
+        source_frames=int(source_frames)
+        if isinstance(source_frames, (int, float)) and np.isfinite(source_frames)
+        else -1,
     )
 
 

@@ -13,7 +13,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 from tqdm import tqdm
@@ -37,21 +37,21 @@ DEFAULT_VAE = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 class PrepareSettings:
     input_dir: str
     output_dir: str
-    caption_format: Optional[CaptionFormat] = None  # None: sidecar, then jsonl, then meta.json
-    resolution_preset: Optional[str] = None  # 256p | 512p | 768p | 1024p
-    max_pixels: Optional[int] = None
-    height: Optional[int] = None
-    width: Optional[int] = None
+    caption_format: CaptionFormat | None = None  # None: sidecar, then jsonl, then meta.json
+    resolution_preset: str | None = None  # 256p | 512p | 768p | 1024p
+    max_pixels: int | None = None
+    height: int | None = None
+    width: int | None = None
     num_frames: int = 17  # per video, before VAE compression (cut to 1 + k * temporal factor)
     frame_stride: int = 1
     patch_spatial: int = 2  # bucket sizes are multiples of patch_spatial * VAE spatial factor
     t5_name_or_dir: str = DEFAULT_T5
-    t5_cache_dir: Optional[str] = None
+    t5_cache_dir: str | None = None
     max_text_len: int = 512  # T5 tokens; shards keep the unpadded length
     vae_name_or_dir: str = DEFAULT_VAE
-    vae_subfolder: Optional[str] = "vae"
+    vae_subfolder: str | None = "vae"
     vae_kind: Literal["auto", "wan", "kl"] = "auto"
-    vae_cache_dir: Optional[str] = None
+    vae_cache_dir: str | None = None
     tiny_random_encoders: bool = False  # build tiny random T5 + VAE locally instead (tests, smoke runs)
     shard_maxcount: int = 1000
     rank: int = 0
@@ -92,7 +92,10 @@ def settings_from_env(settings: PrepareSettings) -> PrepareSettings:
 
 def load_encoders(settings: PrepareSettings) -> Encoders:
     t5_source, vae_source, subfolder, kind = (
-        settings.t5_name_or_dir, settings.vae_name_or_dir, settings.vae_subfolder, settings.vae_kind
+        settings.t5_name_or_dir,
+        settings.vae_name_or_dir,
+        settings.vae_subfolder,
+        settings.vae_kind,
     )
     if settings.tiny_random_encoders:
         # Per rank, so concurrent ranks never write the same files.
@@ -111,8 +114,13 @@ def load_encoders(settings: PrepareSettings) -> Encoders:
 
 
 def sample_metadata(
-    item: MediaItem, settings: PrepareSettings, encoders: Encoders, caption, bucket: tuple[int, int],
-    latent: torch.Tensor, text_len: int,
+    item: MediaItem,
+    settings: PrepareSettings,
+    encoders: Encoders,
+    caption,
+    bucket: tuple[int, int],
+    latent: torch.Tensor,
+    text_len: int,
 ) -> dict:
     return {
         "caption": caption.text,
@@ -137,7 +145,11 @@ def sample_metadata(
 
 
 def encode_file(
-    path: Path, key: str, settings: PrepareSettings, encoders: Encoders, captions: CaptionLookup,
+    path: Path,
+    key: str,
+    settings: PrepareSettings,
+    encoders: Encoders,
+    captions: CaptionLookup,
     policy: ResolutionPolicy,
 ) -> dict:
     """One media file -> the shard parts of its sample."""

@@ -56,7 +56,7 @@ class AtomicShardWriter:
             self.writer = wds.ShardWriter(self.pattern, maxcount=self.maxcount, post=self._publish, verbose=0)
         self.writer.write(sample)
 
-    def __enter__(self) -> "AtomicShardWriter":
+    def __enter__(self) -> AtomicShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

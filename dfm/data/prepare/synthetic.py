@@ -11,8 +11,13 @@ from dfm.data.prepare.shards import AtomicShardWriter, encode_sample_parts
 
 
 def write_synthetic_dataset(
-    out_dir: str | Path, num_samples: int, settings: MockDataSettings, shard_maxcount: int = 16,
-    run_energon: bool = True, key_prefix: str = "", split_ratio: str = "1,0,0",
+    out_dir: str | Path,
+    num_samples: int,
+    settings: MockDataSettings,
+    shard_maxcount: int = 16,
+    run_energon: bool = True,
+    key_prefix: str = "",
+    split_ratio: str = "1,0,0",
 ) -> Path:
     """Shards of mock samples 0..num_samples-1; metadata caption is ``"mock sample <i>"``."""
     out_dir = Path(out_dir)

@@ -15,8 +15,8 @@ Attention on the local tokens, computed exactly (the local backend; TE does its 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -47,12 +47,12 @@ class SequenceSplit:
     """Which tokens of a pack this CP rank holds. size == 1: the whole pack, every op a no-op."""
 
     size: int
-    group: Optional[torch.distributed.ProcessGroup] = None
-    local_positions: Optional[Tensor] = None  # [S/cp] long, pack positions held here
-    from_gathered: Optional[Tensor] = None  # [S] long, all ranks' tokens (rank-major) -> token order
-    to_gathered: Optional[Tensor] = None  # [S] long, the inverse permutation
-    cu_local: Optional[Tensor] = None  # [N+1] int32, sample segments of the local tokens
-    cu_local_host: Optional[Tensor] = None  # the same on the host
+    group: torch.distributed.ProcessGroup | None = None
+    local_positions: Tensor | None = None  # [S/cp] long, pack positions held here
+    from_gathered: Tensor | None = None  # [S] long, all ranks' tokens (rank-major) -> token order
+    to_gathered: Tensor | None = None  # [S] long, the inverse permutation
+    cu_local: Tensor | None = None  # [N+1] int32, sample segments of the local tokens
+    cu_local_host: Tensor | None = None  # the same on the host
 
     def local(self, tensor: Tensor) -> Tensor:
         """[S, ...] -> [S/cp, ...], this rank's tokens."""
@@ -68,7 +68,7 @@ class SequenceSplit:
         return gathered[self.from_gathered.to(tensor.device)]
 
 
-def sequence_split(cu_seqlens_padded: Tensor, device: Optional[torch.device] = None) -> SequenceSplit:
+def sequence_split(cu_seqlens_padded: Tensor, device: torch.device | None = None) -> SequenceSplit:
     """This rank's share of a pack with segment offsets ``cu_seqlens_padded [N+1]`` (pass host
     offsets and the pack's ``device`` to build the indices without a device sync)."""
     size = parallel_state.get_context_parallel_world_size()
@@ -112,7 +112,9 @@ def local_query_attention(params: PackedSeqParams, split: SequenceSplit, self_at
     host = host_segments(params)
     local = dataclasses.replace(params, cu_seqlens_q=split.cu_local, cu_seqlens_q_padded=split.cu_local)
     if host is not params:
-        local.host = dataclasses.replace(host, cu_seqlens_q=split.cu_local_host, cu_seqlens_q_padded=split.cu_local_host)
+        local.host = dataclasses.replace(
+            host, cu_seqlens_q=split.cu_local_host, cu_seqlens_q_padded=split.cu_local_host
+        )
     total, device = int(host.cu_seqlens_q_padded[-1]), params.cu_seqlens_q_padded.device
     real = document_ids_on_device(params, "q", total, device) >= 0
     return LocalQueryAttention(split, local, split.local(real)[:, None, None, None], gather_kv=self_attention)

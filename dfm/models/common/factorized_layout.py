@@ -35,8 +35,15 @@ def _segments(starts: list[Tensor], lengths: list[Tensor], total: int, device, t
     Built on the host; a copy on ``device`` keeps the host one as ``host``."""
 
     def segments(cu: Tensor, offsets: Tensor, host=None) -> PackedSegments:
-        return PackedSegments(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=offsets,
-                              cu_seqlens_kv_padded=offsets, token_order=token_order, host=host)
+        return PackedSegments(
+            qkv_format="sbhd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=offsets,
+            cu_seqlens_kv_padded=offsets,
+            token_order=token_order,
+            host=host,
+        )
 
     host = segments(_cumulative(lengths), torch.cat([torch.cat(starts), torch.tensor([total])]).to(torch.int32))
     if torch.device(device).type == "cpu":

@@ -49,7 +49,9 @@ def gather_full(shard: torch.Tensor) -> torch.Tensor:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     dim, stride = shard.partition_dim, getattr(shard, "partition_stride", 1)
     shards = [torch.empty_like(shard) for _ in range(tp)]
-    torch.distributed.all_gather(shards, shard.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    torch.distributed.all_gather(
+        shards, shard.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+    )
     # Rank r holds chunks r, r + tp, r + 2 tp, ... of the full tensor (one per stride step).
     pieces = [s.chunk(stride, dim=dim) for s in shards]
     return torch.cat([pieces[rank][step] for step in range(stride) for rank in range(tp)], dim=dim)

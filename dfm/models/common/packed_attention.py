@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +33,11 @@ class PackedSegments(PackedSeqParams):
 
     # (to_segment_order [S], to_token_order [S]): q/k/v rows are permuted so the segments are
     # contiguous, and the output permuted back. None: token order.
-    token_order: Optional[tuple[Tensor, Tensor]] = None
+    token_order: tuple[Tensor, Tensor] | None = None
     # Callable (kernel, q, k, v) -> out when the pack is split over CP ranks (context_parallel.py).
     context_parallel: Any = None
     # The same segments as host tensors, for loops over segments without a device sync.
-    host: Optional[PackedSeqParams] = None
+    host: PackedSeqParams | None = None
 
 
 def host_segments(params: PackedSeqParams) -> PackedSeqParams:

@@ -30,8 +30,17 @@ class TEPackedDotProductAttention(TEDotProductAttention):
         if self.local_queries_only:
             self.set_context_parallel_group(None, None, None, "p2p")
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, **kwargs):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **kwargs,
+    ):
         mask_type = attn_mask_type or AttnMaskType.no_mask
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, mask_type, attention_bias, None, **kwargs)

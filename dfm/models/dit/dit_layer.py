@@ -14,7 +14,6 @@ Transformer Engine), so DiT, MovieGen-style Llama blocks and ST-DiT share this c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
@@ -27,15 +26,15 @@ from dfm.models.common.factorized_layout import FactorizedAttentionParams
 
 @dataclass
 class DiTLayerSubmodules:
-    adaln: Union[ModuleSpec, type]
-    self_attention: Union[ModuleSpec, type]
-    mlp: Union[ModuleSpec, type]
-    cross_attention: Optional[Union[ModuleSpec, type]] = None
-    temporal_attention: Optional[Union[ModuleSpec, type]] = None  # ST-DiT only
+    adaln: ModuleSpec | type
+    self_attention: ModuleSpec | type
+    mlp: ModuleSpec | type
+    cross_attention: ModuleSpec | type | None = None
+    temporal_attention: ModuleSpec | type | None = None  # ST-DiT only
     norm: type = AdaLNNorm  # affine-free: LayerNorm (DiT) or RMSNorm (Llama-style)
 
 
-def _add_bias(output_and_bias: tuple[Tensor, Optional[Tensor]]) -> Tensor:
+def _add_bias(output_and_bias: tuple[Tensor, Tensor | None]) -> Tensor:
     output, bias = output_and_bias
     return output if bias is None else output + bias
 
@@ -58,7 +57,9 @@ class DiTLayer(MegatronModule):
             self.cross_attention = build_module(submodules.cross_attention, config=config, layer_number=layer_number)
         self.norm3 = norm(h, eps)
         # A dense MLP is sized by the config's ffn; an MoE layer sizes its experts itself.
-        mlp_size = {"layer_number": layer_number} if config.num_moe_experts else {"ffn_hidden_size": config.ffn_hidden_size}
+        mlp_size = (
+            {"layer_number": layer_number} if config.num_moe_experts else {"ffn_hidden_size": config.ffn_hidden_size}
+        )
         self.mlp = build_module(submodules.mlp, config=config, **mlp_size)
 
     def forward(
@@ -66,11 +67,11 @@ class DiTLayer(MegatronModule):
         hidden: Tensor,
         cond: Tensor,
         token_sample_ids: Tensor,
-        context: Optional[Tensor],
-        rotary_pos_emb: Optional[Tensor],
+        context: Tensor | None,
+        rotary_pos_emb: Tensor | None,
         self_attn_params: PackedSeqParams,
-        cross_attn_params: Optional[PackedSeqParams],
-        padding_mask: Optional[Tensor] = None,
+        cross_attn_params: PackedSeqParams | None,
+        padding_mask: Tensor | None = None,
     ) -> Tensor:
         """hidden [s, b, h]; cond [N, h] per sample; token_sample_ids [s]; context [s_kv, b, h];
         padding_mask [s] bool, True on padding tokens (MoE routing statistics leave them out)."""
@@ -86,13 +87,17 @@ class DiTLayer(MegatronModule):
     def attend(self, attention, norm, hidden, shift, scale, gate, rotary_pos_emb, params) -> Tensor:
         """Gated residual self-attention (the segments' token order is the attention's business)."""
         attn_in = modulate(norm(hidden), shift, scale)
-        out = _add_bias(attention(attn_in, attention_mask=None, rotary_pos_emb=rotary_pos_emb, packed_seq_params=params))
+        out = _add_bias(
+            attention(attn_in, attention_mask=None, rotary_pos_emb=rotary_pos_emb, packed_seq_params=params)
+        )
         return hidden + gate * out
 
-    def cross_attend(self, hidden: Tensor, context: Optional[Tensor], params: Optional[PackedSeqParams]) -> Tensor:
+    def cross_attend(self, hidden: Tensor, context: Tensor | None, params: PackedSeqParams | None) -> Tensor:
         if self.cross_attention is None:
             return hidden
-        out = self.cross_attention(self.norm2(hidden), attention_mask=None, key_value_states=context, packed_seq_params=params)
+        out = self.cross_attention(
+            self.norm2(hidden), attention_mask=None, key_value_states=context, packed_seq_params=params
+        )
         return hidden + _add_bias(out)
 
     def feed_forward(self, hidden: Tensor, shift: Tensor, scale: Tensor, gate: Tensor, padding_mask=None) -> Tensor:
@@ -117,5 +122,6 @@ class STDiTLayer(DiTLayer):
     ) -> Tensor:
         """Spatial then temporal attention; modulation: (shift, scale, gate) of each, [s, 1, h]."""
         hidden = self.attend(self.self_attention, self.norm1, hidden, *modulation[0:3], rotary_pos_emb, params.spatial)
-        return self.attend(self.temporal_attention, self.norm_temporal, hidden, *modulation[3:6], rotary_pos_emb,
-                           params.temporal)
+        return self.attend(
+            self.temporal_attention, self.norm_temporal, hidden, *modulation[3:6], rotary_pos_emb, params.temporal
+        )

@@ -7,8 +7,6 @@ all-reduced across stages by megatron), the patch embedding on the first, the fi
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
@@ -23,13 +21,13 @@ from torch import Tensor, nn
 from dfm.data.packed_batch import PackedBatch
 from dfm.models.common.adaln import AdaLNNorm, modulate, rows_to_tokens
 from dfm.models.common.context_parallel import SequenceSplit, UlyssesAttention, local_query_attention, sequence_split
-from dfm.models.common.factorized_layout import factorized_params, sample_grids
 from dfm.models.common.embeddings import (
     FactorizedLearned3DEmbedding,
     TimestepEmbedder,
     rope_3d_freqs,
     sincos_3d,
 )
+from dfm.models.common.factorized_layout import factorized_params, sample_grids
 from dfm.models.common.packed_attention import PackedSegments
 from dfm.models.common.recompute import forward_layers, layer_runs
 
@@ -54,7 +52,9 @@ class TextEmbedder(nn.Module):
 
     def __init__(self, text_dim: int, hidden_size: int):
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(text_dim, hidden_size), nn.GELU(approximate="tanh"), nn.Linear(hidden_size, hidden_size))
+        self.mlp = nn.Sequential(
+            nn.Linear(text_dim, hidden_size), nn.GELU(approximate="tanh"), nn.Linear(hidden_size, hidden_size)
+        )
 
     def forward(self, context: Tensor) -> Tensor:
         return self.mlp(context)
@@ -65,7 +65,7 @@ def _mark_replicated_across_stages(module: nn.Module) -> None:
         param.pipeline_parallel = True
 
 
-def packed_seq_params(batch: PackedBatch, cross: bool, split: Optional[SequenceSplit] = None) -> PackedSeqParams:
+def packed_seq_params(batch: PackedBatch, cross: bool, split: SequenceSplit | None = None) -> PackedSeqParams:
     """Segment boundaries for self-attention (video-video) or cross-attention (video-text);
     with a CP ``split``, the attention of this rank's share of the queries."""
     kv = "kv" if cross else "q"
@@ -102,7 +102,7 @@ class DiTModel(MegatronModule):
         model_cfg,
         pre_process: bool = True,
         post_process: bool = True,
-        vp_stage: Optional[int] = None,
+        vp_stage: int | None = None,
     ):
         super().__init__(config=config)
         self.model_type = ModelType.encoder_or_decoder
@@ -115,7 +115,7 @@ class DiTModel(MegatronModule):
         # DiT's learned-sigma head predicts 2x channels; forward returns the first patch_dim (the mean).
         self.out_dim = (model_cfg.out_channels or model_cfg.in_channels) * patch_volume
         self.cross = model_cfg.architecture != "dit_adaln"
-        self.input_tensor: Optional[Tensor] = None
+        self.input_tensor: Tensor | None = None
 
         self.t_embedder = TimestepEmbedder(h)
         _mark_replicated_across_stages(self.t_embedder)
@@ -162,7 +162,7 @@ class DiTModel(MegatronModule):
         first = parallel_state.get_expert_model_parallel_rank() * num_local
         return f"{head}.local_experts.{first + int(index)}.{rest}"
 
-    def conditioning(self, c_noise: Tensor, class_labels: Optional[Tensor]) -> Tensor:
+    def conditioning(self, c_noise: Tensor, class_labels: Tensor | None) -> Tensor:
         """[N] noise levels (+ [N] labels; None: the null class) -> [N, h]."""
         cond = self.t_embedder(c_noise)
         if self.model_cfg.num_classes:
@@ -180,7 +180,7 @@ class DiTModel(MegatronModule):
             hidden = hidden + self.pos_embedder(pos_ids)
         return hidden.unsqueeze(1)
 
-    def forward(self, x_in: Tensor, c_noise: Tensor, batch: PackedBatch, class_labels: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x_in: Tensor, c_noise: Tensor, batch: PackedBatch, class_labels: Tensor | None = None) -> Tensor:
         """Under context parallelism each rank runs its share of the tokens (``split``) and the
         output is gathered: every CP rank returns the whole [S, D]."""
         sp = self.config.sequence_parallel
@@ -221,7 +221,7 @@ class DiTModel(MegatronModule):
         rank = parallel_state.get_tensor_model_parallel_rank()
         return per_token.chunk(tp)[rank]
 
-    def self_attention_params(self, batch: PackedBatch, split: Optional[SequenceSplit] = None):
+    def self_attention_params(self, batch: PackedBatch, split: SequenceSplit | None = None):
         """Per-sample segments; ST-DiT's factorized attention needs per-frame / per-position ones
         (under CP re-sharded by all-to-all, as frames and positions span the CP ranks)."""
         split = split if split is not None else pack_split(batch)
@@ -239,4 +239,6 @@ class DiTModel(MegatronModule):
         self_params = self.self_attention_params(batch, split)
         cross_params = packed_seq_params(batch, True, split) if self.cross else None
         runs = layer_runs(len(self.layers), self.config, self.training)
-        return forward_layers(self.layers, runs, hidden, cond, token_ids, context, rope, self_params, cross_params, padding)
+        return forward_layers(
+            self.layers, runs, hidden, cond, token_ids, context, rope, self_params, cross_params, padding
+        )

@@ -9,7 +9,6 @@ Parameter names are the same in both, so a checkpoint moves between them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -47,7 +46,9 @@ def te_modules() -> BackendModules:
 
     from dfm.models.common.te_attention import TEPackedDotProductAttention
 
-    return BackendModules(TEColumnParallelLinear, TERowParallelLinear, ModuleSpec(module=TEPackedDotProductAttention), True)
+    return BackendModules(
+        TEColumnParallelLinear, TERowParallelLinear, ModuleSpec(module=TEPackedDotProductAttention), True
+    )
 
 
 def self_attention_spec(modules: BackendModules, qk_layernorm: bool) -> ModuleSpec:
@@ -78,15 +79,17 @@ def cross_attention_spec(modules: BackendModules) -> ModuleSpec:
     )
 
 
-def mlp_spec(modules: BackendModules, num_moe_experts: Optional[int]) -> ModuleSpec:
+def mlp_spec(modules: BackendModules, num_moe_experts: int | None) -> ModuleSpec:
     """Dense MLP (GELU, or SwiGLU when the config is gated) or a megatron MoE layer."""
     if num_moe_experts:
         return get_moe_module_spec(use_te=modules.use_te, num_experts=num_moe_experts, moe_grouped_gemm=False)
-    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=modules.column_linear, linear_fc2=modules.row_linear))
+    return ModuleSpec(
+        module=MLP, submodules=MLPSubmodules(linear_fc1=modules.column_linear, linear_fc2=modules.row_linear)
+    )
 
 
 def dit_layer_spec(
-    architecture: str, modules: BackendModules, qk_layernorm: bool, num_moe_experts: Optional[int] = None
+    architecture: str, modules: BackendModules, qk_layernorm: bool, num_moe_experts: int | None = None
 ) -> ModuleSpec:
     """The block of ``architecture`` (dit_adaln | dit_cross | stdit | moviegen) on ``modules``."""
     stdit = architecture == "stdit"

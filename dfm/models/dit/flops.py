@@ -8,7 +8,6 @@ architecture from the same pieces the model is built of; a test checks the total
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
 
 TIMESTEP_FREQUENCY_DIM = 256  # dfm.models.common.embeddings.TimestepEmbedder
 
@@ -55,7 +54,7 @@ def embedding_flops(model_cfg, n: int, m: int) -> float:
 
 
 def dit_forward_flops(
-    model_cfg, video_lens: Sequence[int], text_lens: Sequence[int], frames: Optional[Sequence[int]] = None
+    model_cfg, video_lens: Sequence[int], text_lens: Sequence[int], frames: Sequence[int] | None = None
 ) -> float:
     """Forward FLOPs of one pack. ``frames``: per-sample token-grid T (ST-DiT needs it; default 1)."""
     frames = frames if frames is not None else [1] * len(video_lens)
@@ -66,7 +65,7 @@ def dit_forward_flops(
 
 
 def dit_training_flops(
-    model_cfg, video_lens: Sequence[int], text_lens: Sequence[int], frames: Optional[Sequence[int]] = None
+    model_cfg, video_lens: Sequence[int], text_lens: Sequence[int], frames: Sequence[int] | None = None
 ) -> float:
     """Forward + backward FLOPs of one pack (backward = 2x forward)."""
     return 3.0 * dit_forward_flops(model_cfg, video_lens, text_lens, frames)

@@ -16,7 +16,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 from dfm.evaluation.digits_eval import DigitSampling
 from dfm.evaluation.digits_plot import plot_learning_curves, plot_sample_grid
@@ -41,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out_dir = Path(args.out_dir)
     sampling = DigitSampling(args.samples_per_digit, args.steps, args.guidance_scale, None, args.seed)
@@ -51,15 +50,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary = {}
     for name, run in runs.items():
         final = run.scores[-1]
-        summary[name] = {"iterations": final["iteration"], "minutes": round(run.seconds / 60, 1),
-                         "final_loss": run.losses[-1][1],
-                         "curve": [(s["iteration"], s["conditional_accuracy"], s["unconditional_accuracy"]) for s in run.scores]}
-        print(f"{name}: conditional accuracy: {final['conditional_accuracy']:.2f}, "
-              f"unconditional accuracy: {final['unconditional_accuracy']:.2f} "
-              f"(iteration {final['iteration']}, {run.seconds / 60:.1f} min)")
-    plot = plot_learning_curves({n: (r.losses, r.scores) for n, r in runs.items()}, args.plot or out_dir / "digits_learning.png")
-    grid = plot_sample_grid({n: r.scores[-1]["samples"] for n, r in runs.items()}, args.samples_per_digit,
-                            args.grid or out_dir / "digits_samples.png")
+        summary[name] = {
+            "iterations": final["iteration"],
+            "minutes": round(run.seconds / 60, 1),
+            "final_loss": run.losses[-1][1],
+            "curve": [(s["iteration"], s["conditional_accuracy"], s["unconditional_accuracy"]) for s in run.scores],
+        }
+        print(
+            f"{name}: conditional accuracy: {final['conditional_accuracy']:.2f}, "
+            f"unconditional accuracy: {final['unconditional_accuracy']:.2f} "
+            f"(iteration {final['iteration']}, {run.seconds / 60:.1f} min)"
+        )
+    plot = plot_learning_curves(
+        {n: (r.losses, r.scores) for n, r in runs.items()}, args.plot or out_dir / "digits_learning.png"
+    )
+    grid = plot_sample_grid(
+        {n: r.scores[-1]["samples"] for n, r in runs.items()},
+        args.samples_per_digit,
+        args.grid or out_dir / "digits_samples.png",
+    )
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {plot}, {grid}, {out_dir / 'summary.json'}")
     return 0

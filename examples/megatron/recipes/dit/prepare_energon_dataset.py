@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Optional
 
 import torch
 
@@ -53,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def settings_from_args(args: argparse.Namespace, input_dir: Optional[str] = None) -> PrepareSettings:
+def settings_from_args(args: argparse.Namespace, input_dir: str | None = None) -> PrepareSettings:
     if (args.height is None) != (args.width is None):
         raise SystemExit("--height and --width go together")
     return settings_from_env(
@@ -83,7 +82,7 @@ def settings_from_args(args: argparse.Namespace, input_dir: Optional[str] = None
     )
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     report = prepare_dataset(settings_from_args(build_parser().parse_args(argv)))
     print(report.summary())

@@ -15,7 +15,6 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Optional
 
 from dfm.data.prepare.pipeline import prepare_dataset
 
@@ -64,7 +63,7 @@ def stage_images(args: argparse.Namespace) -> Path:
     return staging
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     args.caption_format = "jsonl"

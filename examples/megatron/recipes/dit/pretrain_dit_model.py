@@ -1,6 +1,6 @@
 """Pretrain a DiT with megatron-core.
 
-    torchrun --nproc-per-node N pretrain_dit_model.py --config-file conf/dit_tiny.yaml [--mock] [key=value ...]
+torchrun --nproc-per-node N pretrain_dit_model.py --config-file conf/dit_tiny.yaml [--mock] [key=value ...]
 """
 
 import logging
