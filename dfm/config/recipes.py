@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 from dfm.config.container import ConfigContainer, DatasetConfig, LoggerConfig, ModelConfig, OptimizerConfig, TrainConfig
 from dfm.config.errors import ConfigError
-from dfm.models.presets import PRESETS
+from dfm.config.presets import PRESETS
 
 
 def dit_recipe() -> ConfigContainer:
@@ -44,7 +44,7 @@ def dit_tiny_recipe() -> ConfigContainer:
 
 
 def preset_recipe(name: str) -> ConfigContainer:
-    """Every default, with the model of the published preset ``name`` (dfm/models/presets.py)."""
+    """Every default, with the model of the published preset ``name`` (dfm/config/presets.py)."""
     return ConfigContainer(model=ModelConfig(**PRESETS[name]))
 
 

@@ -26,8 +26,8 @@ import torch
 
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
+from dfm.data.patchify import patchify
 from dfm.data.sample import DiffusionSample
-from dfm.models.common.patchify import patchify
 
 logger = logging.getLogger(__name__)
 

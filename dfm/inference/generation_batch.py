@@ -12,8 +12,8 @@ import torch
 
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
+from dfm.data.patchify import check_patchable, patchify
 from dfm.data.sample import DiffusionSample
-from dfm.models.common.patchify import check_patchable, patchify
 
 
 def latent_shape_for(vae, model_cfg, height: int, width: int, num_frames: int) -> tuple[int, int, int, int]:

@@ -6,9 +6,9 @@ import torch
 from tqdm import tqdm
 
 from dfm.data.packed_batch import PackedBatch
+from dfm.data.patchify import unpatchify
 from dfm.diffusion.pipeline import DiffusionPipeline
 from dfm.inference.generation_batch import null_text_batch
-from dfm.models.common.patchify import unpatchify
 
 # Model calls per step of each solver; the second-order ones skip their correction at t = 0 (EDM).
 _CALLS_PER_STEP = {("edm", "heun"): 2, ("edm", "euler"): 1, ("flow", "heun"): 2, ("flow", "euler"): 1}

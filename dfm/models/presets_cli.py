@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from dfm.config.container import ModelConfig
-from dfm.models.presets import PRESETS
+from dfm.config.presets import PRESETS
 
 
 def count_parameters(model_cfg: ModelConfig) -> int:

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from dfm.config.container import ModelConfig
+from dfm.data.patchify import unpatchify
 from dfm.diffusion.pipeline import build_pipeline
 from dfm.inference.generation_batch import draw_noise, generation_batch, latent_shape_for, null_text_batch
 from dfm.inference.media import check_output_path, to_uint8_frames
 from dfm.inference.sampling import expected_model_calls
-from dfm.models.common.patchify import unpatchify
 
 WAN_LIKE = SimpleNamespace(
     spatial_compression=8,

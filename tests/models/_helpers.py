@@ -6,9 +6,9 @@ import torch
 
 from dfm.config.container import ModelConfig
 from dfm.data.packing import pack_samples
+from dfm.data.patchify import patchify
 from dfm.data.sample import DiffusionSample
 from dfm.models.build import build_model_chunk
-from dfm.models.common.patchify import patchify
 
 IN_CHANNELS, TEXT_DIM = 4, 24
 

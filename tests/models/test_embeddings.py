@@ -4,6 +4,7 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
+from dfm.data.patchify import num_tokens, patch_grid, patchify, unpatchify
 from dfm.models.common.embeddings import (
     FactorizedLearned3DEmbedding,
     TimestepEmbedder,
@@ -11,7 +12,6 @@ from dfm.models.common.embeddings import (
     sincos_3d,
     split_head_dim_3d,
 )
-from dfm.models.common.patchify import num_tokens, patch_grid, patchify, unpatchify
 
 HEAD_DIM = 24
 

@@ -3,8 +3,8 @@
 import pytest
 
 from dfm.config.container import ModelConfig
+from dfm.config.presets import PRESETS
 from dfm.config.recipes import get_recipe
-from dfm.models.presets import PRESETS
 from dfm.models.presets_cli import main, preset_parameter_counts
 
 # facebookresearch/DiT README: DiT-XL/2 has 675M parameters (675,129,632 counted with its

@@ -17,8 +17,8 @@ from dfm.data.energon.cooker import CookedDiffusionSample, diffusion_cookers
 from dfm.data.energon.pack_selection import first_fit_decreasing
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
+from dfm.data.patchify import patchify
 from dfm.data.sample import DiffusionSample
-from dfm.models.common.patchify import patchify
 
 logger = logging.getLogger(__name__)
 
