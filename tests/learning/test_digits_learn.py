@@ -1,4 +1,4 @@
-"""Issue #9, "it learns": scikit-learn's 8x8 digits -> captioned image folder -> the real preparation
+"""It learns: scikit-learn's 8x8 digits -> captioned image folder -> the real preparation
 (tiny random T5, normalising identity VAE) -> energon prepare -> the real pretrain entry point on CPU
 (dit_cross, EDM and flow matching side by side) -> generation with classifier-free guidance from every
 caption -> a classifier trained on the real digits.
@@ -9,11 +9,11 @@ CI-sized (conf/digits_tiny.yaml); the longer run and the measured figures are in
 from __future__ import annotations
 
 import pytest
+from digits.classifier import train_digit_classifier
+from digits.evaluate import DigitSampling
+from digits.run import CI_CONFIG, prepare_digits, train_and_score_pipelines
 
 from dfm.config.loader import build_config
-from dfm.evaluation.digit_classifier import train_digit_classifier
-from dfm.evaluation.digits_eval import DigitSampling
-from dfm.evaluation.digits_run import CI_CONFIG, prepare_digits, train_and_score_pipelines
 
 PIPELINES = ("edm", "flow")
 CHANCE = 0.1

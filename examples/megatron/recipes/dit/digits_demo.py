@@ -17,9 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-from dfm.evaluation.digits_eval import DigitSampling
-from dfm.evaluation.digits_plot import plot_learning_curves, plot_sample_grid
-from dfm.evaluation.digits_run import CI_CONFIG, prepare_digits, train_and_score_pipelines
+from digits.evaluate import DigitSampling
+from digits.plot import plot_learning_curves, plot_sample_grid
+from digits.run import CI_CONFIG, prepare_digits, train_and_score_pipelines
 
 
 def build_parser() -> argparse.ArgumentParser:

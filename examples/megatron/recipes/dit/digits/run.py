@@ -5,7 +5,8 @@
     scores = score_digits([ckpt], root, DigitSampling(), root / "edm/scores.json")
 
 Training and scoring run as child processes (the real scripts, each with its own torch.distributed),
-so a caller never holds process groups. Needs a source checkout (the entry point lives under examples/).
+so a caller never holds process groups. Children run in the recipe folder, so ``python -m digits.evaluate``
+finds this package.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dfm.evaluation.digits_data import build_digit_text_encoder, prepare_digits_dataset, write_digit_vae
-from dfm.evaluation.digits_eval import DigitSampling
+from digits.data import build_digit_text_encoder, prepare_digits_dataset, write_digit_vae
+from digits.evaluate import DigitSampling
 
-RECIPE_DIR = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recipes" / "dit"
+RECIPE_DIR = Path(__file__).resolve().parents[1]  # the dit recipe folder this package lives in
 TRAIN_ENTRY = RECIPE_DIR / "pretrain_dit_model.py"
 CI_CONFIG = RECIPE_DIR / "conf" / "digits_tiny.yaml"
 
@@ -94,7 +95,7 @@ def score_digits(
     threads: int = 1,
     timeout: int = 3600,
 ) -> list[dict]:
-    """``python -m dfm.evaluation.digits_eval`` on each checkpoint, with the encoders ``prepare_digits``
+    """``python -m digits.evaluate`` on each checkpoint, with the encoders ``prepare_digits``
     wrote under ``root`` -> the scores (also in ``json_path``)."""
     root, json_path = Path(root).resolve(), Path(json_path).resolve()
     checkpoints = [Path(c).resolve() for c in checkpoints]
@@ -102,7 +103,7 @@ def score_digits(
     cmd = [
         sys.executable,
         "-m",
-        "dfm.evaluation.digits_eval",
+        "digits.evaluate",
         "--checkpoint",
         *map(str, checkpoints),
         "--t5",

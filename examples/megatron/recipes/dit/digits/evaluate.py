@@ -1,7 +1,7 @@
 """Score a digits checkpoint: generate from every caption with classifier-free guidance and without
 text, classify the samples, report the fraction classified as the prompted digit.
 
-    python -m dfm.evaluation.digits_eval --checkpoint CKPT [CKPT ...] --t5 T5_DIR --vae VAE_DIR --json scores.json
+    python -m digits.evaluate --checkpoint CKPT [CKPT ...] --t5 T5_DIR --vae VAE_DIR --json scores.json
 
 Conditional accuracy should be far above chance (0.1) once the model learns; unconditional samples
 (null text, no guidance) are scored against the same labels, so they sit near chance.
@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from dfm.diffusion.pipeline import pipeline_from_config
-from dfm.evaluation.digit_classifier import DigitClassifier, train_digit_classifier
-from dfm.evaluation.digits_data import DIGIT_SIZE, DIGIT_WORDS, digit_caption, video_to_digit_pixels
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
 from dfm.inference.encoders import Encoders, EncoderSources, check_encoders_match, load_encoders
 from dfm.inference.generation_batch import draw_noise, generation_pack, null_text_batch
 from dfm.inference.sampling import sample_latents
+from digits.classifier import DigitClassifier, train_digit_classifier
+from digits.data import DIGIT_SIZE, DIGIT_WORDS, digit_caption, video_to_digit_pixels
 
 
 @dataclass(frozen=True)

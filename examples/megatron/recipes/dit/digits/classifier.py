@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dfm.evaluation.digits_data import load_digits
+from digits.data import load_digits
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """PNG figures of a digits run: loss and accuracy over iterations, and a grid of generated digits.
 
 ``runs`` maps a pipeline name to ``(losses, scores)``: losses ``[(iteration, loss)]`` from
-``digits_run.read_losses`` and scores the list ``digits_eval`` writes (one dict per checkpoint).
+``digits.run.read_losses`` and scores the list ``digits.evaluate`` writes (one dict per checkpoint).
 Needs matplotlib (``pip install -e ".[demo]"``).
 """
 
@@ -11,13 +11,16 @@ from pathlib import Path
 
 import numpy as np
 
-from dfm.evaluation.digits_data import DIGIT_MAX, DIGIT_WORDS
+from digits.data import DIGIT_MAX, DIGIT_WORDS
 
 Run = tuple[list[tuple[int, float]], list[dict]]
 
 
 def _pyplot():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise SystemExit('the digits figures need matplotlib: pip install -e ".[demo]"') from error
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt

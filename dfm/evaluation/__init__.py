@@ -1,1 +1,0 @@
-"""Does training learn? Real small datasets, generation from checkpoints, and classifier scores."""
