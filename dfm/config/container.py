@@ -83,9 +83,6 @@ class TrainConfig:
     exit_signal_handler: bool = True
     collective_timeout_minutes: int = 30  # a stuck collective fails after this, naming the rank
     manual_gc_interval: int = 0  # 0: leave Python's GC automatic
-    # Tests / debugging: after the last step rank 0 saves every parameter, gathered to its full
-    # tensor under its global name, to this .pt file (dfm/training/full_weights.py). Small models only.
-    dump_full_weights: str | None = None
 
 
 @dataclass

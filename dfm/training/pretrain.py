@@ -24,7 +24,7 @@ from dfm.training.data import build_train_loader, build_val_iterator
 from dfm.training.ema import build_ema
 from dfm.training.faults import NonFiniteGuard, PreemptionSignal, grads_are_finite
 from dfm.training.forward_step import DiffusionForwardStep
-from dfm.training.full_weights import finish_param_gather, save_full_weights
+from dfm.training.full_weights import finish_param_gather
 from dfm.training.metrics_log import MetricsLog
 from dfm.training.setup import build_model, build_optimizer, num_microbatches, schedule_model_and_data
 from dfm.training.throughput import device_peak_flops, mfu
@@ -239,8 +239,6 @@ class TrainLoop:
                 interval = cfg.checkpoint.save_interval
                 if last or (interval and iteration % interval == 0):
                     self.save(iteration)
-            if cfg.train.dump_full_weights:
-                save_full_weights(self.model, cfg.train.dump_full_weights)
         finally:
             if self.async_saves is not None:
                 self.async_saves.close()  # waits for the last save and marks it `latest`

@@ -3,7 +3,7 @@ gradient norms and updated weights as the single-process run from the same seed 
 (3 optimizer steps).
 
 Each run dumps every parameter gathered to its full tensor under its global name
-(``train.dump_full_weights``: TP shards concatenated, pipeline stages and expert-parallel ranks
+(``_weights_entry.py``: TP shards concatenated, pipeline stages and expert-parallel ranks
 merged, replicas checked bitwise equal), and the test compares all of them with the
 single-process run's. A layout runs on tp x pp x cp processes, or on 2 (data parallel) when
 that product is 1.
@@ -28,6 +28,8 @@ import pytest
 import torch
 
 from tests.training.entry import RECIPE_DIR, read_metrics, run_entry
+
+WEIGHTS_ENTRY = Path(__file__).resolve().parent / "_weights_entry.py"
 
 WEIGHT_ATOL = 1e-6
 DP_DATA = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=2"]  # same samples for DP=1 and DP=2
@@ -86,8 +88,8 @@ def train(tmp: Path, config: str, nproc: int, overrides: list[str]) -> Run:
     log_dir = tmp / f"{config}-{nproc}-{abs(hash(tuple(overrides)))}"
     conf = RECIPE_DIR / "conf" / f"{config}.yaml"
     weights = log_dir / "full_weights.pt"
-    args = ["train.train_iters=3", f"logger.log_dir={log_dir}", f"train.dump_full_weights={weights}", *overrides]
-    result = run_entry(nproc, args, config=conf)
+    args = ["train.train_iters=3", f"logger.log_dir={log_dir}", *overrides]
+    result = run_entry(nproc, args, entry=WEIGHTS_ENTRY, env={"DFM_TEST_FULL_WEIGHTS": str(weights)}, config=conf)
     assert result.returncode == 0, result.stderr[-4000:]
     return Run(read_metrics(log_dir), torch.load(weights))
 
