@@ -2,7 +2,7 @@
 
 Everything (munge key and socket, slurm.conf, state, logs, pid files) lives in one temporary directory;
 the daemons run as root on free ports, without cgroups (proctrack/linuxproc, task/none), and are stopped
-at the end. The packages are installed with apt-get when missing; no root or no apt: the tests skip.
+at the end. The packages come from scripts/ci/install_slurm.sh (which .ci/run calls); without them the tests skip.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
-PACKAGES = ("slurm-wlm", "munge")
 
 
 @dataclass
@@ -42,23 +41,11 @@ class SlurmCluster:
         return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.root / "log").glob("*.log")))
 
 
-def _install_packages() -> str | None:
-    """None when the daemons are there (installing them if needed), else why not."""
+def _missing_packages() -> str | None:
+    """None when the daemons are installed, else what to run (tests never install system packages)."""
     if all(shutil.which(d) for d in DAEMONS) and shutil.which("sbatch"):
         return None
-    if os.geteuid() != 0:
-        return "Slurm is not installed and installing it needs root"
-    if not shutil.which("apt-get"):
-        return "Slurm is not installed and there is no apt-get"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
-    result = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:  # stale package lists: refresh once
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, text=True, timeout=300)
-        result = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:
-        return f"apt-get install {' '.join(PACKAGES)} failed: {result.stderr.strip()[-500:]}"
-    return None
+    return "Slurm (slurm-wlm + munge) is not installed: run scripts/ci/install_slurm.sh (as root)"
 
 
 def _free_port() -> int:
@@ -124,7 +111,7 @@ def slurm_cluster():
         pytest.skip("Slurm tests need Linux")
     if os.geteuid() != 0:
         pytest.skip("starting slurmctld/slurmd/munged here needs root")
-    reason = _install_packages()
+    reason = _missing_packages()
     if reason:
         pytest.skip(reason)
 
