@@ -17,7 +17,7 @@ from dfm.config.loader import build_config
 
 PIPELINES = ("edm", "flow")
 CHANCE = 0.1
-CONDITIONAL_THRESHOLD = 0.6  # the issue's bar for the CI-sized run; measured figures in docs/learning.md
+CONDITIONAL_THRESHOLD = 0.6  # the bar for the CI-sized run; measured figures in docs/learning.md
 UNCONDITIONAL_CEILING = 0.3  # null text, no guidance: near chance (0.1), with room for 100 samples' noise
 CI_SAMPLING = DigitSampling(samples_per_digit=10, steps=12, guidance_scale=3.0, seed=0)
 

@@ -115,7 +115,7 @@ def test_the_detector_sees_reads_back(dist):
 def test_micro_batch_on_cuda_never_syncs(dist, arch):
     """The same on a real GPU: CUDA's sync debug mode turns every synchronising call into an error.
     The first micro-batch compiles FlexAttention's kernels and runs outside the mode.
-    (Written in a session without a GPU: not yet run.)"""
+    (Not yet run on a GPU.)"""
     cfg = tiny_config(arch)
     model = build_random_model(cfg).cuda()
     step = DiffusionForwardStep(build_pipeline("edm"), seed=1, cfg_dropout_prob=0.5, device=torch.device("cuda"))
