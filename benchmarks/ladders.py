@@ -100,11 +100,14 @@ def gpu_smoke_ladder() -> list[Rung]:
 
 
 def gpu_ladder() -> list[Rung]:
-    h4096 = LATENT + BF16 + ["model.attention_backend=flex"]
+    # 'auto' attention: torch's varlen flash kernel on CUDA (TE when installed); the -flex rungs keep
+    # FlexAttention for the before/after, and variants that patch FlexAttention's path run on it.
+    flex = ["model.attention_backend=flex"]
+    h4096 = LATENT + BF16
     # 8k tokens per sample: a 2x128x128 latent video (2 * 64 * 64 tokens).
     one_8k_video = data(8192, [], [[2, 128, 128]], 0.0, packs_per_step=2)
-    xl2 = XL2 + BF16 + ["model.attention_backend=flex"] + data(16384, [[32, 32]], [], 1.0, packs_per_step=4)
-    cross = model(1152, 16, 28) + LATENT + BF16 + ["model.attention_backend=flex"]
+    xl2 = XL2 + BF16 + data(16384, [[32, 32]], [], 1.0, packs_per_step=4)
+    cross = model(1152, 16, 28) + LATENT + BF16
     fixed_1k = data(16384, [[64, 64]], [], 1.0, packs_per_step=2)  # 16 images of 1k tokens per pack
     mixed = data(16384, [[32, 32], [64, 64]], [[4, 64, 64], [2, 64, 64]], 0.5, packs_per_step=2)
     # The mixed rung's other sample shapes, each alone in 16k-token packs.
@@ -120,7 +123,10 @@ def gpu_ladder() -> list[Rung]:
         Rung("cross-1k-img-fixed", cross + fixed_1k),
         *other_fixed,
         Rung("cross-16k-mix-packed", cross + mixed, mix_of=["cross-1k-img-fixed", *(r.name for r in other_fixed)]),
-        Rung("xl2-256-img-nomaskcache", xl2, variant="flex_mask_per_call", reference=False),
+        Rung("h4096-8k-L6-flex", model(4096, 32, 6) + h4096 + flex + one_8k_video, reference=False),
+        Rung("xl2-256-img-flex", xl2 + flex, reference=False),
+        Rung("cross-16k-mix-flex", cross + flex + mixed, reference=False),
+        Rung("xl2-256-img-nomaskcache", xl2 + flex, variant="flex_mask_per_call", reference=False),
         Rung("xl2-256-img-compiled-modulate", xl2, variant="compiled_modulate", reference=False),
         Rung(
             "h4096-8k-L6-compiled-modulate",
@@ -144,18 +150,18 @@ def gpu_ladder() -> list[Rung]:
         Rung("xl2-256-img-adaln-gather", xl2, variant="adaln_gather_backward", reference=False),
         Rung(
             "h4096-8k-L6-uniform-sdpa",
-            model(4096, 32, 6) + h4096 + one_8k_video,
+            model(4096, 32, 6) + h4096 + flex + one_8k_video,
             variant="uniform_segments_sdpa",
             reference=False,
         ),
-        Rung("xl2-256-img-uniform-sdpa", xl2, variant="uniform_segments_sdpa", reference=False),
+        Rung("xl2-256-img-uniform-sdpa", xl2 + flex, variant="uniform_segments_sdpa", reference=False),
         Rung(
             "h4096-8k-L6-uniform-cudnn",
-            model(4096, 32, 6) + h4096 + one_8k_video,
+            model(4096, 32, 6) + h4096 + flex + one_8k_video,
             variant="uniform_segments_cudnn",
             reference=False,
         ),
-        Rung("xl2-256-img-uniform-cudnn", xl2, variant="uniform_segments_cudnn", reference=False),
+        Rung("xl2-256-img-uniform-cudnn", xl2 + flex, variant="uniform_segments_cudnn", reference=False),
         Rung("cross-64k-video", cross + data(65536, [], [[16, 128, 128]], 0.0, packs_per_step=1)),
         Rung(
             "cross-64k-video-L12",

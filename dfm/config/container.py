@@ -14,7 +14,7 @@ from dfm.diffusion.flow import FlowSettings
 
 Architecture = Literal["dit_cross", "dit_adaln", "stdit", "moviegen"]
 PosEmbedding = Literal["rope3d", "sincos3d", "learned3d"]
-AttentionBackend = Literal["auto", "flex", "sdpa", "te"]
+AttentionBackend = Literal["auto", "varlen", "flex", "sdpa", "te"]
 DiffusionPipeline = Literal["edm", "flow"]
 RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]

@@ -9,6 +9,7 @@ from megatron.core import parallel_state
 
 from dfm.models.common.init import init_params
 from dfm.models.common.transformer_config import build_transformer_config
+from dfm.models.common.varlen_attention import varlen_available
 from dfm.models.dit.dit_model import DiTModel
 from dfm.models.dit.dit_spec import dit_layer_spec, local_modules, te_modules
 
@@ -20,11 +21,14 @@ def transformer_engine_available() -> bool:
 
 
 def resolve_attention_backend(requested: str) -> str:
-    """'auto' -> TE when it imports on a GPU, else FlexAttention on GPU, else per-segment SDPA."""
+    """'auto' -> on a GPU: TE when it imports, else torch's varlen flash kernel (every dfm mask is a
+    segment mask), else FlexAttention; on CPU: per-segment SDPA."""
     if requested != "auto":
         return requested
     if torch.cuda.is_available():
-        return "te" if transformer_engine_available() else "flex"
+        if transformer_engine_available():
+            return "te"
+        return "varlen" if varlen_available() else "flex"
     return "sdpa"
 
 

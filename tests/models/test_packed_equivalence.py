@@ -2,7 +2,8 @@
 same outputs and parameter gradients as running each sample alone, for every architecture and
 local attention backend. Run in float64 so the tolerance can be tight: max error <= 1e-9 x the
 tensor's max (only summation order differs). FlexAttention has no CPU backward: its gradients are
-compared where CUDA exists, its outputs everywhere."""
+compared where CUDA exists, its outputs everywhere. Without CUDA the varlen backend runs its boundaries
+through a reference kernel with flash's contract (tests/models/test_packed_attention.py)."""
 
 import dataclasses
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+from dfm.models.common import varlen_attention
 from dfm.models.common.packed_attention import BACKENDS
 from dfm.platform.device import compute_device
 from tests.models._helpers import (
@@ -20,6 +22,7 @@ from tests.models._helpers import (
     pack_samples,
     tiny_config,
 )
+from tests.models.test_packed_attention import reference_varlen_attn
 
 TOLERANCE = 1e-9  # max |packed - single| relative to max |single|, per tensor
 
@@ -48,6 +51,12 @@ def no_moe_aux_loss_grad():
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(0.0))
     yield
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+
+
+@pytest.fixture(autouse=True)
+def varlen_reference_without_cuda(monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(varlen_attention, "torch_varlen_attn", reference_varlen_attn)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -7,6 +7,7 @@ boundaries from ``PackedSeqParams``, so per-token 3D RoPE is applied by megatron
 Backends (all must agree; tests prove it):
   * ``sdpa``: torch SDPA on each sample's segment, the reference.
   * ``flex``: torch FlexAttention with a document block mask, one kernel per pack.
+  * ``varlen``: torch's variable-length flash kernel, one call per pack (CUDA; varlen_attention.py).
 
 ``PackedSegments`` extends the params with a token order (ST-DiT's temporal segments are
 contiguous only after a permutation) and a context-parallel strategy (context_parallel.py).
@@ -24,7 +25,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-BACKENDS = ("sdpa", "flex")
+BACKENDS = ("sdpa", "flex", "varlen")
 
 
 @dataclass
@@ -139,6 +140,15 @@ def flex_document_attention(query: Tensor, key: Tensor, value: Tensor, params: P
     return out * q_valid.to(out.dtype)
 
 
+def _kernel(backend: str):
+    """The packed kernel of a backend: ``(q, k, v, params, scale) -> out``, all [s, b, np, hn]."""
+    if backend == "varlen":
+        from dfm.models.common.varlen_attention import varlen_document_attention
+
+        return varlen_document_attention
+    return flex_document_attention if backend == "flex" else sdpa_per_segment
+
+
 class PackedDotProductAttention(MegatronModule):
     """megatron ``core_attention`` for packed samples; ``backend`` picks the kernel."""
 
@@ -158,6 +168,7 @@ class PackedDotProductAttention(MegatronModule):
         if backend not in BACKENDS:
             raise ValueError(f"unknown local attention backend {backend!r}; valid: {BACKENDS}")
         self.backend = backend
+        self.kernel = _kernel(backend)
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
 
@@ -176,8 +187,7 @@ class PackedDotProductAttention(MegatronModule):
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
             out = F.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale).permute(2, 0, 1, 3)
             return out.reshape(out.shape[0], out.shape[1], -1)
-        kernel = flex_document_attention if self.backend == "flex" else sdpa_per_segment
-        kernel = functools.partial(attend_in_segment_order, kernel, scale=self.softmax_scale)
+        kernel = functools.partial(attend_in_segment_order, self.kernel, scale=self.softmax_scale)
         context_parallel = getattr(packed_seq_params, "context_parallel", None)
         if context_parallel is not None:
             out = context_parallel(kernel, query, key, value)

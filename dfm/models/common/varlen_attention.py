@@ -1,0 +1,122 @@
+"""Packed attention through torch's variable-length flash kernel (``torch.nn.attention.varlen``, CUDA).
+
+The kernel takes one ``cu_seqlens`` per side and no separate padded offsets, while our packs may
+hold layout padding after each sample (for TP/SP/CP). Copying the real tokens into a dense tensor
+would cost a gather and a scatter per call; instead the padding becomes segments of its own:
+
+* queries: sample i's segment spans its real tokens and its padding; padding queries attend to the
+  sample's real keys (finite values) and are zeroed afterwards, as the per-segment reference does;
+* keys: sample i's segment spans only its real keys; each run of key padding is a segment paired
+  with an empty query segment, so no query ever sees it.
+
+Boundaries are built on the host from the pack's host copy (no device sync) and cached on the
+params object, which every layer of a forward shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from torch import Tensor
+
+from dfm.models.common.packed_attention import document_ids_on_device, segment_bounds
+
+
+@dataclass(frozen=True)
+class VarlenSegments:
+    """Cumulative segment boundaries for the kernel (int32, on the compute device) and the longest segments."""
+
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+
+
+def varlen_boundaries(
+    q_starts: list[int], q_total: int, k_starts: list[int], k_lengths: list[int], k_total: int
+) -> tuple[list[int], list[int]]:
+    """(cu_q, cu_k) host lists tiling [0, q_total) and [0, k_total) with equally many segments.
+
+    ``q_starts``: where each sample's queries begin (its padded offset); ``k_starts``/``k_lengths``:
+    each sample's real keys. Key padding (before, between or after samples) gets an empty query segment.
+    """
+    if q_starts and q_starts[0] != 0:
+        raise ValueError(f"packed queries must start at token 0, got {q_starts[0]}")
+    cu_q, cu_k = [0], [0]
+
+    def key_gap(end: int) -> None:
+        if end > cu_k[-1]:
+            cu_q.append(cu_q[-1])
+            cu_k.append(end)
+
+    q_ends = [*q_starts[1:], q_total]
+    for q_end, k_start, k_length in zip(q_ends, k_starts, k_lengths):
+        key_gap(k_start)
+        cu_q.append(q_end)
+        cu_k.append(k_start + k_length)
+    key_gap(k_total)
+    return cu_q, cu_k
+
+
+def varlen_segments(params: PackedSeqParams, q_total: int, k_total: int, device: torch.device) -> VarlenSegments:
+    """The kernel's boundaries for this pack, built once per pack and kept on ``params``."""
+    key = (q_total, k_total, device)
+    cached = getattr(params, "_dfm_varlen", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    q_starts, _ = segment_bounds(params, "q")
+    k_starts, k_lengths = segment_bounds(params, "kv")
+    cu_q, cu_k = varlen_boundaries(q_starts, q_total, k_starts, k_lengths, k_total)
+    segments = VarlenSegments(
+        cu_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
+        cu_k=torch.tensor(cu_k, dtype=torch.int32).to(device, non_blocking=True),
+        max_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
+        max_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
+    )
+    params._dfm_varlen = (key, segments)
+    return segments
+
+
+def query_is_real(params: PackedSeqParams, q_total: int, device: torch.device) -> Tensor:
+    """[q_total, 1, 1, 1] bool: the token is a sample's, not padding (cached on ``params``)."""
+    cached = getattr(params, "_dfm_varlen_q_valid", None)
+    if cached is not None and cached[0] == (q_total, device):
+        return cached[1]
+    valid = (document_ids_on_device(params, "q", q_total, device) >= 0)[:, None, None, None]
+    params._dfm_varlen_q_valid = ((q_total, device), valid)
+    return valid
+
+
+def torch_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale):
+    """torch's kernel; imported late so CPU-only installs without it still import this module."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale=scale)
+
+
+def varlen_available() -> bool:
+    """Whether this torch has the variable-length flash kernel and a CUDA device to run it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def varlen_document_attention(
+    query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams, scale: float, attn=None
+) -> Tensor:
+    """query [sq, 1, np, hn], key/value [sk, 1, np, hn] -> [sq, 1, np, hn]; padding rows are 0.
+
+    ``attn(q [t, np, hn], k, v, cu_q, cu_k, max_q, max_k, scale)`` is the kernel, torch's by default
+    (tests pass a reference with the same contract where CUDA is missing).
+    """
+    attn = attn or torch_varlen_attn
+    if query.shape[1] != 1:
+        raise ValueError(f"packed attention expects one pack per micro-batch (b == 1), got b = {query.shape[1]}")
+    segments = varlen_segments(params, query.shape[0], key.shape[0], query.device)
+    q, k, v = (t.squeeze(1) for t in (query, key, value))
+    out = attn(q, k, v, segments.cu_q, segments.cu_k, segments.max_q, segments.max_k, scale).unsqueeze(1)
+    return out * query_is_real(params, query.shape[0], query.device).to(out.dtype)
