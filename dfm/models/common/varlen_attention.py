@@ -15,6 +15,8 @@ params object, which every layer of a forward shares.
 
 from __future__ import annotations
 
+import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -90,10 +92,17 @@ def query_is_real(params: PackedSeqParams, q_total: int, device: torch.device) -
 
 
 def torch_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale):
-    """torch's kernel; imported late so CPU-only installs without it still import this module."""
+    """torch's kernel; imported late so CPU-only installs without it still import this module.
+
+    Older torch releases take no ``scale``: there only the default 1/sqrt(head dim) is possible.
+    """
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale=scale)
+    if "scale" in inspect.signature(varlen_attn).parameters:
+        return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale=scale)
+    if not math.isclose(scale, query.shape[-1] ** -0.5):
+        raise ValueError(f"this torch's varlen_attn has no scale argument; softmax scale {scale} is not the default")
+    return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k)
 
 
 def varlen_available() -> bool:
