@@ -78,7 +78,7 @@ class Patch:
         """Check the source, then replace the target (and its by-name aliases); -> how to undo it."""
         self.check_source()
         owner_path, _, name = self.attribute.rpartition(".")
-        owner = _resolve(self.module, owner_path) if owner_path else importlib.import_module(self.module)
+        owner = _resolve(self.module, owner_path)
         original = _raw_attribute(owner, name)
         aliases = tuple(importlib.import_module(module) for module in self.also_bound_in)
         for alias in aliases:
@@ -95,11 +95,12 @@ class Patch:
     def _mismatch(self, problem: str) -> PatchSourceMismatch:
         from megatron.core.package_info import __version__
 
+        on_cuda = " (or run on CUDA, where it is not applied)" if self.cpu_only else ""
         return PatchSourceMismatch(
             f"megatron-core compat patch '{self.name}' (target {self.target}): {problem}. "
             f"The patch was written for megatron-core {WRITTEN_FOR_MEGATRON_CORE}, {__version__} is installed. "
             f"Re-read the target, then update or drop the patch and its relies_on snippets in "
-            f"dfm/platform/compat/registry.py (docs/device_layer.md), or run on CUDA where CPU-only patches are not applied."
+            f"dfm/platform/compat/registry.py (docs/device_layer.md){on_cuda}."
         )
 
 

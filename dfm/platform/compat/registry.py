@@ -238,6 +238,14 @@ MOE = (
     ),
 )
 
+# The order megatron builds its p2p ops in, which the announced tags follow (p2p.py).
+P2P_OP_ORDER = (
+    "ops.append(send_prev_op)",
+    "ops.append(recv_prev_op)",
+    "ops.append(send_next_op)",
+    "ops.append(recv_next_op)",
+)
+
 PIPELINE_P2P = (
     Patch(
         name="p2p-gloo-batch",
@@ -253,12 +261,7 @@ PIPELINE_P2P = (
         module="megatron.core.pipeline_parallel.p2p_communication",
         attribute="_batched_p2p_ops",
         why="tells the gloo batch which directions its ops are (prev and next are one rank at PP=2)",
-        relies_on=(
-            "ops.append(send_prev_op)",
-            "ops.append(recv_prev_op)",
-            "ops.append(send_next_op)",
-            "ops.append(recv_next_op)",
-        ),
+        relies_on=P2P_OP_ORDER,
         replace=p2p.announcing_batched_ops,
     ),
     Patch(
@@ -266,13 +269,7 @@ PIPELINE_P2P = (
         module="megatron.core.pipeline_parallel.p2p_communication",
         attribute="P2PCommunicator._communicate_shapes",
         why="tells the gloo batch which directions the shape ops are",
-        relies_on=(
-            "ops.append(send_prev_op)",
-            "ops.append(recv_prev_op)",
-            "ops.append(send_next_op)",
-            "ops.append(recv_next_op)",
-            "reqs = torch.distributed.batch_isend_irecv(ops)",
-        ),
+        relies_on=(*P2P_OP_ORDER, "reqs = torch.distributed.batch_isend_irecv(ops)"),
         replace=p2p.announcing_shapes,
     ),
     *(
