@@ -1,6 +1,6 @@
-"""Device and process-group setup: megatron-core on CUDA as is, on CPU/gloo via a patch layer."""
+"""Device and process-group setup: megatron-core on CUDA, and on CPU/gloo through the compat patches."""
 
-from dfm.platform.device import compute_device, cpu_support_enabled, enable_cpu_support
+from dfm.platform.device import compute_device
 from dfm.platform.distributed import (
     destroy_distributed,
     initialize_distributed,
@@ -10,9 +10,7 @@ from dfm.platform.distributed import (
 
 __all__ = [
     "compute_device",
-    "cpu_support_enabled",
     "destroy_distributed",
-    "enable_cpu_support",
     "initialize_distributed",
     "seed_everything",
     "validate_parallel_layout",

@@ -5,7 +5,8 @@ from datetime import timedelta
 
 import torch
 
-from dfm.platform.device import compute_device, enable_cpu_support
+from dfm.platform import compat
+from dfm.platform.device import compute_device
 
 
 def initialize_distributed(
@@ -22,7 +23,7 @@ def initialize_distributed(
     Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT);
     without torchrun it runs as a single process. Returns the device to compute on.
     """
-    enable_cpu_support()
+    compat.install()
     rank, world_size = _rank_and_world_size()
     validate_parallel_layout(
         world_size,
@@ -68,7 +69,7 @@ def seed_everything(seed: int) -> None:
 
     stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     torch.manual_seed(stage_seed)
-    # On CPU the device layer maps the tracker's CUDA generators to the CPU generator.
+    # On CPU the compat layer maps the tracker's CUDA generators to the CPU generator.
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, force_reset_rng=True)
 
 

@@ -23,7 +23,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.transformer.utils import sharded_state_dict_default
 
-from dfm.platform.megatron_compat import ensure_adam_state, patch_distrib_optimizer_step_copy, unshare_adam_steps
+from dfm.platform.compat.checkpointing import ensure_adam_state, unshare_adam_steps
 from dfm.training.progress import StageProgress
 
 logger = logging.getLogger("dfm.checkpoint")
@@ -237,7 +237,6 @@ def load_checkpoint(path: str, model, optimizer, scheduler, loader, ema=None) ->
     with StageProgress(f"load {directory.name}", LOAD_STAGES) as progress:
         common = dist_checkpointing.load_common_state_dict(str(directory))
         ensure_adam_state(optimizer)
-        patch_distrib_optimizer_step_copy()
         same_layout = common.get("layout") == layout()
         same_dp = common.get("layout", {}).get("dp") == layout()["dp"]
         ema_saved = ema if common.get("has_ema") else None

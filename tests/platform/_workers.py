@@ -229,14 +229,17 @@ def scenario_block_reference(results):
 
 
 def _run_block(results, tp, sp, key):
+    from _torch_norm_sp import TORCH_NORM_SEQUENCE_PARALLEL
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
 
     from dfm.platform import initialize_distributed
+    from dfm.platform.compat import patches_applied
 
     initialize_distributed(tensor_model_parallel_size=tp, seed=SEED)
     torch.manual_seed(SEED)
-    block = tiny_block(tiny_config(tp=tp, sp=sp))
+    with patches_applied([TORCH_NORM_SEQUENCE_PARALLEL]):
+        block = tiny_block(tiny_config(tp=tp, sp=sp))
     ddp, _ = wrap_ddp_and_optimizer(block)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(SEQ, MICRO_BATCH, HIDDEN, generator=gen)

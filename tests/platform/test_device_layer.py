@@ -148,28 +148,6 @@ def test_moe_expert_parallel_matches_single_process(launches):
         assert_close(got["input_grads"][rank], reference["input_grads"][rank])
 
 
-def test_no_op_on_cuda_and_megatron_not_imported_eagerly():
-    code = (
-        "import sys, torch\n"
-        "torch.cuda.is_available = lambda: True\n"
-        "from dfm.platform import compute_device, cpu_support_enabled, enable_cpu_support\n"
-        "enable_cpu_support()\n"
-        "assert not cpu_support_enabled()\n"
-        "assert 'megatron.core' not in sys.modules\n"
-        "assert compute_device() == torch.device('cuda', 3), compute_device()\n"
-    )
-    env = dict(os.environ, LOCAL_RANK="3", PYTHONPATH=str(REPO_ROOT))
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
-
-
-def test_unsupported_megatron_version_fails_clearly(monkeypatch):
-    from dfm.platform import device
-
-    monkeypatch.setattr(device, "SUPPORTED_MEGATRON_CORE_VERSIONS", ("0.0.0",))
-    with pytest.raises(RuntimeError, match="written for megatron-core 0.0.0"):
-        device._check_megatron_core_version()
-
-
 def test_layout_validation_names_the_sizes():
     assert validate_parallel_layout(8, tensor_model_parallel_size=2, context_parallel_size=2) == 2
     with pytest.raises(ValueError, match=r"tensor \(2\) x pipeline \(3\)"):

@@ -1,0 +1,304 @@
+"""Every megatron-core patch dfm applies, as records: target, why, and the source it relies on.
+
+``install()`` applies them in this order; ``uninstall()`` restores them in reverse. To add one, see
+docs/device_layer.md ("Adding a patch"). All module paths are megatron-core 0.16.1.
+"""
+
+from __future__ import annotations
+
+from dfm.platform.compat import checkpointing, moe, optimizer, p2p, rng
+from dfm.platform.compat.devices import cpu_torch_view
+from dfm.platform.compat.patch import Patch
+
+CURRENT_DEVICE = "torch.cuda.current_device()"
+
+
+def _torch_view(module: str, site: str, snippet: str, why: str) -> Patch:
+    """The module's global ``torch`` becomes the CPU view; ``site`` is one call site it serves."""
+    return Patch(
+        name=f"torch-view:{module.removeprefix('megatron.core.')}",
+        module=module,
+        attribute="torch",
+        why=why,
+        relies_on=(snippet,),
+        replace=cpu_torch_view,
+        site=site,
+    )
+
+
+TORCH_VIEWS = (
+    _torch_view("megatron.core.utils", "GlobalMemoryBuffer.get_tensor", CURRENT_DEVICE, "attention scratch buffer"),
+    _torch_view(
+        "megatron.core.transformer.dot_product_attention",
+        "DotProductAttention.__init__",
+        CURRENT_DEVICE,
+        "softmax offset on the current CUDA device",
+    ),
+    _torch_view(
+        "megatron.core.transformer.attention", "Attention._allocate_memory", CURRENT_DEVICE, "KV-cache buffers"
+    ),
+    _torch_view(
+        "megatron.core.transformer.utils",
+        "get_default_causal_mask",
+        'torch.ones(sq, sq, device="cuda")',
+        "causal masks built on a device='cuda' literal",
+    ),
+    _torch_view(
+        "megatron.core.transformer.transformer_layer",
+        "TransformerLayer.get_layer_static_inputs",
+        CURRENT_DEVICE,
+        "static inputs on the current CUDA device",
+    ),
+    _torch_view(
+        "megatron.core.tensor_parallel.layers",
+        "ColumnParallelLinear.__init__",
+        "device=torch.cuda.current_device()",
+        "TP weights allocated on the current CUDA device",
+    ),
+    _torch_view(
+        "megatron.core.tensor_parallel.mappings",
+        "_gather_along_first_dim",
+        "device=torch.cuda.current_device()",
+        "TP/SP all-gather and reduce-scatter buffers",
+    ),
+    _torch_view(
+        "megatron.core.tensor_parallel.utils",
+        "gather_split_1d_tensor",
+        "device=torch.cuda.current_device()",
+        "1-D split/gather buffers",
+    ),
+    _torch_view(
+        "megatron.core.tensor_parallel.data",
+        "broadcast_data",
+        "device=torch.cuda.current_device()",
+        "broadcast buffers",
+    ),
+    _torch_view(
+        "megatron.core.tensor_parallel.random",
+        "CudaRNGStatesTracker.add",
+        "torch.cuda.manual_seed(seed)",
+        "the tracker's RNG states live in CUDA generators",
+    ),
+    _torch_view(
+        "megatron.core.distributed.distributed_data_parallel",
+        "DistributedDataParallel.__init__",
+        "torch.cuda.Stream(device=torch.cuda.current_device())",
+        "DDP's communication stream",
+    ),
+    _torch_view(
+        "megatron.core.distributed.param_and_grad_buffer",
+        "_ParamAndGradBucketGroup.start_grad_sync",
+        "torch.cuda.stream(self.communication_stream)",
+        "grad-sync streams and param/grad buffers",
+    ),
+    _torch_view(
+        "megatron.core.optimizer.optimizer",
+        "MixedPrecisionOptimizer.__init__",
+        "device='cuda'",
+        "found_inf and loss-scale scalars",
+    ),
+    _torch_view("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", "device='cuda'", "grad-norm scalars"),
+    _torch_view(
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer.load_state_dict",
+        CURRENT_DEVICE,
+        "distributed-optimizer buffers",
+    ),
+    _torch_view(
+        "megatron.core.optimizer.grad_scaler", "MegatronGradScaler.__init__", "device='cuda'", "loss-scale scalars"
+    ),
+    _torch_view(
+        "megatron.core.pipeline_parallel.schedules",
+        "forward_backward_pipelining_without_interleaving",
+        'total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")',
+        "token counters",
+    ),
+    _torch_view("megatron.core.models.gpt.gpt_model", "GPTModel._preprocess", CURRENT_DEVICE, "inference offsets"),
+    _torch_view(
+        "megatron.core.models.common.embeddings.rotary_pos_embedding",
+        "RotaryEmbedding.__init__",
+        CURRENT_DEVICE,
+        "rotary frequencies",
+    ),
+    _torch_view("megatron.core.transformer.moe.router", "TopKRouter.__init__", CURRENT_DEVICE, "router buffers"),
+    _torch_view("megatron.core.transformer.moe.experts", "GroupedMLP.__init__", CURRENT_DEVICE, "expert weights"),
+    _torch_view(
+        "megatron.core.transformer.moe.shared_experts",
+        "SharedExpertMLP.__init__",
+        "torch.cuda.Stream()",
+        "shared-expert stream",
+    ),
+    _torch_view(
+        "megatron.core.transformer.moe.token_dispatcher",
+        "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+        "torch.cuda.current_stream()",
+        "alltoall dispatcher's device-to-host stream",
+    ),
+    _torch_view("megatron.core.transformer.moe.moe_utils", "track_moe_metrics", 'device="cuda"', "MoE metrics"),
+    _torch_view(
+        "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+        "verify_global_md_reuse",
+        "device='cuda'",
+        "verification flags",
+    ),
+    _torch_view(
+        "megatron.core.dist_checkpointing.strategies.filesystem_async",
+        "FileSystemWriterAsync.preload_tensors",
+        "torch.cuda.synchronize()",
+        "synchronize before writing",
+    ),
+    _torch_view(
+        "megatron.core.dist_checkpointing.strategies.async_utils",
+        "AsyncCaller.sync_all_async_calls",
+        CURRENT_DEVICE,
+        "async-save flags",
+    ),
+    _torch_view(
+        "megatron.core.dist_checkpointing.strategies.fully_parallel",
+        "FullyParallelLoadStrategyWrapper.load",
+        "torch.cuda.synchronize()",
+        "synchronize after loading",
+    ),
+    _torch_view(
+        "megatron.core.dist_checkpointing.exchange_utils",
+        "_get_empty_tensor_for_exchange",
+        'device="cuda"',
+        "exchange buffers",
+    ),
+)
+
+RNG = (
+    Patch(
+        name="rng-set-state",
+        module="megatron.core.tensor_parallel.random",
+        attribute="_set_cuda_rng_state",
+        why="sets torch.cuda.default_generators[idx] through _lazy_call: no CPU generator behind it",
+        relies_on=("default_generator = torch.cuda.default_generators[idx]", "_lazy_call(cb)"),
+        replace=rng.set_cpu_rng_state,
+    ),
+    Patch(
+        name="rng-tracker-fork",
+        module="megatron.core.tensor_parallel.random",
+        attribute="CudaRNGStatesTracker.fork",
+        why="warns 'CPU RNG state changed' on every fork, because on CPU the tracked generator is the CPU one",
+        relies_on=(
+            "cpu_rng_state = torch.get_rng_state()",
+            f"logging.getLogger(__name__).warning('{rng.FORK_WARNING}')",
+        ),
+        replace=rng.fork_without_cpu_state_warning,
+    ),
+)
+
+OPTIMIZER = (
+    Patch(
+        name="cuda-type-names:float16-optimizer",
+        module="megatron.core.optimizer.optimizer",
+        attribute="Float16OptimizerWithFloat16Params.__init__",
+        why="sorts parameters by param.type() == 'torch.cuda.FloatTensor' and rejects CPU tensors",
+        relies_on=("param.type() == 'torch.cuda.FloatTensor'",),
+        replace=optimizer.with_cuda_type_names,
+    ),
+    Patch(
+        name="cuda-type-names:distributed-optimizer",
+        module="megatron.core.optimizer.distrib_optimizer",
+        attribute="DistributedOptimizer._build_model_and_main_param_groups",
+        why="sorts parameters by model_param.type() == 'torch.cuda.FloatTensor' and rejects CPU tensors",
+        relies_on=("model_param.type() == 'torch.cuda.FloatTensor'",),
+        replace=optimizer.with_cuda_type_names,
+    ),
+    Patch(
+        name="cuda-type-names:clip-grads",
+        module="megatron.core.optimizer.clip_grads",
+        attribute="clip_grad_by_total_norm_fp32",
+        why="asserts param.grad.type() == 'torch.cuda.FloatTensor'",
+        relies_on=("assert param.grad.type() == 'torch.cuda.FloatTensor'",),
+        replace=optimizer.with_cuda_type_names,
+        also_bound_in=("megatron.core.optimizer.optimizer",),
+    ),
+)
+
+MOE = (
+    Patch(
+        name="moe-te-general-gemm",
+        module="megatron.core.transformer.moe.moe_utils",
+        attribute="te_general_gemm",
+        why="bound only when Transformer Engine imports, yet the router tests it against None",
+        relies_on=("if te_general_gemm is not None",),
+        replace=moe.none_if_missing,
+        site="RouterGatingLinearFunction.forward",
+    ),
+    Patch(
+        name="moe-split-sizes-to-host",
+        module="megatron.core.transformer.moe.moe_utils",
+        attribute="maybe_move_tensor_to_cpu",
+        why="converts only CUDA tensors to numpy; CPU alltoall split sizes stay tensors",
+        relies_on=("if torch.is_tensor(tensor) and tensor.is_cuda:",),
+        replace=moe.split_sizes_as_numpy,
+        also_bound_in=("megatron.core.transformer.moe.token_dispatcher",),
+    ),
+)
+
+# The order megatron builds its p2p ops in, which the announced tags follow (p2p.py).
+P2P_OP_ORDER = (
+    "ops.append(send_prev_op)",
+    "ops.append(recv_prev_op)",
+    "ops.append(send_next_op)",
+    "ops.append(recv_next_op)",
+)
+
+PIPELINE_P2P = (
+    Patch(
+        name="p2p-gloo-batch",
+        module="megatron.core.pipeline_parallel.p2p_communication",
+        attribute="torch",
+        why="the CPU view, whose batch_isend_irecv tags each direction and does not block on sends",
+        relies_on=("reqs = torch.distributed.batch_isend_irecv(ops)", "torch.distributed.isend, tensor_send_prev"),
+        replace=p2p.gloo_torch_view,
+        site="_batched_p2p_ops",
+    ),
+    Patch(
+        name="p2p-announce-batched-ops",
+        module="megatron.core.pipeline_parallel.p2p_communication",
+        attribute="_batched_p2p_ops",
+        why="tells the gloo batch which directions its ops are (prev and next are one rank at PP=2)",
+        relies_on=P2P_OP_ORDER,
+        replace=p2p.announcing_batched_ops,
+    ),
+    Patch(
+        name="p2p-announce-shapes",
+        module="megatron.core.pipeline_parallel.p2p_communication",
+        attribute="P2PCommunicator._communicate_shapes",
+        why="tells the gloo batch which directions the shape ops are",
+        relies_on=(*P2P_OP_ORDER, "reqs = torch.distributed.batch_isend_irecv(ops)"),
+        replace=p2p.announcing_shapes,
+    ),
+    *(
+        Patch(
+            name=f"p2p-wait-sends:{schedule.removeprefix('forward_backward_')}",
+            module="megatron.core.pipeline_parallel.schedules",
+            attribute=schedule,
+            why="waits the sends the gloo batch deferred, once the schedule has posted every receive",
+            relies_on=("p2p_communicator.",),
+            replace=p2p.waiting_for_sends,
+        )
+        for schedule in (
+            "forward_backward_pipelining_with_interleaving",
+            "forward_backward_pipelining_without_interleaving",
+        )
+    ),
+)
+
+# Not about the device: megatron's checkpointing with torch's Adam (no Apex / TE), applied on CUDA too.
+CHECKPOINTING = (
+    Patch(
+        name="distrib-optimizer-step-copy",
+        module="megatron.core.optimizer.distrib_optimizer",
+        attribute="DistributedOptimizer._set_main_param_and_optimizer_states",
+        why="copies every optimizer-state key, but the fully-reshardable loader does not give torch Adam's 'step'",
+        relies_on=('dst_tensors = {"param": main_param, **optim_state}', "dst_tensors[key].copy_(tensors[key])"),
+        replace=checkpointing.copying_given_keys_only,
+        cpu_only=False,
+    ),
+)
+
+PATCHES = (*TORCH_VIEWS, *RNG, *OPTIMIZER, *MOE, *PIPELINE_P2P, *CHECKPOINTING)

@@ -1,0 +1,142 @@
+"""dfm.platform.compat in this process: install/uninstall restore every original, install is
+idempotent, a patch whose megatron source changed fails naming itself, CUDA gets only the
+device-independent patches."""
+
+import importlib
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dfm.platform import compat
+from dfm.platform.compat import registry
+from dfm.platform.compat.patch import MISSING, Patch, PatchSourceMismatch, _raw_attribute, _resolve
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def not_installed():
+    """Each test starts and ends with megatron unpatched (the suite may share this process)."""
+    was_installed = compat.is_installed()
+    compat.uninstall()
+    yield
+    compat.uninstall()
+    if was_installed:
+        compat.install()
+
+
+def _bound_objects(patches=registry.PATCHES):
+    """Every object a patch replaces: the target's raw attribute and its by-name aliases."""
+    objects = {}
+    for patch in patches:
+        owner_path, _, name = patch.attribute.rpartition(".")
+        owner = _resolve(patch.module, owner_path)
+        aliases = [importlib.import_module(module) for module in patch.also_bound_in]
+        objects[patch.name] = [_raw_attribute(owner, name), *(getattr(alias, name, MISSING) for alias in aliases)]
+    return objects
+
+
+def _same_objects(before, after):
+    return {name: all(a is b for a, b in zip(before[name], after[name])) for name in before}
+
+
+def test_install_replaces_and_uninstall_restores_every_original():
+    before = _bound_objects()
+    compat.install()
+    patched = _bound_objects()
+    applicable = {patch.name for patch in compat.applicable_patches()}
+    unchanged = [name for name, same in _same_objects(before, patched).items() if same and name in applicable]
+    assert not unchanged, f"install left these targets as they were: {unchanged}"
+    compat.uninstall()
+    restored = _same_objects(before, _bound_objects())
+    assert all(restored.values()), [name for name, same in restored.items() if not same]
+    assert not compat.is_installed()
+
+
+def test_install_is_idempotent():
+    compat.install()
+    first = _bound_objects()
+    compat.install()
+    assert all(_same_objects(first, _bound_objects()).values())
+    with compat.installed():  # already installed: leaves it installed
+        pass
+    assert compat.is_installed()
+
+
+def test_context_manager_restores():
+    before = _bound_objects()
+    with compat.installed():
+        assert compat.is_installed()
+    assert all(_same_objects(before, _bound_objects()).values())
+
+
+def _changed_source_patch():
+    return Patch(
+        name="example-renamed-site",
+        module="megatron.core.tensor_parallel.random",
+        attribute="CudaRNGStatesTracker.fork",
+        why="example",
+        relies_on=("a line megatron never had",),
+        replace=lambda original: original,
+    )
+
+
+def test_changed_source_fails_naming_the_patch_and_target():
+    with pytest.raises(PatchSourceMismatch) as error:
+        _changed_source_patch().apply()
+    message = str(error.value)
+    assert "'example-renamed-site'" in message
+    assert "megatron.core.tensor_parallel.random.CudaRNGStatesTracker.fork" in message
+    assert "a line megatron never had" in message and "registry.py" in message
+
+
+def test_failed_install_leaves_megatron_untouched(monkeypatch):
+    monkeypatch.setattr(registry, "PATCHES", (*registry.PATCHES, _changed_source_patch()))
+    before = _bound_objects()
+    with pytest.raises(PatchSourceMismatch, match="example-renamed-site"):
+        compat.install()
+    assert not compat.is_installed()
+    assert all(_same_objects(before, _bound_objects()).values())
+
+
+def test_on_cuda_only_device_independent_patches(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    compat.install()
+    import megatron.core.utils
+
+    assert megatron.core.utils.torch is torch
+    assert {patch.name for patch in compat.applicable_patches()} == {
+        patch.name for patch in registry.PATCHES if not patch.cpu_only
+    }
+
+
+def test_importing_the_layer_does_not_import_megatron():
+    code = "import sys\nimport dfm.platform, dfm.platform.compat\nassert 'megatron.core' not in sys.modules\n"
+    subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), check=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU RNG tracker")
+def test_rng_tracker_fork_runs_megatrons_fork_without_the_cpu_state_warning(caplog):
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    def draw_in_fork():
+        tracker = CudaRNGStatesTracker()
+        tracker.add("stream", 7)
+        with tracker.fork("stream"):
+            return torch.rand(3)
+
+    compat.install()
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING):
+        forked = draw_in_fork()
+    default = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(draw_in_fork(), forked)
+    assert torch.equal(torch.rand(3), default), "the fork moved the default stream"
+    assert not torch.equal(forked, default)
+    assert not [record for record in caplog.records if "CPU RNG state changed" in record.getMessage()]
