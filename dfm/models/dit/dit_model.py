@@ -30,6 +30,7 @@ from dfm.models.common.embeddings import (
 from dfm.models.common.factorized_layout import factorized_params, sample_grids
 from dfm.models.common.pack_inputs import PackInputs
 from dfm.models.common.packed_attention import PackedSegments
+from dfm.models.common.param_names import global_param_name
 from dfm.models.common.recompute import forward_layers, layer_runs
 
 
@@ -147,21 +148,8 @@ class DiTModel(MegatronModule):
         self.input_tensor = input_tensor
 
     def global_param_name(self, name: str) -> str:
-        """Local parameter name -> its name in the whole (unpipelined) model."""
-        if not name.startswith("layers."):
-            return name
-        _, index, rest = name.split(".", 2)
-        if ".local_experts." in rest:
-            rest = self.global_expert_name(rest)
-        return f"layers.{self.layer_offset + int(index)}.{rest}"
-
-    def global_expert_name(self, name: str) -> str:
-        """``mlp.experts.local_experts.{i}.*`` -> the expert's index over all EP ranks."""
-        head, tail = name.split(".local_experts.", 1)
-        index, rest = tail.split(".", 1)
-        num_local = self.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
-        first = parallel_state.get_expert_model_parallel_rank() * num_local
-        return f"{head}.local_experts.{first + int(index)}.{rest}"
+        """Local parameter name -> its name in the whole (unpipelined, one expert rank) model."""
+        return global_param_name(name, self.layer_offset, self.config.num_moe_experts)
 
     def conditioning(self, c_noise: Tensor, class_labels: Tensor | None) -> Tensor:
         """[N] noise levels (+ [N] labels; None: the null class) -> [N, h]."""
