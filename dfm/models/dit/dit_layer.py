@@ -22,6 +22,7 @@ from torch import Tensor
 
 from dfm.models.common.adaln import AdaLNNorm, modulate
 from dfm.models.common.factorized_layout import FactorizedAttentionParams
+from dfm.models.common.init import zero_init
 from dfm.models.common.pack_inputs import PackInputs
 
 
@@ -56,6 +57,8 @@ class DiTLayer(MegatronModule):
         if submodules.cross_attention is not None:
             self.norm2 = norm(h, eps)
             self.cross_attention = build_module(submodules.cross_attention, config=config, layer_number=layer_number)
+            # Zero output (PixArt): a fresh block ignores the text until it learns to read it.
+            zero_init(self.cross_attention.linear_proj)
         self.norm3 = norm(h, eps)
         # A dense MLP is sized by the config's ffn; an MoE layer sizes its experts itself.
         mlp_size = (

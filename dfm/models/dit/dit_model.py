@@ -28,6 +28,7 @@ from dfm.models.common.embeddings import (
     sincos_3d,
 )
 from dfm.models.common.factorized_layout import factorized_params, sample_grids
+from dfm.models.common.init import zero_init
 from dfm.models.common.pack_inputs import PackInputs
 from dfm.models.common.packed_attention import PackedSegments
 from dfm.models.common.param_names import global_param_name
@@ -40,8 +41,8 @@ class FinalLayer(nn.Module):
     def __init__(self, hidden_size: int, out_features: int, eps: float, norm: type = AdaLNNorm):
         super().__init__()
         self.norm = norm(hidden_size, eps)
-        self.adaln = nn.Linear(hidden_size, 2 * hidden_size)
-        self.linear = nn.Linear(hidden_size, out_features)
+        self.adaln = zero_init(nn.Linear(hidden_size, 2 * hidden_size))
+        self.linear = zero_init(nn.Linear(hidden_size, out_features))
 
     def forward(self, hidden: Tensor, cond: Tensor, token_sample_ids: Tensor) -> Tensor:
         """hidden [s, b, h], cond [N, h] -> [s, b, out]."""
