@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dfm.data.packed_batch import segment_lengths
 from dfm.diffusion.samplers import classifier_free_guidance
 
 Net = Callable[..., torch.Tensor]
@@ -190,7 +191,7 @@ def null_dropped_context(
     context: torch.Tensor, cu_seqlens_kv_padded: torch.Tensor, dropped: torch.Tensor
 ) -> torch.Tensor:
     """Zero (the null embedding) every text token of the ``dropped [N]`` samples of ``context [S_kv, D]``."""
-    lengths = (cu_seqlens_kv_padded[1:] - cu_seqlens_kv_padded[:-1]).long()
+    lengths = segment_lengths(cu_seqlens_kv_padded).long()
     if int(lengths.sum()) != context.shape[0]:
         raise ValueError(
             f"cu_seqlens_kv_padded covers {int(lengths.sum())} text tokens but context has {context.shape[0]}; "

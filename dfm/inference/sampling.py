@@ -82,7 +82,7 @@ def sample_latents(
 def unpack_latents(latents: torch.Tensor, batch: PackedBatch, model_cfg) -> list[torch.Tensor]:
     """Packed tokens [S, D] -> each sample's latent [C, T', H', W'] (padding dropped)."""
     starts = batch.cu_seqlens_q_padded[:-1].tolist()
-    lengths = (batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).tolist()
+    lengths = batch.host_sample_lengths()
     return [
         unpatchify(
             latents[start : start + length].float(), tuple(shape), model_cfg.patch_temporal, model_cfg.patch_spatial
