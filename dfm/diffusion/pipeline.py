@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dfm.data.packed_batch import segment_lengths
-from dfm.diffusion.samplers import classifier_free_guidance
+from dfm.diffusion.samplers import Sampler, classifier_free_guidance, sampler_for
 
 Net = Callable[..., torch.Tensor]
 Shape = Sequence[int] | torch.Size
@@ -32,6 +32,13 @@ PIPELINE_NAMES = ("edm", "flow")
 
 class DiffusionPipeline(ABC):
     """Noising, preconditioning, loss and sampling of one diffusion formulation."""
+
+    name: str  # 'edm' | 'flow': the config's model.pipeline, and the key of its samplers
+    settings: Any  # the formulation's settings dataclass (its ``sampler`` is the default)
+
+    def sampler(self, name: str | None = None) -> Sampler:
+        """The sampler ``name`` (None: the settings' default) of this pipeline."""
+        return sampler_for(self.name, name or self.settings.sampler)
 
     @abstractmethod
     def draw_level(self, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
