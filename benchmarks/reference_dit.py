@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dfm.data.packed_batch import PackedBatch
+from dfm.data.packed_batch import PackedBatch, segment_lengths
 from dfm.models.common.embeddings import rope_3d_freqs, sincos_3d
 
 
@@ -140,7 +140,7 @@ class ShapeBatch:
 
 
 def _segments(cu_real: Tensor, cu_padded: Tensor) -> list[tuple[int, int]]:
-    return list(zip(cu_padded[:-1].tolist(), (cu_real[1:] - cu_real[:-1]).tolist()))
+    return list(zip(cu_padded[:-1].tolist(), segment_lengths(cu_real).tolist()))
 
 
 def batches_from_pack(pack: PackedBatch) -> list[ShapeBatch]:

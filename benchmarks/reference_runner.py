@@ -51,8 +51,8 @@ def reference_step(cfg, model, optimizer, pipeline, loader, n_micro: int, device
         pack = next(loader)
         lengths.append(
             (
-                (pack.cu_seqlens_q[1:] - pack.cu_seqlens_q[:-1]).tolist(),
-                (pack.cu_seqlens_kv[1:] - pack.cu_seqlens_kv[:-1]).tolist(),
+                pack.host_sample_lengths(),
+                pack.host_text_lengths(),
             )
         )
         # dfm's loss is the mean over a pack's samples, averaged over micro-batches: match it.

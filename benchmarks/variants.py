@@ -83,6 +83,7 @@ def _uniform_segments_sdpa(fast_kernels_only: bool) -> contextlib.AbstractContex
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from dfm.data.packed_batch import segment_lengths
     from dfm.models.common import packed_attention
 
     flex = packed_attention.flex_document_attention
@@ -92,7 +93,7 @@ def _uniform_segments_sdpa(fast_kernels_only: bool) -> contextlib.AbstractContex
         if not hasattr(params, key):
             host = packed_attention.host_segments(params)
             real, padded = getattr(host, f"cu_seqlens_{side}"), getattr(host, f"cu_seqlens_{side}_padded")
-            lengths = (real[1:] - real[:-1]).tolist()
+            lengths = segment_lengths(real).tolist()
             same = len(set(lengths)) == 1 and (padded is None or torch.equal(padded, real)) and sum(lengths) == total
             setattr(params, key, lengths[0] if same else None)
         return getattr(params, key)

@@ -17,6 +17,11 @@ from dataclasses import dataclass, field, fields
 import torch
 
 
+def segment_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[N+1] cumulative offsets -> [N] lengths, on their device (no sync)."""
+    return cu_seqlens[1:] - cu_seqlens[:-1]
+
+
 @dataclass
 class PackedBatch:
     latents: torch.Tensor  # [S, C*pt*ph*pw] clean patchified latents
@@ -40,12 +45,40 @@ class PackedBatch:
     def seq_len(self) -> int:
         return int(self.latents.shape[0])
 
+    @property
+    def sample_lengths(self) -> torch.Tensor:
+        """[N] int32 real video tokens of each sample."""
+        return segment_lengths(self.cu_seqlens_q)
+
+    @property
+    def padded_sample_lengths(self) -> torch.Tensor:
+        """[N] int32 video segment lengths, padding included."""
+        return segment_lengths(self.cu_seqlens_q_padded)
+
+    @property
+    def text_lengths(self) -> torch.Tensor:
+        """[N] int32 real text tokens of each sample."""
+        return segment_lengths(self.cu_seqlens_kv)
+
+    @property
+    def padded_text_lengths(self) -> torch.Tensor:
+        """[N] int32 text segment lengths, padding included."""
+        return segment_lengths(self.cu_seqlens_kv_padded)
+
+    def host_sample_lengths(self) -> list[int]:
+        """``sample_lengths`` as Python ints, read from the host original (no device sync)."""
+        return self.host_view().sample_lengths.tolist()
+
+    def host_text_lengths(self) -> list[int]:
+        """``text_lengths`` as Python ints, read from the host original (no device sync)."""
+        return self.host_view().text_lengths.tolist()
+
     def num_real_tokens(self) -> int:
         return int(self.host_view().loss_mask.sum())
 
     def token_sample_ids(self) -> torch.Tensor:
         """[S] long: which sample each token (padding included) belongs to (no device sync)."""
-        lengths = (self.cu_seqlens_q_padded[1:] - self.cu_seqlens_q_padded[:-1]).long()
+        lengths = self.padded_sample_lengths.long()
         samples = torch.arange(len(lengths), device=lengths.device)
         return torch.repeat_interleave(samples, lengths, output_size=self.seq_len)
 

@@ -23,9 +23,7 @@ from dfm.diffusion.pipeline import (
     initial_noise,
     per_sample_level,
 )
-from dfm.diffusion.samplers import Churn, edm_euler, edm_heun, karras_sigmas
-
-EDM_SAMPLERS = ("heun", "euler")
+from dfm.diffusion.samplers import Churn, karras_sigmas, sampler_for
 
 
 @dataclass
@@ -43,8 +41,7 @@ class EDMSettings:
     sampler: str = "heun"
 
     def __post_init__(self) -> None:
-        if self.sampler not in EDM_SAMPLERS:
-            raise ValueError(f"unknown EDM sampler {self.sampler!r}; valid: {', '.join(EDM_SAMPLERS)}")
+        sampler_for(EDMPipeline.name, self.sampler)
         if not 0 < self.sigma_min < self.sigma_max:
             raise ValueError(f"need 0 < sigma_min < sigma_max, got {self.sigma_min}, {self.sigma_max}")
         if self.sigma_data <= 0 or self.P_std <= 0:
@@ -59,6 +56,8 @@ class Preconditioning(NamedTuple):
 
 
 class EDMPipeline(DiffusionPipeline):
+    name = "edm"
+
     def __init__(self, settings: EDMSettings | None = None) -> None:
         self.settings = settings or EDMSettings()
 
@@ -155,9 +154,5 @@ class EDMPipeline(DiffusionPipeline):
         guided_denoise = guided_field(self.denoise, net, sample_ids, cond, uncond, guidance_scale)
         sigmas = karras_sigmas(steps, s.sigma_min, s.sigma_max, s.rho)
         x = at_least_fp32(initial_noise(noise, generator)) * sigmas[0]  # integrate in >= fp32
-        name = sampler or s.sampler
-        if name == "heun":
-            return edm_heun(guided_denoise, x, sigmas, Churn(s.S_churn, s.S_min, s.S_max, s.S_noise), generator)
-        if name == "euler":
-            return edm_euler(guided_denoise, x, sigmas)
-        raise ValueError(f"unknown EDM sampler {name!r}; valid: {', '.join(EDM_SAMPLERS)}")
+        churn = Churn(s.S_churn, s.S_min, s.S_max, s.S_noise)
+        return self.sampler(sampler).run(guided_denoise, x, sigmas, churn, generator)

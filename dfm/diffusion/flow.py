@@ -26,9 +26,8 @@ from dfm.diffusion.pipeline import (
     initial_noise,
     per_sample_level,
 )
-from dfm.diffusion.samplers import flow_euler, flow_heun, flow_timesteps, shift_timesteps
+from dfm.diffusion.samplers import flow_timesteps, sampler_for, shift_timesteps
 
-FLOW_SAMPLERS = ("euler", "heun")
 TIMESTEP_SAMPLINGS = ("uniform", "logit_normal")
 
 
@@ -47,8 +46,7 @@ class FlowSettings:
             raise ValueError(
                 f"unknown timestep_sampling {self.timestep_sampling!r}; valid: {', '.join(TIMESTEP_SAMPLINGS)}"
             )
-        if self.sampler not in FLOW_SAMPLERS:
-            raise ValueError(f"unknown flow sampler {self.sampler!r}; valid: {', '.join(FLOW_SAMPLERS)}")
+        sampler_for(FlowPipeline.name, self.sampler)
         if self.shift <= 0 or not 0 <= self.sigma_min < 1:
             raise ValueError(f"need shift > 0 and 0 <= sigma_min < 1, got {self.shift}, {self.sigma_min}")
 
@@ -70,6 +68,8 @@ def shift_for_num_tokens(
 
 
 class FlowPipeline(DiffusionPipeline):
+    name = "flow"
+
     def __init__(self, settings: FlowSettings | None = None) -> None:
         self.settings = settings or FlowSettings()
 
@@ -167,9 +167,4 @@ class FlowPipeline(DiffusionPipeline):
         guided_velocity = guided_field(self.velocity, net, sample_ids, cond, uncond, guidance_scale)
         timesteps = flow_timesteps(steps, self.settings.shift if shift is None else shift)
         x = at_least_fp32(initial_noise(noise, generator))  # integrate in >= fp32
-        name = sampler or self.settings.sampler
-        if name == "euler":
-            return flow_euler(guided_velocity, x, timesteps)
-        if name == "heun":
-            return flow_heun(guided_velocity, x, timesteps)
-        raise ValueError(f"unknown flow sampler {name!r}; valid: {', '.join(FLOW_SAMPLERS)}")
+        return self.sampler(sampler).run(guided_velocity, x, timesteps)

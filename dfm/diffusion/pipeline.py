@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from dfm.diffusion.samplers import classifier_free_guidance
+from dfm.data.packed_batch import segment_lengths
+from dfm.diffusion.samplers import Sampler, classifier_free_guidance, sampler_for
 
 Net = Callable[..., torch.Tensor]
 Shape = Sequence[int] | torch.Size
@@ -31,6 +32,13 @@ PIPELINE_NAMES = ("edm", "flow")
 
 class DiffusionPipeline(ABC):
     """Noising, preconditioning, loss and sampling of one diffusion formulation."""
+
+    name: str  # 'edm' | 'flow': the config's model.pipeline, and the key of its samplers
+    settings: Any  # the formulation's settings dataclass (its ``sampler`` is the default)
+
+    def sampler(self, name: str | None = None) -> Sampler:
+        """The sampler ``name`` (None: the settings' default) of this pipeline."""
+        return sampler_for(self.name, name or self.settings.sampler)
 
     @abstractmethod
     def draw_level(self, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -190,7 +198,7 @@ def null_dropped_context(
     context: torch.Tensor, cu_seqlens_kv_padded: torch.Tensor, dropped: torch.Tensor
 ) -> torch.Tensor:
     """Zero (the null embedding) every text token of the ``dropped [N]`` samples of ``context [S_kv, D]``."""
-    lengths = (cu_seqlens_kv_padded[1:] - cu_seqlens_kv_padded[:-1]).long()
+    lengths = segment_lengths(cu_seqlens_kv_padded).long()
     if int(lengths.sum()) != context.shape[0]:
         raise ValueError(
             f"cu_seqlens_kv_padded covers {int(lengths.sum())} text tokens but context has {context.shape[0]}; "

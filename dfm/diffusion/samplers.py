@@ -136,3 +136,57 @@ def flow_heun(velocity: VelocityField, x: torch.Tensor, timesteps: list[float]) 
         x_euler = x + dt * v_cur
         x = x + dt * 0.5 * (v_cur + velocity(x_euler, t_next))
     return x
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampler names
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """A solver under its config name, and the network calls it makes."""
+
+    name: str
+    solve: Callable[..., torch.Tensor]  # (field, x, levels) or, stochastic, (field, x, levels, churn, generator)
+    calls_per_step: int
+    last_step_calls: int  # EDM's Heun skips its correction on the step to sigma = 0
+    stochastic: bool = False  # takes EDM's churn and the sampling generator
+
+    def run(
+        self,
+        field: Callable[[torch.Tensor, float], torch.Tensor],
+        x: torch.Tensor,
+        levels: list[float],
+        churn: Churn = Churn(),
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Integrate ``field`` from ``x`` [S, *] over ``levels`` (sigmas or times)."""
+        if self.stochastic:
+            return self.solve(field, x, levels, churn, generator)
+        return self.solve(field, x, levels)
+
+    def model_calls(self, steps: int, guided: bool) -> int:
+        """Network evaluations of a ``steps``-step run (twice as many with classifier-free guidance)."""
+        calls = self.calls_per_step * (steps - 1) + self.last_step_calls
+        return calls * (2 if guided else 1)
+
+
+SAMPLERS: dict[str, dict[str, Sampler]] = {
+    "edm": {
+        "heun": Sampler("heun", edm_heun, calls_per_step=2, last_step_calls=1, stochastic=True),
+        "euler": Sampler("euler", edm_euler, calls_per_step=1, last_step_calls=1),
+    },
+    "flow": {
+        "euler": Sampler("euler", flow_euler, calls_per_step=1, last_step_calls=1),
+        "heun": Sampler("heun", flow_heun, calls_per_step=2, last_step_calls=2),
+    },
+}
+
+
+def sampler_for(pipeline: str, name: str) -> Sampler:
+    """The sampler ``name`` of ``pipeline`` ('edm' | 'flow'); a clear error for an unknown name."""
+    samplers = SAMPLERS[pipeline]
+    if name not in samplers:
+        raise ValueError(f"unknown {pipeline}.sampler {name!r}; valid: {', '.join(samplers)}")
+    return samplers[name]

@@ -10,16 +10,6 @@ from dfm.data.patchify import unpatchify
 from dfm.diffusion.pipeline import DiffusionPipeline
 from dfm.inference.generation_batch import null_text_batch
 
-# Model calls per step of each solver; the second-order ones skip their correction at t = 0 (EDM).
-_CALLS_PER_STEP = {("edm", "heun"): 2, ("edm", "euler"): 1, ("flow", "heun"): 2, ("flow", "euler"): 1}
-
-
-def expected_model_calls(pipeline_name: str, sampler: str, steps: int, guided: bool) -> int:
-    """Network evaluations a sampling run makes (the progress bar's total)."""
-    per_step = _CALLS_PER_STEP.get((pipeline_name, sampler), 1)
-    calls = per_step * steps - (1 if (pipeline_name, sampler) == ("edm", "heun") else 0)
-    return calls * (2 if guided else 1)
-
 
 class ProgressNet:
     """``net(x_in [S, D], c_noise [N], batch) -> raw [S, D]`` around the model, ticking a progress bar."""
@@ -33,10 +23,6 @@ class ProgressNet:
         out = self.model(x_in.to(self.dtype), c_noise, batch)
         self.progress.update(1)
         return out
-
-
-def resolve_sampler(pipeline: DiffusionPipeline, sampler: str | None) -> str:
-    return sampler or pipeline.settings.sampler
 
 
 def sample_latent(*args, **kwargs) -> torch.Tensor:
@@ -62,9 +48,9 @@ def sample_latents(
     Guidance scale 1 is the conditional prediction alone, so the unconditional pass is skipped.
     """
     guided = guidance_scale != 1.0
-    name = resolve_sampler(pipeline, sampler)
-    total = expected_model_calls(pipeline_name, name, steps, guided)
-    with tqdm(total=total, desc=f"{pipeline_name}/{name} {steps} steps", unit="eval") as progress:
+    solver = pipeline.sampler(sampler)
+    total = solver.model_calls(steps, guided)
+    with tqdm(total=total, desc=f"{pipeline_name}/{solver.name} {steps} steps", unit="eval") as progress:
         latents = pipeline.sample(
             ProgressNet(model, progress),
             batch.latents,
@@ -74,7 +60,7 @@ def sample_latents(
             uncond={"batch": null_text_batch(batch)} if guided else None,
             guidance_scale=guidance_scale,
             generator=torch.Generator().manual_seed(seed),
-            sampler=name,
+            sampler=solver.name,
         )
     return unpack_latents(latents, batch, model_cfg)
 
@@ -82,7 +68,7 @@ def sample_latents(
 def unpack_latents(latents: torch.Tensor, batch: PackedBatch, model_cfg) -> list[torch.Tensor]:
     """Packed tokens [S, D] -> each sample's latent [C, T', H', W'] (padding dropped)."""
     starts = batch.cu_seqlens_q_padded[:-1].tolist()
-    lengths = (batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).tolist()
+    lengths = batch.host_sample_lengths()
     return [
         unpatchify(
             latents[start : start + length].float(), tuple(shape), model_cfg.patch_temporal, model_cfg.patch_spatial

@@ -23,6 +23,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.transformer.utils import sharded_state_dict_default
 
+from dfm.models.common.param_names import global_layer_prefix
 from dfm.platform.compat.checkpointing import ensure_adam_state, unshare_adam_steps
 from dfm.training.progress import StageProgress
 
@@ -63,7 +64,7 @@ def model_sharded_state_dict(chunk) -> dict[str, Any]:
     for name, child in chunk.named_children():
         if name == "layers":
             for local, layer in enumerate(child):
-                global_prefix = f"layers.{chunk.layer_offset + local}."
+                global_prefix = global_layer_prefix(chunk.layer_offset, local)
                 for key, value in layer.sharded_state_dict(prefix=global_prefix).items():
                     state[f"layers.{local}." + key[len(global_prefix) :]] = value
             continue

@@ -22,7 +22,7 @@ def draw_pack_noise(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> noise [S, D] (zero on padding), level [N], text dropped [N] bool; drawn on the CPU."""
     starts = batch.cu_seqlens_q_padded[:-1].tolist()
-    lengths = (batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).tolist()
+    lengths = batch.host_sample_lengths()
     feature_dim = batch.latents.shape[1]
     noise = torch.zeros(batch.latents.shape, dtype=torch.float32)
     levels, dropped = [], []

@@ -47,8 +47,8 @@ class RecordingIterator:
         batch = next(self.loader)
         self.packs.append(
             (
-                (batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).tolist(),
-                (batch.cu_seqlens_kv[1:] - batch.cu_seqlens_kv[:-1]).tolist(),
+                batch.host_sample_lengths(),
+                batch.host_text_lengths(),
                 batch.latent_shape[:, 1].tolist(),
             )
         )

@@ -132,3 +132,18 @@ def test_mock_packs_do_not_depend_on_the_layout_padding():
         loader = MockPackedLoader(settings, 0, 1, seq_length=96, segment_multiple=seg, total_multiple=tot)
         grouping[name] = [next(loader).sample_index.tolist() for _ in range(20)]
     assert grouping["tp1"] == grouping["tp2_sp"] == grouping["cp2"]
+
+
+def test_pack_offers_per_sample_lengths_on_device_and_host():
+    from tests.models._helpers import make_samples, pack_samples, tiny_config
+
+    samples = make_samples(tiny_config("dit_cross"))
+    pack = pack_samples(samples, segment_multiple=8)
+    video = [len(s.tokens) for s in samples]
+    text = [len(s.text) for s in samples]
+    assert pack.sample_lengths.tolist() == pack.host_sample_lengths() == video
+    assert pack.text_lengths.tolist() == pack.host_text_lengths() == text
+    assert pack.padded_sample_lengths.tolist() == [-(-n // 8) * 8 for n in video]
+    assert int(pack.padded_text_lengths.sum()) == pack.context.shape[0]
+    device_copy = pack.to("cpu")
+    assert device_copy.host is pack and device_copy.host_sample_lengths() == video

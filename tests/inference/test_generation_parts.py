@@ -12,7 +12,6 @@ from dfm.data.patchify import unpatchify
 from dfm.diffusion.pipeline import build_pipeline
 from dfm.inference.generation_batch import draw_noise, generation_batch, latent_shape_for, null_text_batch
 from dfm.inference.media import check_output_path, to_uint8_frames
-from dfm.inference.sampling import expected_model_calls
 
 WAN_LIKE = SimpleNamespace(
     spatial_compression=8,
@@ -60,10 +59,9 @@ def test_progress_total_counts_every_model_call(name, sampler, guided):
 
     sample_ids = torch.zeros(6, dtype=torch.long)
     cond, uncond = {"batch": "text"}, ({"batch": "null"} if guided else None)
-    build_pipeline(name).sample(
-        net, (6, 4), sample_ids, 4, cond=cond, uncond=uncond, guidance_scale=2.0, sampler=sampler
-    )
-    assert len(calls) == expected_model_calls(name, sampler, 4, guided)
+    pipeline = build_pipeline(name)
+    pipeline.sample(net, (6, 4), sample_ids, 4, cond=cond, uncond=uncond, guidance_scale=2.0, sampler=sampler)
+    assert len(calls) == pipeline.sampler(sampler).model_calls(4, guided)
 
 
 def test_output_path_must_fit_the_frame_count():

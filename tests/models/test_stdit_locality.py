@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dfm.models.common.embeddings import rope_3d_freqs
-from dfm.models.dit.dit_model import packed_seq_params
+from dfm.models.dit.dit_model import pack_split
 from tests.models._helpers import build_random_model, conditioning, make_samples, pack_samples, tiny_config
 
 
@@ -70,12 +70,11 @@ def test_temporal_attention_mixes_only_at_one_position(setup):
 def test_a_block_mixes_only_within_a_sample(setup):
     model, pack, c_noise, hidden = setup
     layer = model.layers[0]
-    cond = model.conditioning(c_noise, None)
-    context = model.text_embedder(pack.context).unsqueeze(1)
-    layout, cross = model.self_attention_params(pack), packed_seq_params(pack, cross=True)
+    inputs = model.pack_inputs(pack, pack_split(pack), model.conditioning(c_noise, None))
+    inputs.rotary_pos_emb = None
 
     def block(x):
-        return layer(x, cond, pack.token_sample_ids(), context, None, layout, cross)
+        return layer(x, inputs)
 
     everything = torch.ones(pack.seq_len, pack.seq_len, dtype=torch.bool)
     assert torch.equal(dependency(block, hidden), expected(pack, everything))

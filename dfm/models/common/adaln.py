@@ -8,6 +8,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, copy_to_tensor_m
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor, nn
 
+from dfm.models.common.init import zero_init
+
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return x * (1 + scale) + shift
@@ -75,6 +77,7 @@ class AdaLNModulation(MegatronModule):
             bias=True,
             gather_output=True,
         )
+        zero_init(self.linear)
         # The input is one row per sample, not a sequence: never all-gather it over SP ranks.
         self.linear.sequence_parallel = False
 

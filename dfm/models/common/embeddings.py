@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from dfm.models.common.init import normal_init
+
 
 def sinusoidal_embedding(values: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
     """values [N] (float) -> [N, dim] of (cos, sin) features, as in DiT / ADM."""
@@ -25,7 +27,9 @@ class TimestepEmbedder(nn.Module):
     def __init__(self, hidden_size: int, frequency_dim: int = 256):
         super().__init__()
         self.frequency_dim = frequency_dim
-        self.mlp = nn.Sequential(nn.Linear(frequency_dim, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+        self.mlp = normal_init(
+            nn.Sequential(nn.Linear(frequency_dim, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+        )
 
     def forward(self, c_noise: torch.Tensor) -> torch.Tensor:
         emb = sinusoidal_embedding(c_noise, self.frequency_dim)
@@ -69,7 +73,7 @@ class FactorizedLearned3DEmbedding(nn.Module):
     def __init__(self, max_thw: tuple[int, int, int], hidden_size: int):
         super().__init__()
         self.max_thw = tuple(max_thw)
-        self.tables = nn.ModuleList(nn.Embedding(n, hidden_size) for n in self.max_thw)
+        self.tables = normal_init(nn.ModuleList(nn.Embedding(n, hidden_size) for n in self.max_thw))
 
     def forward(self, pos_ids: torch.Tensor) -> torch.Tensor:
         for axis, limit in enumerate(self.max_thw):

@@ -3,11 +3,14 @@
 Every parameter is drawn as its *full* (unsharded) tensor from a generator seeded by
 (seed, global parameter name), then this rank keeps its shard. So TP/PP/EP layouts start
 from exactly the weights of the single-process model: the base of our equality tests.
+
+What is drawn is DiT's init: zeros for biases, ones for norm weights, xavier-uniform for
+matrices, unless the module declares otherwise where it is built (``zero_init``: adaLN-Zero, the
+final layer, the cross-attention output; ``normal_init``: the timestep MLP, learned embeddings).
 """
 
 from __future__ import annotations
 
-import re
 import zlib
 from collections.abc import Callable
 
@@ -16,8 +19,25 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_tensor_model_parallel_attributes
 from torch import nn
 
-# adaLN-Zero (DiT) plus the cross-attention output (PixArt): every fresh block is the identity.
-ZERO_INIT = re.compile(r"(adaln\.linear\.|final_layer\.(adaln|linear)\.|cross_attention\.linear_proj\.)")
+# The initialiser a module declares for its parameters, kept on each parameter.
+DECLARED_INIT = "dfm_init"
+ZEROS, NORMAL = "zeros", "normal"
+
+
+def zero_init(module: nn.Module) -> nn.Module:
+    """Declare every parameter of ``module`` zero-initialised (adaLN-Zero: a fresh block is the identity)."""
+    return _declare(module, ZEROS)
+
+
+def normal_init(module: nn.Module) -> nn.Module:
+    """Declare ``module``'s matrices drawn from N(0, std^2) (std: the model's init_method_std), not xavier."""
+    return _declare(module, NORMAL)
+
+
+def _declare(module: nn.Module, kind: str) -> nn.Module:
+    for param in module.parameters():
+        setattr(param, DECLARED_INIT, kind)
+    return module
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -57,16 +77,14 @@ def gather_full(shard: torch.Tensor) -> torch.Tensor:
     return torch.cat([pieces[rank][step] for step in range(stride) for rank in range(tp)], dim=dim)
 
 
-def default_rule(name: str, shape: list[int], generator: torch.Generator, std: float) -> torch.Tensor:
-    """DiT-style init: zeros for adaLN / final layer / biases, ones for norms, xavier for matrices."""
+def initial_value(name: str, declared: str | None, shape: list[int], generator: torch.Generator, std: float):
+    """The full tensor of parameter ``name`` of ``shape``: what its module ``declared``, else by kind."""
     full = torch.empty(shape)
-    if ZERO_INIT.search(name) or name.endswith("bias"):
+    if declared == ZEROS or name.endswith("bias"):
         return full.zero_()
     if len(shape) == 1:
         return full.fill_(1.0)
-    # The timestep MLP only: a substring test also caught "text_embedder", whose 0.02-std weights
-    # shrank the text features ~40x on small T5 widths, so cross-attention barely saw the caption.
-    if "embed" in name and "tables" in name or name.startswith("t_embedder."):
+    if declared == NORMAL:
         return full.normal_(0.0, std, generator=generator)
     fan_out, fan_in = shape[0], int(torch.tensor(shape[1:]).prod())
     bound = (6.0 / (fan_in + fan_out)) ** 0.5
@@ -90,17 +108,11 @@ def mark_tensor_parallel_weights(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def init_params(
-    model: nn.Module,
-    seed: int,
-    global_name: Callable[[str], str],
-    std: float = 0.02,
-    rule: Callable[..., torch.Tensor] = default_rule,
-) -> None:
+def init_params(model: nn.Module, seed: int, global_name: Callable[[str], str], std: float = 0.02) -> None:
     """Fill every parameter of ``model`` from (seed, global_name(name))."""
     mark_tensor_parallel_weights(model)
     for name, param in model.named_parameters():
         gname = global_name(name)
         generator = torch.Generator().manual_seed(name_seed(seed, gname))
-        full = rule(gname, full_shape(param), generator, std)
+        full = initial_value(gname, getattr(param, DECLARED_INIT, None), full_shape(param), generator, std)
         param.copy_(take_shard(full, param).to(param.dtype))

@@ -25,6 +25,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
+from dfm.data.packed_batch import segment_lengths
+
 BACKENDS = ("sdpa", "flex", "varlen")
 
 
@@ -63,8 +65,7 @@ def segment_bounds(params: PackedSeqParams, side: str) -> tuple[list[int], list[
     real = getattr(params, f"cu_seqlens_{side}")
     padded = getattr(params, f"cu_seqlens_{side}_padded")
     offsets = padded if padded is not None else real
-    lengths = (real[1:] - real[:-1]).tolist()
-    return offsets[:-1].tolist(), lengths
+    return offsets[:-1].tolist(), segment_lengths(real).tolist()
 
 
 def sdpa_per_segment(query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams, scale: float) -> Tensor:
@@ -104,7 +105,7 @@ def document_ids_on_device(params: PackedSeqParams, side: str, total: int, devic
     padded = real if padded is None else padded.to(device)
     positions = torch.arange(total, device=device)
     ids = torch.searchsorted(padded[1:].contiguous(), positions, right=True).clamp(max=len(real) - 2)
-    lengths = (real[1:] - real[:-1])[ids]
+    lengths = segment_lengths(real)[ids]
     return torch.where(positions - padded[ids] < lengths, ids, -1)
 
 

@@ -27,19 +27,21 @@ def layer_runs(num_layers: int, config, training: bool) -> list[tuple[int, int, 
     raise ValueError(f"recompute_method={config.recompute_method!r}; valid: uniform, block")
 
 
-def forward_layers(layers: nn.ModuleList, runs: list[tuple[int, int, bool]], hidden: Tensor, *args) -> Tensor:
-    """hidden [s, b, h] through ``layers`` (each called as layer(hidden, *args)), run by run.
-    Non-reentrant torch checkpointing: the grads of every input (cond, context) flow, and the
-    CPU/CUDA RNG state is replayed for the recomputation."""
+def forward_layers(layers: nn.ModuleList, runs: list[tuple[int, int, bool]], hidden: Tensor, inputs) -> Tensor:
+    """hidden [s, b, h] through ``layers`` (each called as layer(hidden, inputs)), run by run.
+    Non-reentrant torch checkpointing: it takes any Python object as an argument (``inputs``, a
+    dataclass of tensors), the grads of every tensor in it (cond, context) flow, and the CPU/CUDA
+    RNG state is replayed for the recomputation. The reentrant form (megatron's
+    ``tensor_parallel.checkpoint``) would need the tensors as positional args instead."""
     for start, stop, recompute in runs:
         if recompute:
-            hidden = checkpoint(_run_range, layers, start, stop, hidden, *args, use_reentrant=False)
+            hidden = checkpoint(_run_range, layers, start, stop, hidden, inputs, use_reentrant=False)
         else:
-            hidden = _run_range(layers, start, stop, hidden, *args)
+            hidden = _run_range(layers, start, stop, hidden, inputs)
     return hidden
 
 
-def _run_range(layers: nn.ModuleList, start: int, stop: int, hidden: Tensor, *args) -> Tensor:
+def _run_range(layers: nn.ModuleList, start: int, stop: int, hidden: Tensor, inputs) -> Tensor:
     for layer in layers[start:stop]:
-        hidden = layer(hidden, *args)
+        hidden = layer(hidden, inputs)
     return hidden

@@ -22,6 +22,8 @@ from torch import Tensor
 
 from dfm.models.common.adaln import AdaLNNorm, modulate
 from dfm.models.common.factorized_layout import FactorizedAttentionParams
+from dfm.models.common.init import zero_init
+from dfm.models.common.pack_inputs import PackInputs
 
 
 @dataclass
@@ -55,6 +57,8 @@ class DiTLayer(MegatronModule):
         if submodules.cross_attention is not None:
             self.norm2 = norm(h, eps)
             self.cross_attention = build_module(submodules.cross_attention, config=config, layer_number=layer_number)
+            # Zero output (PixArt): a fresh block ignores the text until it learns to read it.
+            zero_init(self.cross_attention.linear_proj)
         self.norm3 = norm(h, eps)
         # A dense MLP is sized by the config's ffn; an MoE layer sizes its experts itself.
         mlp_size = (
@@ -62,23 +66,12 @@ class DiTLayer(MegatronModule):
         )
         self.mlp = build_module(submodules.mlp, config=config, **mlp_size)
 
-    def forward(
-        self,
-        hidden: Tensor,
-        cond: Tensor,
-        token_sample_ids: Tensor,
-        context: Tensor | None,
-        rotary_pos_emb: Tensor | None,
-        self_attn_params: PackedSeqParams,
-        cross_attn_params: PackedSeqParams | None,
-        padding_mask: Tensor | None = None,
-    ) -> Tensor:
-        """hidden [s, b, h]; cond [N, h] per sample; token_sample_ids [s]; context [s_kv, b, h];
-        padding_mask [s] bool, True on padding tokens (MoE routing statistics leave them out)."""
-        *attn_mod, shift_mlp, scale_mlp, gate_mlp = self.adaln(cond, token_sample_ids)
-        hidden = self.self_attend(hidden, attn_mod, rotary_pos_emb, self_attn_params)
-        hidden = self.cross_attend(hidden, context, cross_attn_params)
-        return self.feed_forward(hidden, shift_mlp, scale_mlp, gate_mlp, padding_mask)
+    def forward(self, hidden: Tensor, inputs: PackInputs) -> Tensor:
+        """hidden [s, b, h] -> [s, b, h]; ``inputs`` holds this pack's conditioning and segments."""
+        *attn_mod, shift_mlp, scale_mlp, gate_mlp = self.adaln(inputs.cond, inputs.token_sample_ids)
+        hidden = self.self_attend(hidden, attn_mod, inputs.rotary_pos_emb, inputs.self_attention)
+        hidden = self.cross_attend(hidden, inputs.context, inputs.cross_attention)
+        return self.feed_forward(hidden, shift_mlp, scale_mlp, gate_mlp, inputs.padding_mask)
 
     def self_attend(self, hidden: Tensor, modulation: list[Tensor], rotary_pos_emb, params: PackedSeqParams) -> Tensor:
         """modulation: (shift, scale, gate), each [s, 1, h]."""

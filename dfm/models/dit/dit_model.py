@@ -28,7 +28,10 @@ from dfm.models.common.embeddings import (
     sincos_3d,
 )
 from dfm.models.common.factorized_layout import factorized_params, sample_grids
+from dfm.models.common.init import zero_init
+from dfm.models.common.pack_inputs import PackInputs
 from dfm.models.common.packed_attention import PackedSegments
+from dfm.models.common.param_names import global_param_name
 from dfm.models.common.recompute import forward_layers, layer_runs
 
 
@@ -38,8 +41,8 @@ class FinalLayer(nn.Module):
     def __init__(self, hidden_size: int, out_features: int, eps: float, norm: type = AdaLNNorm):
         super().__init__()
         self.norm = norm(hidden_size, eps)
-        self.adaln = nn.Linear(hidden_size, 2 * hidden_size)
-        self.linear = nn.Linear(hidden_size, out_features)
+        self.adaln = zero_init(nn.Linear(hidden_size, 2 * hidden_size))
+        self.linear = zero_init(nn.Linear(hidden_size, out_features))
 
     def forward(self, hidden: Tensor, cond: Tensor, token_sample_ids: Tensor) -> Tensor:
         """hidden [s, b, h], cond [N, h] -> [s, b, out]."""
@@ -146,21 +149,8 @@ class DiTModel(MegatronModule):
         self.input_tensor = input_tensor
 
     def global_param_name(self, name: str) -> str:
-        """Local parameter name -> its name in the whole (unpipelined) model."""
-        if not name.startswith("layers."):
-            return name
-        _, index, rest = name.split(".", 2)
-        if ".local_experts." in rest:
-            rest = self.global_expert_name(rest)
-        return f"layers.{self.layer_offset + int(index)}.{rest}"
-
-    def global_expert_name(self, name: str) -> str:
-        """``mlp.experts.local_experts.{i}.*`` -> the expert's index over all EP ranks."""
-        head, tail = name.split(".local_experts.", 1)
-        index, rest = tail.split(".", 1)
-        num_local = self.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
-        first = parallel_state.get_expert_model_parallel_rank() * num_local
-        return f"{head}.local_experts.{first + int(index)}.{rest}"
+        """Local parameter name -> its name in the whole (unpipelined, one expert rank) model."""
+        return global_param_name(name, self.layer_offset, self.config.num_moe_experts)
 
     def conditioning(self, c_noise: Tensor, class_labels: Tensor | None) -> Tensor:
         """[N] noise levels (+ [N] labels; None: the null class) -> [N, h]."""
@@ -186,31 +176,43 @@ class DiTModel(MegatronModule):
         sp = self.config.sequence_parallel
         split = pack_split(batch)
         token_ids = split.local(batch.token_sample_ids())
-        cond = self.conditioning(c_noise, class_labels)
-        context = None
-        if self.cross:
-            context = self.text_embedder(batch.context.to(cond.dtype)).unsqueeze(1)
-            if sp:
-                context = tensor_parallel.scatter_to_sequence_parallel_region(context)
+        inputs = self.pack_inputs(batch, split, self.conditioning(c_noise, class_labels), token_ids)
         if self.pre_process:
             hidden = self.embed_patches(split.local(x_in), split.local(batch.pos_ids))
             if sp:
                 hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)
         else:
             hidden = self.input_tensor
-        rope = None
-        if self.model_cfg.pos_embedding == "rope3d":
-            rope = rope_3d_freqs(split.local(batch.pos_ids), self.config.kv_channels)
-        local_ids = self.sequence_parallel_slice(token_ids)
-        padding = self.sequence_parallel_slice(split.local(batch.loss_mask == 0))
-        hidden = self.run_layers(hidden, cond, local_ids, context, rope, batch, split, padding)
+        hidden = self.run_layers(hidden, inputs)
         if not self.post_process:
             return hidden
         if sp:
             hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-        out = self.final_layer(hidden, cond, token_ids)[:, 0, : self.patch_dim]
+        out = self.final_layer(hidden, inputs.cond, token_ids)[:, 0, : self.patch_dim]
         # The loss is computed on the gathered output by every CP rank alike: keep own rows' grads.
         return split.gather(out, grad_is_partial=False)
+
+    def pack_inputs(
+        self, batch: PackedBatch, split: SequenceSplit, cond: Tensor, token_ids: Tensor | None = None
+    ) -> PackInputs:
+        """The blocks' inputs for this rank's share of ``batch``; cond [N, h]; token_ids [s_cp]: the
+        CP-local token sample ids when the caller has them already."""
+        if token_ids is None:
+            token_ids = split.local(batch.token_sample_ids())
+        inputs = PackInputs(
+            cond=cond,
+            token_sample_ids=self.sequence_parallel_slice(token_ids),
+            self_attention=self.self_attention_params(batch, split),
+            padding_mask=self.sequence_parallel_slice(split.local(batch.loss_mask == 0)),
+        )
+        if self.cross:
+            context = self.text_embedder(batch.context.to(cond.dtype)).unsqueeze(1)
+            if self.config.sequence_parallel:
+                context = tensor_parallel.scatter_to_sequence_parallel_region(context)
+            inputs.context, inputs.cross_attention = context, packed_seq_params(batch, True, split)
+        if self.model_cfg.pos_embedding == "rope3d":
+            inputs.rotary_pos_emb = rope_3d_freqs(split.local(batch.pos_ids), self.config.kv_channels)
+        return inputs
 
     def sequence_parallel_slice(self, per_token: Tensor) -> Tensor:
         """The slice of a per-token [S] tensor held by this rank when the sequence is split over TP
@@ -235,10 +237,7 @@ class DiTModel(MegatronModule):
                 segments.context_parallel = UlyssesAttention(split, segments)
         return params
 
-    def run_layers(self, hidden, cond, token_ids, context, rope, batch, split: SequenceSplit, padding=None) -> Tensor:
-        self_params = self.self_attention_params(batch, split)
-        cross_params = packed_seq_params(batch, True, split) if self.cross else None
+    def run_layers(self, hidden: Tensor, inputs: PackInputs) -> Tensor:
+        """hidden [s, b, h] through this stage's blocks (recomputed as the config says)."""
         runs = layer_runs(len(self.layers), self.config, self.training)
-        return forward_layers(
-            self.layers, runs, hidden, cond, token_ids, context, rope, self_params, cross_params, padding
-        )
+        return forward_layers(self.layers, runs, hidden, inputs)

@@ -1,0 +1,27 @@
+"""What every block of a pack reads besides the hidden states, built once per pack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.packed_seq_params import PackedSeqParams
+from torch import Tensor
+
+from dfm.models.common.factorized_layout import FactorizedAttentionParams
+
+
+@dataclass
+class PackInputs:
+    """Per-pack block inputs for this rank's share of the tokens.
+
+    N: samples in the pack; s: this context-parallel rank's tokens; s_sp: their share held by
+    this TP rank under sequence parallelism (s without it); s_kv: the pack's text tokens.
+    """
+
+    cond: Tensor  # [N, h] per-sample conditioning (timestep, class)
+    token_sample_ids: Tensor  # [s_sp] long, the sample of each token
+    self_attention: PackedSeqParams | FactorizedAttentionParams  # factorized: ST-DiT
+    cross_attention: PackedSeqParams | None = None  # None: no text conditioning (dit_adaln)
+    context: Tensor | None = None  # [s_kv (/ tp under SP), 1, h] embedded text
+    rotary_pos_emb: Tensor | None = None  # [s, 1, 1, d] (attention sees all s) RoPE angles, rope3d only
+    padding_mask: Tensor | None = None  # [s_sp] bool, True on padding (MoE routing statistics leave it out)
