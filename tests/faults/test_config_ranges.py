@@ -34,7 +34,18 @@ def bad_values(allowed: Range, current) -> list:
 
 def test_the_walk_finds_every_section():
     sections = {key.split(".")[0] for key in FIELDS}
-    assert sections == {"model", "train", "optimizer", "scheduler", "dataset", "checkpoint", "logger", "rng", "edm", "flow"}
+    assert sections == {
+        "model",
+        "train",
+        "optimizer",
+        "scheduler",
+        "dataset",
+        "checkpoint",
+        "logger",
+        "rng",
+        "edm",
+        "flow",
+    }
 
 
 @pytest.mark.parametrize("key", sorted(FIELDS))
