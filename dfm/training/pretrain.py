@@ -22,13 +22,13 @@ from dfm.config.loader import config_to_dict, format_config, save_config_yaml
 from dfm.diffusion.pipeline import pipeline_from_config
 from dfm.models.dit.flops import dit_training_flops
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
+from dfm.platform.parent_watch import checkpoint_writer_queue_dies_with_us, die_with_launcher
 from dfm.training.data import build_train_loader, build_val_iterator
 from dfm.training.ema import build_ema
 from dfm.training.faults import NonFiniteGuard, PreemptionSignal, grads_are_finite
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.full_weights import finish_param_gather, save_full_weights
 from dfm.training.metrics_log import MetricsLog
-from dfm.training.parent_watch import die_with_launcher
 from dfm.training.setup import build_model, build_optimizer, num_microbatches, schedule_model_and_data
 from dfm.training.throughput import device_peak_flops, mfu
 from dfm.training.validation import generate_validation_sample, validation_loss
@@ -142,6 +142,8 @@ def train_step(forward_step, data_iter, model, optimizer, scheduler, n_micro: in
 
 def pretrain(cfg: ConfigContainer, mock: bool) -> None:
     die_with_launcher()
+    if cfg.checkpoint.save:
+        checkpoint_writer_queue_dies_with_us()
     m = cfg.model
     device = initialize_distributed(
         m.tensor_model_parallel_size,

@@ -1,5 +1,6 @@
 """Training processes die with their parent: workers with the torchrun agent, and every process a
-worker forks (dist_checkpointing's writers, data workers) with that worker.
+worker starts (dist_checkpointing's forked writers and its spawned result-queue server, data
+workers) with that worker.
 
 Without this, ``kill -9`` of the agent (a job scheduler's last resort) leaves workers training,
 holding the accelerator and writing into the checkpoint directory. Two mechanisms: Linux's
@@ -11,6 +12,8 @@ one, since the kernel ties the death signal to the forking *thread*).
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
+import multiprocessing.managers
 import os
 import signal
 import sys
@@ -22,6 +25,7 @@ POLL_SECONDS = 1.0
 LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun in every worker
 
 _fork_state = {"parent": 0, "from_main_thread": True, "hooked": False}
+_writer_queue_managers: list = []  # referenced for the process's lifetime: dropping one stops its server
 
 
 def die_with_launcher() -> None:
@@ -60,3 +64,19 @@ def _remember_forking_thread() -> None:
 def _child_dies_with_parent() -> None:
     # The kernel signal fires when the forking thread exits: only arm it for the main thread.
     die_with_parent(_fork_state["parent"], kernel_signal=_fork_state["from_main_thread"])
+
+
+def checkpoint_writer_queue_dies_with_us() -> None:
+    """Start the queue server megatron's checkpoint writers report to, armed to die with this process.
+
+    megatron creates it lazily with a *spawned* ``Manager`` (fork hooks do not run there), which
+    outlives a killed rank; creating it first, with the parent watch as initializer, closes that gap.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(), True))
+    _writer_queue_managers.append(manager)
+    filesystem_async._results_queue = manager.Queue()
