@@ -97,11 +97,11 @@ def finalize_save(root: str, iteration: int, keep_last: int | None) -> None:
 def seal(target: Path) -> None:
     """Checksum the files (shared over ranks), write the manifest on rank 0 and check it; else raise."""
     paths = decided_on_rank0(lambda: checkpoint_files(target))
-    entries, faults = [], []
+    entries, unreadable = [], []
     for part_entries, part_faults in gathered(describe_share(target, paths[rank() :: world_size()])):
         entries += part_entries
-        faults += part_faults
-    faults = decided_on_rank0(lambda: faults or write_and_check(target, entries))
+        unreadable += part_faults
+    faults = decided_on_rank0(lambda: unreadable or write_and_check(target, entries))
     if faults:
         remove_partial(target)
         raise CheckpointSaveError(
