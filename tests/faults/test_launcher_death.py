@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -37,8 +38,9 @@ def test_workers_exit_when_the_launcher_is_killed(tmp_path):
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
+    seen: set[int] = set()
     try:
-        deadline, seen = time.time() + 300, set()
+        deadline = time.time() + 300
         while not (log_dir / "metrics.jsonl").exists() or len(read_metrics(log_dir)) < 3:
             assert agent.poll() is None and time.time() < deadline, "training did not start"
             seen |= {p.pid for p in psutil.Process(agent.pid).children(recursive=True)}
@@ -53,3 +55,6 @@ def test_workers_exit_when_the_launcher_is_killed(tmp_path):
         assert not [pid for pid in seen if alive(pid)], "workers outlived their launcher"
     finally:
         kill_group(agent.pid)
+        for pid in seen:  # workers run in sessions of their own: a failure must not leave them behind
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
