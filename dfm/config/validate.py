@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dfm.config.container import ConfigContainer
 from dfm.config.errors import ConfigError
+from dfm.config.ranges import check_ranges
 
 
 def validate_config(cfg: ConfigContainer) -> None:
     """Raise ConfigError naming the first key whose value cannot work."""
+    check_ranges(cfg)
     _check_model(cfg)
     _check_dataset(cfg)
     _check_context_parallel(cfg)
@@ -66,9 +68,6 @@ def _check_precision(cfg: ConfigContainer) -> None:
         raise ConfigError(
             f"mixed_precision.fp8={cfg.mixed_precision.fp8!r} is not supported yet; use mixed_precision.precision=bf16"
         )
-    decay = cfg.optimizer.ema_decay
-    if decay is not None and not 0.0 < decay < 1.0:
-        raise ConfigError(f"optimizer.ema_decay must be in (0, 1), got {decay}")
 
 
 def _check_dataset(cfg: ConfigContainer) -> None:
@@ -84,10 +83,6 @@ def _check_dataset(cfg: ConfigContainer) -> None:
         raise ConfigError(
             f"dataset.mock_text_len_range high end ({high}) exceeds model.max_text_len ({cfg.model.max_text_len})"
         )
-    for name in ("mock_image_fraction", "cfg_dropout_prob"):
-        value = getattr(data, name)
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"dataset.{name} must be in [0, 1], got {value}")
 
 
 def _check_context_parallel(cfg: ConfigContainer) -> None:

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from megatron.core import dist_checkpointing
 
+from dfm.checkpoint.select import resolve_load_dir
+from dfm.checkpoint.state import model_sharded_state_dict, with_weights
 from dfm.config.container import ConfigContainer
 from dfm.config.loader import apply_mapping, build_config
 from dfm.models.build import build_model_chunk
-from dfm.training.checkpoint import model_sharded_state_dict, resolve_load_dir
-from dfm.training.ema import with_weights
 
 logger = logging.getLogger("dfm.inference")
 

@@ -9,12 +9,12 @@ Generation (validation samples, the inference script) uses the EMA weights when 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from dfm.checkpoint.state import with_weights
 
 
 class WeightEMA:
@@ -59,15 +59,6 @@ class WeightEMA:
             yield
         finally:
             copy_into(model, saved)
-
-
-def with_weights(model_state: dict[str, Any], weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """A chunk's sharded state dict restricted to ``weights``' names, holding those tensors under ``ema.<key>``."""
-    return {
-        name: dataclasses.replace(sharded, key=f"ema.{sharded.key}", data=weights[name])
-        for name, sharded in model_state.items()
-        if isinstance(sharded, ShardedTensor) and name in weights
-    }
 
 
 @torch.no_grad()

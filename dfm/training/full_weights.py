@@ -4,7 +4,7 @@ What the layout-equivalence tests compare: TP shards are concatenated (the inver
 layout-independent init's split, ``dfm.models.common.init``), pipeline stages contribute their
 layers and expert-parallel ranks their experts under global names (``dfm.models.common.param_names``).
 Tensors travel as pickled objects to rank 0, so this is for small models (tests, debugging);
-checkpoints of real runs go through ``dfm.training.checkpoint``.
+checkpoints of real runs go through ``dfm.checkpoint``.
 """
 
 from __future__ import annotations

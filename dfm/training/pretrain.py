@@ -14,12 +14,15 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from dfm.checkpoint.files import set_aside_partial_saves
+from dfm.checkpoint.load import load_checkpoint
+from dfm.checkpoint.save import save_checkpoint, warn_if_little_room
 from dfm.config.container import ConfigContainer
 from dfm.config.loader import config_to_dict, format_config, save_config_yaml
 from dfm.diffusion.pipeline import pipeline_from_config
 from dfm.models.dit.flops import dit_training_flops
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
-from dfm.training.checkpoint import load_checkpoint, save_checkpoint
+from dfm.platform.parent_watch import checkpoint_writer_queue_dies_with_us, die_with_launcher
 from dfm.training.data import build_train_loader, build_val_iterator
 from dfm.training.ema import build_ema
 from dfm.training.faults import NonFiniteGuard, PreemptionSignal, grads_are_finite
@@ -138,6 +141,9 @@ def train_step(forward_step, data_iter, model, optimizer, scheduler, n_micro: in
 
 
 def pretrain(cfg: ConfigContainer, mock: bool) -> None:
+    die_with_launcher()
+    if cfg.checkpoint.save:
+        checkpoint_writer_queue_dies_with_us()
     m = cfg.model
     device = initialize_distributed(
         m.tensor_model_parallel_size,
@@ -163,6 +169,8 @@ def announce_config(cfg: ConfigContainer) -> None:
         if folder:
             Path(folder).mkdir(parents=True, exist_ok=True)
             save_config_yaml(cfg, Path(folder) / "config.yaml")
+    if cfg.checkpoint.save:
+        set_aside_partial_saves(cfg.checkpoint.save)
 
 
 def run(cfg: ConfigContainer, mock: bool, device: torch.device) -> None:
@@ -170,13 +178,15 @@ def run(cfg: ConfigContainer, mock: bool, device: torch.device) -> None:
     finalize_defaults(cfg)
     if rank == 0:
         announce_config(cfg)
+    torch.distributed.barrier()  # unfinished saves are set aside before any rank looks for checkpoints
     model, tconfig = build_model(cfg, device)
     optimizer, scheduler = build_optimizer(cfg, model, tconfig)
     data_iter = RecordingIterator(build_train_loader(cfg, mock))
     ema = build_ema(model, cfg.optimizer.ema_decay)
     start = 0
     if cfg.checkpoint.load:
-        start = load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, data_iter, ema)
+        start = load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, data_iter, ema, cfg.model)
+    warn_if_little_room(cfg.checkpoint.save, model, ema)
     forward_step = DiffusionForwardStep(pipeline_from_config(cfg), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
     loop = TrainLoop(cfg, model, optimizer, scheduler, data_iter, forward_step, device, mock, ema)
     loop.run(start)

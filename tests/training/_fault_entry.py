@@ -2,9 +2,11 @@
 
 - ``kill_during_save:RANK:ITER``: that rank SIGKILLs itself inside the save of ITER, after
   writing its shards and before the save completes on all ranks.
+- ``enospc_during_save:ITER``: the save of ITER fails with ENOSPC (disk full) after writing its files.
 - ``nonfinite_loss:ITER,ITER,...``: the loss of those iterations is NaN.
 """
 
+import errno
 import os
 import runpy
 import signal
@@ -30,6 +32,20 @@ def kill_during_save(rank: int, iteration: int) -> None:
     dist_checkpointing.save = save
 
 
+def enospc_during_save(iteration: int) -> None:
+    from megatron.core import dist_checkpointing
+
+    real_save = dist_checkpointing.save
+
+    def save(state, directory, *args, **kwargs):
+        result = real_save(state, directory, *args, **kwargs)
+        if str(directory).endswith(f"iter_{iteration:07d}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+        return result
+
+    dist_checkpointing.save = save
+
+
 def nonfinite_loss(iterations: set[int]) -> None:
     from dfm.training.forward_step import DiffusionForwardStep
 
@@ -50,6 +66,8 @@ def main() -> None:
     if kind == "kill_during_save":
         rank, iteration = arg.split(":")
         kill_during_save(int(rank), int(iteration))
+    elif kind == "enospc_during_save":
+        enospc_during_save(int(arg))
     elif kind == "nonfinite_loss":
         nonfinite_loss({int(i) for i in arg.split(",")})
     else:

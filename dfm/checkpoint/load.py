@@ -1,0 +1,83 @@
+"""Loading: choose a checkpoint that verifies, check it fits this run's model, restore everything."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from megatron.core import dist_checkpointing
+
+from dfm.checkpoint.compare import model_differences
+from dfm.checkpoint.errors import CheckpointError
+from dfm.checkpoint.progress import StageProgress
+from dfm.checkpoint.select import choose_checkpoint
+from dfm.checkpoint.state import full_sharded_state_dict, layout, restore_ema, set_rng_state
+from dfm.config.container import ModelConfig
+from dfm.platform.compat.checkpointing import ensure_adam_state, unshare_adam_steps
+
+logger = logging.getLogger("dfm.checkpoint")
+
+LOAD_STAGES = ["plan", "read tensors", "model + EMA", "optimizer + schedule", "RNG + data position"]
+
+
+def load_checkpoint(
+    path: str, model, optimizer, scheduler, loader, ema=None, model_config: ModelConfig | None = None
+) -> int:
+    """Restore everything from ``path`` (a checkpoint, or a root: its newest that verifies); -> iteration (0 if none).
+
+    With ``model_config``, a checkpoint of a different architecture is refused before any tensor is read.
+    """
+    directory = choose_checkpoint(path)
+    if directory is None:
+        return 0
+    with StageProgress(f"load {directory.name}", LOAD_STAGES) as progress:
+        common = dist_checkpointing.load_common_state_dict(str(directory))
+        if model_config is not None:
+            check_same_model(common, directory, model_config)
+        ensure_adam_state(optimizer)
+        same_layout = common.get("layout") == layout()
+        same_dp = common.get("layout", {}).get("dp") == layout()["dp"]
+        ema_saved = ema if common.get("has_ema") else None
+        state = full_sharded_state_dict(
+            model, optimizer, loader, is_loading=True, with_rng=same_layout, with_data=same_dp, ema=ema_saved
+        )
+        progress.advance()
+        loaded = dist_checkpointing.load(state, str(directory))
+        progress.advance()
+        for index, chunk in enumerate(model):
+            chunk.module.load_state_dict(loaded[f"model{index}"], strict=True)
+        restore_ema(ema, loaded if ema_saved is not None else None, model, directory)
+        progress.advance()
+        optimizer.load_state_dict(loaded["optimizer"])
+        unshare_adam_steps(optimizer)
+        scheduler.load_state_dict(loaded["scheduler"])
+        progress.advance()
+        if same_layout:
+            set_rng_state(loaded["rng"])
+        if "data" in loaded:
+            loader.load_state_dict(loaded["data"])
+        else:
+            logger.warning(
+                "checkpoint %s was written with data-parallel size %s, now %s: the data position is not restored",
+                directory,
+                common.get("layout", {}).get("dp"),
+                layout()["dp"],
+            )
+        progress.advance()
+    logger.info("loaded checkpoint %s (iteration %d)", directory, loaded["iteration"])
+    return int(loaded["iteration"])
+
+
+def check_same_model(common: dict, directory: Path, current: ModelConfig) -> None:
+    """Raise naming every architecture key whose value differs from the checkpoint's."""
+    saved = (common.get("config") or {}).get("model")
+    if saved is None:
+        logger.warning("checkpoint %s holds no model config: its architecture is not compared", directory)
+        return
+    differences = model_differences(saved, current)
+    if differences:
+        raise CheckpointError(
+            f"checkpoint {directory} holds a different model than this run: {'; '.join(differences)}. "
+            "Set these keys to the checkpoint's values to resume it (parallel sizes may differ), "
+            "or start a new run with another checkpoint.save directory"
+        )

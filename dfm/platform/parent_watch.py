@@ -1,0 +1,82 @@
+"""Training processes die with their parent: workers with the torchrun agent, and every process a
+worker starts (dist_checkpointing's forked writers and its spawned result-queue server, data
+workers) with that worker.
+
+Without this, ``kill -9`` of the agent (a job scheduler's last resort) leaves workers training,
+holding the accelerator and writing into the checkpoint directory. Two mechanisms: Linux's
+``PR_SET_PDEATHSIG`` (the kernel sends SIGKILL when the parent exits) and a watchdog thread that
+polls the parent pid (other systems; and children forked from a thread other than the main
+one, since the kernel ties the death signal to the forking *thread*).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import multiprocessing.managers
+import os
+import signal
+import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1
+POLL_SECONDS = 1.0
+LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun in every worker
+
+_fork_state = {"parent": 0, "from_main_thread": True, "hooked": False}
+_writer_queue_managers: list = []  # referenced for the process's lifetime: dropping one stops its server
+
+
+def die_with_launcher() -> None:
+    """In a torchrun worker: exit when the agent does; in any case, make forked children exit with us.
+
+    A process started without torchrun keeps running when its parent exits (``nohup`` works).
+    """
+    if LAUNCHER_ENV in os.environ:
+        die_with_parent(os.getppid(), kernel_signal=True)
+    if not _fork_state["hooked"]:
+        os.register_at_fork(before=_remember_forking_thread, after_in_child=_child_dies_with_parent)
+        _fork_state["hooked"] = True
+
+
+def die_with_parent(parent: int, kernel_signal: bool) -> None:
+    """SIGKILL this process when ``parent`` exits (kernel signal where available, plus a polling thread)."""
+    if kernel_signal and sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent exited before the signal was armed
+        os._exit(1)
+    threading.Thread(target=_watch, args=(parent,), name="parent-watch", daemon=True).start()
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(POLL_SECONDS)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _remember_forking_thread() -> None:
+    _fork_state["parent"] = os.getpid()
+    _fork_state["from_main_thread"] = threading.current_thread() is threading.main_thread()
+
+
+def _child_dies_with_parent() -> None:
+    # The kernel signal fires when the forking thread exits: only arm it for the main thread.
+    die_with_parent(_fork_state["parent"], kernel_signal=_fork_state["from_main_thread"])
+
+
+def checkpoint_writer_queue_dies_with_us() -> None:
+    """Start the queue server megatron's checkpoint writers report to, armed to die with this process.
+
+    megatron creates it lazily with a *spawned* ``Manager`` (fork hooks do not run there), which
+    outlives a killed rank; creating it first, with the parent watch as initializer, closes that gap.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(), True))
+    _writer_queue_managers.append(manager)
+    filesystem_async._results_queue = manager.Queue()
