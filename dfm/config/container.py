@@ -62,6 +62,9 @@ class ModelConfig:
     recompute_method: RecomputeMethod | None = "uniform"
     recompute_num_layers: int | None = None
     init_method_std: float = 0.02
+    # torch.compile the blocks' elementwise regions (norm + modulate, gated residual, MLP activation);
+    # dynamic shapes, so packs of changing length reuse one graph (dfm/models/common/fused.py).
+    compile: bool = False
 
     @property
     def effective_ffn_hidden_size(self) -> int:

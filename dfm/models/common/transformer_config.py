@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
+from dfm.models.common.fused import activation
 
 
 def build_transformer_config(model, precision: str = "fp32") -> TransformerConfig:
@@ -38,7 +35,7 @@ def build_transformer_config(model, precision: str = "fp32") -> TransformerConfi
         layernorm_epsilon=model.layernorm_epsilon,
         normalization="RMSNorm" if llama_style else "LayerNorm",
         gated_linear_unit=llama_style,
-        activation_func=F.silu if llama_style else _gelu_tanh,
+        activation_func=activation(gated=llama_style, compile=model.compile),
         add_bias_linear=not llama_style,
         qk_layernorm=model.qk_layernorm,
         init_method_std=model.init_method_std,
@@ -64,4 +61,5 @@ def build_transformer_config(model, precision: str = "fp32") -> TransformerConfi
     # Timestep / text embedders are replicated on every pipeline stage; megatron all-reduces
     # grads of params marked `pipeline_parallel` across stages when this flag is set.
     config.has_cond_embedder = True
+    config.compile_regions = model.compile  # read by the blocks (dfm/models/common/fused.py)
     return config

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from torch import Tensor
+from torch import Tensor, nn
 
-from dfm.models.common.adaln import AdaLNNorm, modulate
+from dfm.models.common.adaln import AdaLNNorm
 from dfm.models.common.factorized_layout import FactorizedAttentionParams
+from dfm.models.common.fused import block_ops
 from dfm.models.common.init import zero_init
 from dfm.models.common.pack_inputs import PackInputs
 
@@ -34,11 +35,6 @@ class DiTLayerSubmodules:
     cross_attention: ModuleSpec | type | None = None
     temporal_attention: ModuleSpec | type | None = None  # ST-DiT only
     norm: type = AdaLNNorm  # affine-free: LayerNorm (DiT) or RMSNorm (Llama-style)
-
-
-def _add_bias(output_and_bias: tuple[Tensor, Tensor | None]) -> Tensor:
-    output, bias = output_and_bias
-    return output if bias is None else output + bias
 
 
 class DiTLayer(MegatronModule):
@@ -65,6 +61,7 @@ class DiTLayer(MegatronModule):
             {"layer_number": layer_number} if config.num_moe_experts else {"ffn_hidden_size": config.ffn_hidden_size}
         )
         self.mlp = build_module(submodules.mlp, config=config, **mlp_size)
+        self.ops = block_ops(getattr(config, "compile_regions", False))
 
     def forward(self, hidden: Tensor, inputs: PackInputs) -> Tensor:
         """hidden [s, b, h] -> [s, b, h]; ``inputs`` holds this pack's conditioning and segments."""
@@ -79,24 +76,27 @@ class DiTLayer(MegatronModule):
 
     def attend(self, attention, norm, hidden, shift, scale, gate, rotary_pos_emb, params) -> Tensor:
         """Gated residual self-attention (the segments' token order is the attention's business)."""
-        attn_in = modulate(norm(hidden), shift, scale)
-        out = _add_bias(
-            attention(attn_in, attention_mask=None, rotary_pos_emb=rotary_pos_emb, packed_seq_params=params)
-        )
-        return hidden + gate * out
+        attn_in = self.norm_modulate(norm, hidden, shift, scale)
+        out, bias = attention(attn_in, attention_mask=None, rotary_pos_emb=rotary_pos_emb, packed_seq_params=params)
+        return self.ops.gated_residual(hidden, gate, out, bias)
+
+    def norm_modulate(self, norm: nn.Module, hidden: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        """modulate(norm(hidden), shift, scale) in one fused region (plain numbers only cross into it)."""
+        return self.ops.norm_modulate(hidden, shift, scale, norm.eps, isinstance(norm, nn.RMSNorm))
 
     def cross_attend(self, hidden: Tensor, context: Tensor | None, params: PackedSeqParams | None) -> Tensor:
         if self.cross_attention is None:
             return hidden
-        out = self.cross_attention(
+        out, bias = self.cross_attention(
             self.norm2(hidden), attention_mask=None, key_value_states=context, packed_seq_params=params
         )
-        return hidden + _add_bias(out)
+        return self.ops.gated_residual(hidden, None, out, bias)
 
     def feed_forward(self, hidden: Tensor, shift: Tensor, scale: Tensor, gate: Tensor, padding_mask=None) -> Tensor:
         # megatron's MoE layer takes the mask as [b, s] (a dense MLP ignores it).
         mask = {} if padding_mask is None else {"padding_mask": padding_mask[None]}
-        return hidden + gate * _add_bias(self.mlp(modulate(self.norm3(hidden), shift, scale), **mask))
+        out, bias = self.mlp(self.norm_modulate(self.norm3, hidden, shift, scale), **mask)
+        return self.ops.gated_residual(hidden, gate, out, bias)
 
 
 class STDiTLayer(DiTLayer):

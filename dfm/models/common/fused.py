@@ -1,0 +1,76 @@
+"""The DiT block's elementwise work as small functions, compiled per region when ``model.compile`` is on.
+
+Around each attention and MLP a block normalises, modulates (x * (1 + scale) + shift) and adds a gated
+residual: a few memory-bound passes over [s, b, h] each. ``torch.compile`` fuses each group into one
+kernel. Only these pure functions are compiled (regional compilation): attention, the parallel linears
+and their collectives stay eager, so nothing graph-breaks and compile time stays small.
+
+Packs change length every step: the functions are compiled with dynamic shapes, so one graph serves
+every length (``python -m benchmarks.recompiles`` counts graphs over 50 mixed packs). Arguments are
+tensors and plain numbers only: a module argument would be guarded by identity and recompile per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def norm_modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float, rms: bool) -> Tensor:
+    """Affine-free LayerNorm (or RMSNorm) of x [s, b, h], then x * (1 + scale) + shift."""
+    normed = F.rms_norm(x, x.shape[-1:], eps=eps) if rms else F.layer_norm(x, x.shape[-1:], eps=eps)
+    return normed * (1 + scale) + shift
+
+
+def gated_residual(x: Tensor, gate: Tensor | None, out: Tensor, bias: Tensor | None) -> Tensor:
+    """x + gate * (out + bias); gate None: a plain residual."""
+    if bias is not None:
+        out = out + bias
+    return x + out if gate is None else x + gate * out
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def silu(x: Tensor) -> Tensor:
+    return F.silu(x)
+
+
+@dataclass(frozen=True)
+class BlockOps:
+    """The elementwise functions a block calls: eager or compiled, same signatures."""
+
+    norm_modulate: Callable[..., Tensor] = norm_modulate
+    gated_residual: Callable[..., Tensor] = gated_residual
+
+
+def compile_region(fn: Callable, backend: str = "inductor") -> Callable:
+    """``fn`` compiled with dynamic shapes (packs change length every step)."""
+    return torch.compile(fn, dynamic=True, backend=backend)
+
+
+@functools.cache
+def compiled_block_ops(backend: str = "inductor") -> BlockOps:
+    """One compiled copy per process, shared by every layer (one graph per function, not per layer)."""
+    return BlockOps(compile_region(norm_modulate, backend), compile_region(gated_residual, backend))
+
+
+@functools.cache
+def compiled_activation(fn: Callable, backend: str = "inductor") -> Callable:
+    return compile_region(fn, backend)
+
+
+def block_ops(compile: bool, backend: str = "inductor") -> BlockOps:
+    return compiled_block_ops(backend) if compile else BlockOps()
+
+
+def activation(gated: bool, compile: bool, backend: str = "inductor") -> Callable[[Tensor], Tensor]:
+    """The MLP's activation (SiLU for SwiGLU blocks, tanh-GELU otherwise), compiled on request."""
+    fn = silu if gated else gelu_tanh
+    return compiled_activation(fn, backend) if compile else fn
