@@ -10,11 +10,12 @@ from dfm.config.container import ConfigContainer
 from dfm.config.errors import ConfigError
 
 
-def validate_config(cfg: ConfigContainer) -> None:
-    """Raise ConfigError naming the first key whose value cannot work."""
+def validate_config(cfg: ConfigContainer, world_size: int | None = None) -> None:
+    """Raise ConfigError naming the first key whose value cannot work. ``world_size``: the ranks
+    launched (None: not known, e.g. a config read outside a run; the rules needing it are skipped)."""
     _check_model(cfg)
     _check_dataset(cfg)
-    _check_context_parallel(cfg)
+    _check_parallel_layout(cfg, world_size)
     _check_positive(cfg.train.micro_batch_size, "train.micro_batch_size")
     _check_at_least(cfg.train.train_iters, 0, "train.train_iters")
     _check_positive(cfg.logger.log_interval, "logger.log_interval")
@@ -32,10 +33,6 @@ def _check_model(cfg: ConfigContainer) -> None:
         "patch_temporal",
         "text_embed_dim",
         "max_text_len",
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "context_parallel_size",
-        "expert_model_parallel_size",
     ):
         _check_positive(getattr(model, name), f"model.{name}")
     if model.hidden_size % model.num_attention_heads:
@@ -44,19 +41,14 @@ def _check_model(cfg: ConfigContainer) -> None:
             f"model.num_attention_heads ({model.num_attention_heads})"
         )
     _check_sizes([model.max_latent_thw], 3, "model.max_latent_thw")
-    _check_pipeline_stages(model)
 
 
-def _check_pipeline_stages(model) -> None:
-    """Every (virtual) pipeline stage needs the same whole number of layers."""
-    virtual = model.virtual_pipeline_model_parallel_size or 1
-    stages = model.pipeline_model_parallel_size * virtual
-    if model.num_layers % stages:
-        raise ConfigError(
-            f"model.num_layers ({model.num_layers}) must be a multiple of the pipeline stages: "
-            f"pipeline_model_parallel_size ({model.pipeline_model_parallel_size}) x "
-            f"virtual_pipeline_model_parallel_size ({virtual}) = {stages}"
-        )
+def _check_parallel_layout(cfg: ConfigContainer, world_size: int | None) -> None:
+    """The layout's own rules and the model's under it (dfm/parallel/rules.py)."""
+    # Imported here: dfm.parallel raises this package's ConfigError, so a top-level import is circular.
+    from dfm.parallel.layout import ParallelLayout
+
+    ParallelLayout.from_config(cfg.model, world_size).check_model(cfg.model, cfg.dataset.seq_length)
 
 
 def _check_precision(cfg: ConfigContainer) -> None:
@@ -88,31 +80,6 @@ def _check_dataset(cfg: ConfigContainer) -> None:
         value = getattr(data, name)
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"dataset.{name} must be in [0, 1], got {value}")
-
-
-def _check_context_parallel(cfg: ConfigContainer) -> None:
-    """Each sample is cut into 2*cp chunks (load balance), each CP share split over TP under SP;
-    ST-DiT's all-to-all gives every CP rank heads/(tp*cp) whole heads."""
-    model, cp = cfg.model, cfg.model.context_parallel_size
-    if cp == 1:
-        return
-    tp = model.tensor_model_parallel_size
-    multiple = 2 * cp * (tp if model.sequence_parallel else 1)
-    split = f"2 x context_parallel_size ({cp})" + (
-        f" x tensor_model_parallel_size ({tp})" if multiple != 2 * cp else ""
-    )
-    length = cfg.dataset.seq_length
-    problem = "is too short to split" if length < multiple else "is not divisible" if length % multiple else None
-    if problem:
-        raise ConfigError(
-            f"dataset.seq_length ({length}) {problem}: context parallelism pads every sample to a multiple of "
-            f"{split} = {multiple} tokens and needs seq_length a multiple of it"
-        )
-    if model.architecture == "stdit" and model.num_attention_heads % (tp * cp):
-        raise ConfigError(
-            f"model.num_attention_heads ({model.num_attention_heads}) must be divisible by tensor_model_parallel_size "
-            f"({tp}) x context_parallel_size ({cp}): stdit re-shards attention heads over the context-parallel ranks"
-        )
 
 
 def _check_sizes(sizes: list[list[int]], length: int, key: str) -> None:

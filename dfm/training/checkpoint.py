@@ -23,6 +23,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.transformer.utils import sharded_state_dict_default
 
+from dfm.parallel.layout import layout_of
 from dfm.platform.megatron_compat import ensure_adam_state, patch_distrib_optimizer_step_copy, unshare_adam_steps
 from dfm.training.progress import StageProgress
 
@@ -106,14 +107,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def layout() -> dict[str, int]:
-    return {
-        "world": torch.distributed.get_world_size(),
-        "tp": parallel_state.get_tensor_model_parallel_world_size(),
-        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-        "dp": parallel_state.get_data_parallel_world_size(),
-        "cp": parallel_state.get_context_parallel_world_size(),
-    }
+def layout(model) -> dict[str, int]:
+    """The fingerprint of the layout the (DDP-wrapped) model chunks were built for."""
+    return layout_of(model[0].config).fingerprint()
 
 
 def full_sharded_state_dict(
@@ -179,7 +175,7 @@ def save_checkpoint(
         iteration=iteration,
         scheduler=scheduler.state_dict(),
         config=config_dict,
-        layout=layout(),
+        layout=layout(model),
         has_ema=ema is not None,
     )
     if async_queue is None:
@@ -238,8 +234,8 @@ def load_checkpoint(path: str, model, optimizer, scheduler, loader, ema=None) ->
         common = dist_checkpointing.load_common_state_dict(str(directory))
         ensure_adam_state(optimizer)
         patch_distrib_optimizer_step_copy()
-        same_layout = common.get("layout") == layout()
-        same_dp = common.get("layout", {}).get("dp") == layout()["dp"]
+        same_layout = common.get("layout") == layout(model)
+        same_dp = common.get("layout", {}).get("dp") == layout(model)["dp"]
         ema_saved = ema if common.get("has_ema") else None
         state = full_sharded_state_dict(
             model, optimizer, loader, is_loading=True, with_rng=same_layout, with_data=same_dp, ema=ema_saved
@@ -264,7 +260,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, loader, ema=None) ->
                 "checkpoint %s was written with data-parallel size %s, now %s: the data position is not restored",
                 directory,
                 common.get("layout", {}).get("dp"),
-                layout()["dp"],
+                layout(model)["dp"],
             )
         progress.advance()
     logger.info("loaded checkpoint %s (iteration %d)", directory, loaded["iteration"])

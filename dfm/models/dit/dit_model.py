@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from dfm.data.packed_batch import PackedBatch
 from dfm.models.common.adaln import AdaLNNorm, modulate, rows_to_tokens
-from dfm.models.common.context_parallel import SequenceSplit, UlyssesAttention, local_query_attention, sequence_split
+from dfm.models.common.context_parallel import SequenceSplit, UlyssesAttention, local_query_attention
 from dfm.models.common.embeddings import (
     FactorizedLearned3DEmbedding,
     TimestepEmbedder,
@@ -30,6 +30,7 @@ from dfm.models.common.embeddings import (
 from dfm.models.common.factorized_layout import factorized_params, sample_grids
 from dfm.models.common.packed_attention import PackedSegments
 from dfm.models.common.recompute import forward_layers, layer_runs
+from dfm.parallel.layout import layout_of
 
 
 class FinalLayer(nn.Module):
@@ -87,11 +88,6 @@ def packed_seq_params(batch: PackedBatch, cross: bool, split: SequenceSplit | No
     return params
 
 
-def pack_split(batch: PackedBatch) -> SequenceSplit:
-    """This CP rank's share of ``batch``, built from its host offsets (no device sync)."""
-    return sequence_split(batch.host_view().cu_seqlens_q_padded, batch.latents.device)
-
-
 class DiTModel(MegatronModule):
     """Packed DiT: (x_in [S, D], c_noise [N], batch) -> raw prediction [S, D] (last stage)."""
 
@@ -108,6 +104,7 @@ class DiTModel(MegatronModule):
         self.model_type = ModelType.encoder_or_decoder
         self.share_embeddings_and_output_weights = False  # read by megatron finalize_model_grads
         self.model_cfg = model_cfg
+        self.layout = layout_of(config)
         self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
         h = config.hidden_size
         patch_volume = model_cfg.patch_temporal * model_cfg.patch_spatial**2
@@ -158,7 +155,7 @@ class DiTModel(MegatronModule):
         """``mlp.experts.local_experts.{i}.*`` -> the expert's index over all EP ranks."""
         head, tail = name.split(".local_experts.", 1)
         index, rest = tail.split(".", 1)
-        num_local = self.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+        num_local = self.config.num_moe_experts // self.layout.ep
         first = parallel_state.get_expert_model_parallel_rank() * num_local
         return f"{head}.local_experts.{first + int(index)}.{rest}"
 
@@ -184,7 +181,7 @@ class DiTModel(MegatronModule):
         """Under context parallelism each rank runs its share of the tokens (``split``) and the
         output is gathered: every CP rank returns the whole [S, D]."""
         sp = self.config.sequence_parallel
-        split = pack_split(batch)
+        split = self.layout.pack_split(batch)
         token_ids = split.local(batch.token_sample_ids())
         cond = self.conditioning(c_noise, class_labels)
         context = None
@@ -201,8 +198,8 @@ class DiTModel(MegatronModule):
         rope = None
         if self.model_cfg.pos_embedding == "rope3d":
             rope = rope_3d_freqs(split.local(batch.pos_ids), self.config.kv_channels)
-        local_ids = self.sequence_parallel_slice(token_ids)
-        padding = self.sequence_parallel_slice(split.local(batch.loss_mask == 0))
+        local_ids = self.layout.sequence_parallel_slice(token_ids)
+        padding = self.layout.sequence_parallel_slice(split.local(batch.loss_mask == 0))
         hidden = self.run_layers(hidden, cond, local_ids, context, rope, batch, split, padding)
         if not self.post_process:
             return hidden
@@ -212,19 +209,10 @@ class DiTModel(MegatronModule):
         # The loss is computed on the gathered output by every CP rank alike: keep own rows' grads.
         return split.gather(out, grad_is_partial=False)
 
-    def sequence_parallel_slice(self, per_token: Tensor) -> Tensor:
-        """The slice of a per-token [S] tensor held by this rank when the sequence is split over TP
-        ranks (sequence parallelism); the whole tensor otherwise."""
-        if not self.config.sequence_parallel:
-            return per_token
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        return per_token.chunk(tp)[rank]
-
     def self_attention_params(self, batch: PackedBatch, split: SequenceSplit | None = None):
         """Per-sample segments; ST-DiT's factorized attention needs per-frame / per-position ones
         (under CP re-sharded by all-to-all, as frames and positions span the CP ranks)."""
-        split = split if split is not None else pack_split(batch)
+        split = split if split is not None else self.layout.pack_split(batch)
         if self.model_cfg.architecture != "stdit":
             return packed_seq_params(batch, cross=False, split=split)
         host = batch.host_view()
