@@ -38,11 +38,6 @@ SIZES = ("tp", "pp", "vpp", "cp", "ep")
 _CONFIG_ATTRIBUTE = "parallel_layout"
 
 
-def config_key(name: str) -> str:
-    """'tp' -> 'model.tensor_model_parallel_size': the key an error tells the user to change."""
-    return f"model.{CONFIG_FIELDS[name]}"
-
-
 def launched_world_size() -> int:
     """Ranks torchrun started (WORLD_SIZE); 1 for a process started without it."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -79,8 +74,8 @@ class ParallelLayout:
 
     @staticmethod
     def key(name: str) -> str:
-        """The ModelConfig key of a size ('tp' -> 'model.tensor_model_parallel_size')."""
-        return config_key(name)
+        """'tp' -> 'model.tensor_model_parallel_size': the key an error tells the user to change."""
+        return f"model.{CONFIG_FIELDS[name]}"
 
     @property
     def model_parallel(self) -> int:
