@@ -2,7 +2,8 @@
 
 Split (the layout TE's THD context parallelism and megatron use): every sample's padded segment
 is cut into 2*cp equal chunks and CP rank r keeps chunks r and 2*cp-1-r, so each rank holds an
-equal share of every sample. The data pads segments to a multiple of 2*cp (`ParallelLayout.padding_multiples`).
+equal share of every sample. The data pads segments to a multiple of 2*cp
+(`ParallelLayout.padding_multiples`).
 
 Attention on the local tokens, computed exactly (the local backend; TE does its own CP):
   * self-attention (DiT, MovieGen): all-gather K and V over CP (backward reduce-scatters dK/dV),
