@@ -48,7 +48,7 @@ def check_world(layout: ParallelLayout) -> None:
     # Experts are sharded over the data-parallel x context-parallel ranks of each stage.
     if (layout.dp * cp) % ep:
         raise ConfigError(
-            f"{layout.key('ep')} ({ep}) must divide data-parallel size {layout.dp} x context-parallel size {cp} "
+            f"{layout.key('ep')} {ep} must divide data-parallel size {layout.dp} x context-parallel size {cp} "
             f"= {layout.dp * cp} (world size {layout.world_size}, tensor {tp}, pipeline {pp}): "
             f"change {layout.key('ep')} or the number of ranks"
         )

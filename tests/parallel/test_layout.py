@@ -32,7 +32,7 @@ TP2 = "model.tensor_model_parallel_size=2"
         ),
         (
             dict(world_size=4, tp=2, ep=4),
-            r"model\.expert_model_parallel_size \(4\) must divide data-parallel size 2 x context-parallel size 1",
+            r"model\.expert_model_parallel_size 4 must divide data-parallel size 2 x context-parallel size 1",
         ),
         (
             dict(vpp=2),
