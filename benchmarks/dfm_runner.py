@@ -10,6 +10,7 @@ import torch
 
 from benchmarks.timing import Timing, peak_memory_gib, reset_memory, start_clock, stop_clock
 from dfm.diffusion.pipeline import pipeline_from_config
+from dfm.parallel import ParallelLayout
 from dfm.training.data import build_mock_loader
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.pretrain import RecordingIterator, finalize_defaults, train_step
@@ -20,11 +21,12 @@ def time_dfm(cfg, device: torch.device, warmup: int, steps: int, profiler=None) 
     """``profiler`` (a torch.profiler.profile) records the timed steps only."""
     reset_memory(device)
     finalize_defaults(cfg)
-    model, tconfig = build_model(cfg, device)
+    layout = ParallelLayout.from_config(cfg.model, torch.distributed.get_world_size())
+    model, tconfig = build_model(cfg, layout, device)
     optimizer, scheduler = build_optimizer(cfg, model, tconfig)
     pipeline = pipeline_from_config(cfg)
     forward_step = DiffusionForwardStep(pipeline, cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
-    data = RecordingIterator(build_mock_loader(cfg))
+    data = RecordingIterator(build_mock_loader(cfg, layout))
     n_micro = num_microbatches(cfg)
     for chunk in model:
         chunk.train()

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.dfm_runner import time_dfm
 from benchmarks.ladders import get_ladder
 from benchmarks.reference_runner import time_reference
-from benchmarks.run_benchmarks import LAYOUT_KEYS, rung_config
+from benchmarks.run_benchmarks import rung_config, running_layout
 from benchmarks.variants import apply_variant
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 
@@ -38,8 +38,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="outputs/profile")
     args = parser.parse_args(argv)
     rung = next(r for r in get_ladder(args.ladder) if r.name == args.rung)
-    layout = rung_config(rung, []).model
-    device = initialize_distributed(*(getattr(layout, k) for k in LAYOUT_KEYS[:2]), None, layout.context_parallel_size)
+    device = initialize_distributed(running_layout(rung_config(rung, [])))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -13,6 +13,7 @@ import torch
 from benchmarks.reference_dit import ReferenceDiT, ShapeBatch, batches_from_pack
 from benchmarks.timing import Timing, peak_memory_gib, reset_memory, start_clock, stop_clock
 from dfm.diffusion.pipeline import pipeline_from_config
+from dfm.parallel import ParallelLayout
 from dfm.training.data import build_mock_loader
 from dfm.training.setup import num_microbatches
 
@@ -69,7 +70,7 @@ def time_reference(cfg, device: torch.device, warmup: int, steps: int, profiler=
     reset_memory(device)
     model, optimizer = build_reference(cfg, device)
     pipeline = pipeline_from_config(cfg)
-    loader = build_mock_loader(cfg)
+    loader = build_mock_loader(cfg, ParallelLayout.from_config(cfg.model, torch.distributed.get_world_size()))
     n_micro = num_microbatches(cfg)
     bf16 = cfg.mixed_precision.precision == "bf16"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)

@@ -31,11 +31,11 @@ from benchmarks.reference_runner import time_reference
 from benchmarks.report import markdown_table, mixed_vs_fixed, ratio, side_metrics
 from benchmarks.variants import apply_variant
 from dfm.config.loader import build_config
+from dfm.parallel import ParallelLayout, launched_world_size
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.training.throughput import device_peak_flops
 
 REPO = Path(__file__).resolve().parents[1]
-LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
 
 
 def parse_args(argv):
@@ -55,9 +55,9 @@ def rung_config(rung: Rung, extra: list[str]):
     return build_config(rung.recipe, config_file, [*rung.overrides, *extra])
 
 
-def model_parallel_size(cfg) -> int:
-    m = cfg.model
-    return m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+def running_layout(cfg) -> ParallelLayout:
+    """The parallel layout of ``cfg`` on the ranks torchrun started."""
+    return ParallelLayout.from_config(cfg.model, launched_world_size())
 
 
 def timed_side(label: str, timer, cfg, device, args, gpus_sharing: int, peak) -> dict:
@@ -76,7 +76,7 @@ def run_rung(rung: Rung, args, device, peak) -> dict:
     cfg = rung_config(rung, args.set)
     row = {"config": rung.name, "variant": rung.variant, "overrides": rung.overrides + args.set, "mix_of": rung.mix_of}
     with apply_variant(rung.variant):
-        row["dfm"] = timed_side("dfm", time_dfm, cfg, device, args, model_parallel_size(cfg), peak)
+        row["dfm"] = timed_side("dfm", time_dfm, cfg, device, args, running_layout(cfg).model_parallel, peak)
     if rung.reference and not args.no_reference:
         # Every process runs its own copy on its own packs: a single-device reference, per GPU.
         row["reference"] = timed_side("reference", time_reference, rung_config(rung, args.set), device, args, 1, peak)
@@ -120,8 +120,7 @@ def main(argv=None) -> None:
         wanted = args.only.split(",")
         rungs = [r for r in rungs if r.name in wanted]
     # One process-group setup for the whole ladder: every rung shares the layout given in --set.
-    layout = rung_config(rungs[0], args.set).model
-    device = initialize_distributed(*(getattr(layout, k) for k in LAYOUT_KEYS[:2]), None, layout.context_parallel_size)
+    device = initialize_distributed(running_layout(rung_config(rungs[0], args.set)))
     torch._dynamo.config.cache_size_limit = 64  # many shapes across rungs: keep compiled kernels
     try:
         peak, env, rows = device_peak_flops(device), environment(device, argv), []

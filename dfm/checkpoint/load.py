@@ -35,8 +35,8 @@ def load_checkpoint(
         if model_config is not None:
             check_same_model(common, directory, model_config)
         ensure_adam_state(optimizer)
-        same_layout = common.get("layout") == layout()
-        same_dp = common.get("layout", {}).get("dp") == layout()["dp"]
+        same_layout = common.get("layout") == layout(model)
+        same_dp = common.get("layout", {}).get("dp") == layout(model)["dp"]
         ema_saved = ema if common.get("has_ema") else None
         state = full_sharded_state_dict(
             model, optimizer, loader, is_loading=True, with_rng=same_layout, with_data=same_dp, ema=ema_saved
@@ -61,7 +61,7 @@ def load_checkpoint(
                 "checkpoint %s was written with data-parallel size %s, now %s: the data position is not restored",
                 directory,
                 common.get("layout", {}).get("dp"),
-                layout()["dp"],
+                layout(model)["dp"],
             )
         progress.advance()
     logger.info("loaded checkpoint %s (iteration %d)", directory, loaded["iteration"])

@@ -65,7 +65,7 @@ def save_checkpoint(
         iteration=iteration,
         scheduler=scheduler.state_dict(),
         config=config_dict,
-        layout=layout(),
+        layout=layout(model),
         has_ema=ema is not None,
     )
     if async_queue is None:

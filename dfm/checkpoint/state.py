@@ -20,6 +20,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from megatron.core.transformer.utils import sharded_state_dict_default
 
 from dfm.models.common.param_names import global_layer_prefix
+from dfm.parallel.layout import layout_of
 
 logger = logging.getLogger("dfm.checkpoint")
 
@@ -82,14 +83,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def layout() -> dict[str, int]:
-    return {
-        "world": torch.distributed.get_world_size(),
-        "tp": parallel_state.get_tensor_model_parallel_world_size(),
-        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-        "dp": parallel_state.get_data_parallel_world_size(),
-        "cp": parallel_state.get_context_parallel_world_size(),
-    }
+def layout(model) -> dict[str, int]:
+    """The fingerprint of the layout the (DDP-wrapped) model chunks were built for."""
+    return layout_of(model[0].config).fingerprint()
 
 
 def full_sharded_state_dict(

@@ -40,9 +40,11 @@ def parse_args(argv: Sequence[str]) -> CliArgs:
 
 
 def load_config_from_cli(argv: Sequence[str]) -> tuple[ConfigContainer, CliArgs]:
-    """Parse `argv` and build the config it describes."""
+    """Parse `argv` and build the config it describes, its layout checked against the ranks launched."""
+    from dfm.parallel.layout import launched_world_size  # circular at the top: dfm.parallel uses ConfigError
+
     args = parse_args(argv)
-    return build_config(args.recipe, args.config_file, args.overrides), args
+    return build_config(args.recipe, args.config_file, args.overrides, launched_world_size()), args
 
 
 def config_or_exit(argv: Sequence[str] | None = None) -> tuple[ConfigContainer, CliArgs]:

@@ -22,11 +22,14 @@ from dfm.config.validate import validate_config
 RECIPE_KEY = "recipe"
 
 
-def build_config(recipe: str | None, config_file: str | None, overrides: Sequence[str] = ()) -> ConfigContainer:
+def build_config(
+    recipe: str | None, config_file: str | None, overrides: Sequence[str] = (), world_size: int | None = None
+) -> ConfigContainer:
     """Recipe -> YAML file -> dotted overrides, each layer overriding the one before.
 
     The base recipe is `recipe` if given, else the file's top-level `recipe:` key, else the
-    ConfigContainer defaults. Unknown keys and wrong types raise ConfigError naming the key.
+    ConfigContainer defaults. Unknown keys and wrong types raise ConfigError naming the key;
+    so does a parallel layout that cannot run on ``world_size`` ranks (None: not checked).
     """
     file_values = load_yaml_file(config_file) if config_file else {}
     file_recipe = file_values.pop(RECIPE_KEY, None)
@@ -37,7 +40,7 @@ def build_config(recipe: str | None, config_file: str | None, overrides: Sequenc
     with _blame(f"config file '{config_file}'"):
         apply_mapping(cfg, file_values)
     apply_overrides(cfg, overrides)
-    validate_config(cfg)
+    validate_config(cfg, world_size)
     return cfg
 
 

@@ -11,12 +11,13 @@ from dfm.config.errors import ConfigError
 from dfm.config.ranges import check_ranges
 
 
-def validate_config(cfg: ConfigContainer) -> None:
-    """Raise ConfigError naming the first key whose value cannot work."""
+def validate_config(cfg: ConfigContainer, world_size: int | None = None) -> None:
+    """Raise ConfigError naming the first key whose value cannot work. ``world_size``: the ranks
+    launched (None: not known, e.g. a config read outside a run; the rules needing it are skipped)."""
     check_ranges(cfg)
     _check_model(cfg)
     _check_dataset(cfg)
-    _check_context_parallel(cfg)
+    _check_parallel_layout(cfg, world_size)
     _check_positive(cfg.train.micro_batch_size, "train.micro_batch_size")
     _check_at_least(cfg.train.train_iters, 0, "train.train_iters")
     _check_positive(cfg.logger.log_interval, "logger.log_interval")
@@ -34,10 +35,6 @@ def _check_model(cfg: ConfigContainer) -> None:
         "patch_temporal",
         "text_embed_dim",
         "max_text_len",
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "context_parallel_size",
-        "expert_model_parallel_size",
     ):
         _check_positive(getattr(model, name), f"model.{name}")
     if model.hidden_size % model.num_attention_heads:
@@ -46,19 +43,14 @@ def _check_model(cfg: ConfigContainer) -> None:
             f"model.num_attention_heads ({model.num_attention_heads})"
         )
     _check_sizes([model.max_latent_thw], 3, "model.max_latent_thw")
-    _check_pipeline_stages(model)
 
 
-def _check_pipeline_stages(model) -> None:
-    """Every (virtual) pipeline stage needs the same whole number of layers."""
-    virtual = model.virtual_pipeline_model_parallel_size or 1
-    stages = model.pipeline_model_parallel_size * virtual
-    if model.num_layers % stages:
-        raise ConfigError(
-            f"model.num_layers ({model.num_layers}) must be a multiple of the pipeline stages: "
-            f"pipeline_model_parallel_size ({model.pipeline_model_parallel_size}) x "
-            f"virtual_pipeline_model_parallel_size ({virtual}) = {stages}"
-        )
+def _check_parallel_layout(cfg: ConfigContainer, world_size: int | None) -> None:
+    """The layout's own rules and the model's under it (dfm/parallel/rules.py)."""
+    # Imported here: dfm.parallel raises this package's ConfigError, so a top-level import is circular.
+    from dfm.parallel.layout import ParallelLayout
+
+    ParallelLayout.from_config(cfg.model, world_size).check_model(cfg.model, cfg.dataset.seq_length)
 
 
 def _check_precision(cfg: ConfigContainer) -> None:
@@ -82,31 +74,6 @@ def _check_dataset(cfg: ConfigContainer) -> None:
     if high > cfg.model.max_text_len:
         raise ConfigError(
             f"dataset.mock_text_len_range high end ({high}) exceeds model.max_text_len ({cfg.model.max_text_len})"
-        )
-
-
-def _check_context_parallel(cfg: ConfigContainer) -> None:
-    """Each sample is cut into 2*cp chunks (load balance), each CP share split over TP under SP;
-    ST-DiT's all-to-all gives every CP rank heads/(tp*cp) whole heads."""
-    model, cp = cfg.model, cfg.model.context_parallel_size
-    if cp == 1:
-        return
-    tp = model.tensor_model_parallel_size
-    multiple = 2 * cp * (tp if model.sequence_parallel else 1)
-    split = f"2 x context_parallel_size ({cp})" + (
-        f" x tensor_model_parallel_size ({tp})" if multiple != 2 * cp else ""
-    )
-    length = cfg.dataset.seq_length
-    problem = "is too short to split" if length < multiple else "is not divisible" if length % multiple else None
-    if problem:
-        raise ConfigError(
-            f"dataset.seq_length ({length}) {problem}: context parallelism pads every sample to a multiple of "
-            f"{split} = {multiple} tokens and needs seq_length a multiple of it"
-        )
-    if model.architecture == "stdit" and model.num_attention_heads % (tp * cp):
-        raise ConfigError(
-            f"model.num_attention_heads ({model.num_attention_heads}) must be divisible by tensor_model_parallel_size "
-            f"({tp}) x context_parallel_size ({cp}): stdit re-shards attention heads over the context-parallel ranks"
         )
 
 

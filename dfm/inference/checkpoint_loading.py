@@ -19,16 +19,12 @@ from dfm.checkpoint.state import model_sharded_state_dict, with_weights
 from dfm.config.container import ConfigContainer
 from dfm.config.loader import apply_mapping, build_config
 from dfm.models.build import build_model_chunk
+from dfm.parallel.layout import ParallelLayout
 
 logger = logging.getLogger("dfm.inference")
 
 SINGLE_PROCESS_LAYOUT = dict(
-    tensor_model_parallel_size=1,
-    pipeline_model_parallel_size=1,
-    virtual_pipeline_model_parallel_size=None,
-    context_parallel_size=1,
-    sequence_parallel=False,
-    expert_model_parallel_size=1,
+    **ParallelLayout().config_values(),
     recompute_granularity=None,  # no backward pass, nothing to recompute
 )
 

@@ -12,6 +12,7 @@ from dfm.models.common.transformer_config import build_transformer_config
 from dfm.models.common.varlen_attention import varlen_available
 from dfm.models.dit.dit_model import DiTModel
 from dfm.models.dit.dit_spec import dit_layer_spec, local_modules, te_modules
+from dfm.parallel.layout import ParallelLayout
 
 ARCHITECTURES = ("dit_adaln", "dit_cross", "stdit", "moviegen")
 
@@ -32,31 +33,38 @@ def resolve_attention_backend(requested: str) -> str:
     return "sdpa"
 
 
-def layer_spec_for(model_cfg):
+def layer_spec_for(model_cfg, layout: ParallelLayout):
     if model_cfg.architecture not in ARCHITECTURES:
         raise NotImplementedError(f"model.architecture={model_cfg.architecture!r}; valid: {ARCHITECTURES}")
     backend = resolve_attention_backend(model_cfg.attention_backend)
-    if backend == "te" and model_cfg.architecture == "stdit" and model_cfg.context_parallel_size > 1:
+    if backend == "te" and model_cfg.architecture == "stdit" and layout.cp > 1:
         # The all-to-all re-sharding wraps the local kernels; TE's CP splits per-sample segments only.
-        raise NotImplementedError("stdit with context_parallel_size > 1 runs on the local attention backends, not te")
+        raise NotImplementedError(
+            f"stdit with {layout.key('cp')} > 1 runs on the local attention backends, not te: "
+            "set model.attention_backend=flex or sdpa"
+        )
     modules = te_modules() if backend == "te" else local_modules(backend)
     return dit_layer_spec(model_cfg.architecture, modules, model_cfg.qk_layernorm, model_cfg.num_moe_experts)
 
 
-def build_model(model_cfg, precision: str, vp_stage: int | None = None):
+def build_model(model_cfg, precision: str, vp_stage: int | None = None, layout: ParallelLayout | None = None):
     """One (virtual) pipeline stage, parameters allocated but not initialised (use under
-    ``torch.device('meta')`` to count parameters without memory)."""
-    tconfig = build_transformer_config(model_cfg, precision)
+    ``torch.device('meta')`` to count parameters without memory). ``layout`` None: the layout of
+    ``model_cfg`` on the running world."""
+    layout = layout or ParallelLayout.from_config(model_cfg, torch.distributed.get_world_size())
+    tconfig = build_transformer_config(model_cfg, layout, precision)
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = DiTModel(
-        tconfig, layer_spec_for(model_cfg), model_cfg, pre_process=pre, post_process=post, vp_stage=vp_stage
+        tconfig, layer_spec_for(model_cfg, layout), model_cfg, pre_process=pre, post_process=post, vp_stage=vp_stage
     )
     return model, tconfig
 
 
-def build_model_chunk(model_cfg, precision: str, seed: int, vp_stage: int | None = None):
+def build_model_chunk(
+    model_cfg, precision: str, seed: int, vp_stage: int | None = None, layout: ParallelLayout | None = None
+):
     """One (virtual) pipeline stage of the model, initialised layout-independently from ``seed``."""
-    model, tconfig = build_model(model_cfg, precision, vp_stage)
+    model, tconfig = build_model(model_cfg, precision, vp_stage, layout)
     init_params(model, seed, model.global_param_name, std=model_cfg.init_method_std)
     return model, tconfig

@@ -5,34 +5,26 @@ from datetime import timedelta
 
 import torch
 
+from dfm.config.container import ModelConfig
+from dfm.parallel.layout import ParallelLayout, launched_world_size
 from dfm.platform import compat
 from dfm.platform.device import compute_device
 
 
 def initialize_distributed(
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    virtual_pipeline_model_parallel_size: int | None = None,
-    context_parallel_size: int = 1,
-    expert_model_parallel_size: int = 1,
-    seed: int = 1234,
-    timeout_minutes: int = 30,
+    layout: ParallelLayout | None = None, seed: int = 1234, timeout_minutes: int = 30
 ) -> torch.device:
-    """Start torch.distributed and megatron's model-parallel groups, seed all RNGs.
+    """Start torch.distributed and megatron's model-parallel groups for ``layout``, seed all RNGs.
 
     Reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT);
-    without torchrun it runs as a single process. Returns the device to compute on.
+    without torchrun it runs as a single process. ``layout`` None: data parallel over every
+    rank. Returns the device to compute on.
     """
     compat.install()
     rank, world_size = _rank_and_world_size()
-    validate_parallel_layout(
-        world_size,
-        tensor_model_parallel_size,
-        pipeline_model_parallel_size,
-        context_parallel_size,
-        expert_model_parallel_size,
-        virtual_pipeline_model_parallel_size,
-    )
+    layout = layout or ParallelLayout(world_size=world_size)
+    if layout.world_size != world_size:
+        raise ValueError(f"the parallel layout is for {layout.world_size} ranks, but {world_size} were launched")
     device = compute_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -47,12 +39,7 @@ def initialize_distributed(
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-        context_parallel_size=context_parallel_size,
-        expert_model_parallel_size=expert_model_parallel_size,
-        distributed_timeout_minutes=timeout_minutes,
+        **layout.megatron_parallel_kwargs(), distributed_timeout_minutes=timeout_minutes
     )
     seed_everything(seed)
     return device
@@ -73,47 +60,10 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, force_reset_rng=True)
 
 
-def validate_parallel_layout(
-    world_size: int,
-    tensor_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    context_parallel_size: int = 1,
-    expert_model_parallel_size: int = 1,
-    virtual_pipeline_model_parallel_size: int | None = None,
-) -> int:
-    """Check that the parallel sizes tile the world; return the data-parallel size."""
-    sizes = {
-        "tensor_model_parallel_size": tensor_model_parallel_size,
-        "pipeline_model_parallel_size": pipeline_model_parallel_size,
-        "context_parallel_size": context_parallel_size,
-        "expert_model_parallel_size": expert_model_parallel_size,
-    }
-    for name, size in sizes.items():
-        if size < 1:
-            raise ValueError(f"{name} must be >= 1, got {size}")
-    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
-    model_parallel *= context_parallel_size
-    if world_size % model_parallel:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor ({tensor_model_parallel_size}) "
-            f"x pipeline ({pipeline_model_parallel_size}) x context ({context_parallel_size}) "
-            f"parallel sizes = {model_parallel}"
-        )
-    data_parallel = world_size // model_parallel
-    # Experts are sharded over the data-parallel x context-parallel ranks of each stage.
-    if (data_parallel * context_parallel_size) % expert_model_parallel_size:
-        raise ValueError(
-            f"expert_model_parallel_size {expert_model_parallel_size} must divide data-parallel "
-            f"size {data_parallel} x context-parallel size {context_parallel_size} "
-            f"(world size {world_size}, tensor {tensor_model_parallel_size}, "
-            f"pipeline {pipeline_model_parallel_size})"
-        )
-    if virtual_pipeline_model_parallel_size is not None and pipeline_model_parallel_size < 2:
-        raise ValueError(
-            f"virtual_pipeline_model_parallel_size={virtual_pipeline_model_parallel_size} needs "
-            f"pipeline_model_parallel_size >= 2, got {pipeline_model_parallel_size}"
-        )
-    return data_parallel
+def validate_parallel_layout(world_size: int, **sizes: int) -> int:
+    """Data-parallel size of the ModelConfig parallel ``sizes`` on ``world_size`` ranks;
+    ConfigError naming the key to change if they cannot tile it."""
+    return ParallelLayout.from_config(ModelConfig(**sizes), world_size).dp
 
 
 def destroy_distributed() -> None:
@@ -127,7 +77,7 @@ def destroy_distributed() -> None:
 
 def _rank_and_world_size() -> tuple:
     """Rank and world size from torchrun; defaults make a lone process a world of one."""
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("RANK", "0")), launched_world_size()
 
 
 def _init_method() -> str:

@@ -8,21 +8,14 @@ from megatron.core import parallel_state
 
 from dfm.config.container import ConfigContainer
 from dfm.data.mock import MockDataSettings, MockPackedLoader
+from dfm.parallel.layout import ParallelLayout
 
 
 def data_parallel_info() -> tuple[int, int]:
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
-def padding_multiples(cfg: ConfigContainer) -> tuple[int, int]:
-    """(segment_multiple, total_multiple) a pack needs for this layout's CP and SP splits."""
-    cp, tp = cfg.model.context_parallel_size, cfg.model.tensor_model_parallel_size
-    segment = 2 * cp if cp > 1 else 1
-    total = (tp if cfg.model.sequence_parallel else 1) * segment
-    return segment, total
-
-
-def build_mock_loader(cfg: ConfigContainer) -> MockPackedLoader:
+def build_mock_loader(cfg: ConfigContainer, layout: ParallelLayout) -> MockPackedLoader:
     d, m = cfg.dataset, cfg.model
     settings = MockDataSettings(
         seed=cfg.rng.seed,
@@ -36,20 +29,20 @@ def build_mock_loader(cfg: ConfigContainer) -> MockPackedLoader:
         patch_spatial=m.patch_spatial,
     )
     dp_rank, dp_size = data_parallel_info()
-    segment, total = padding_multiples(cfg)
+    segment, total = layout.padding_multiples()
     return MockPackedLoader(
         settings, dp_rank, dp_size, d.seq_length, segment, total, samples_per_pack=d.mock_samples_per_pack
     )
 
 
-def energon_settings(cfg: ConfigContainer):
+def energon_settings(cfg: ConfigContainer, layout: ParallelLayout):
     from dfm.data.energon.data_module import EnergonDataSettings
     from dfm.data.energon.task_encoder import PackingSettings
 
     d, m = cfg.dataset, cfg.model
     if not d.path:
         raise ValueError("dataset.path is not set: point it at an energon dataset, or run with --mock")
-    segment, total = padding_multiples(cfg)
+    segment, total = layout.padding_multiples()
     packing = PackingSettings(
         seq_length=d.seq_length,
         patch_temporal=m.patch_temporal,
@@ -68,24 +61,24 @@ def energon_settings(cfg: ConfigContainer):
     )
 
 
-def build_train_loader(cfg: ConfigContainer, mock: bool):
+def build_train_loader(cfg: ConfigContainer, layout: ParallelLayout, mock: bool):
     if mock:
-        return build_mock_loader(cfg)
+        return build_mock_loader(cfg, layout)
     from dfm.data.energon.data_module import build_train_loader as energon_train_loader
 
-    return energon_train_loader(energon_settings(cfg), *data_parallel_info())
+    return energon_train_loader(energon_settings(cfg, layout), *data_parallel_info())
 
 
 # Mock validation samples come from their own seed, so they never overlap the training stream.
 MOCK_VALIDATION_SEED_OFFSET = 1_000_003
 
 
-def build_val_iterator(cfg: ConfigContainer, mock: bool):
+def build_val_iterator(cfg: ConfigContainer, layout: ParallelLayout, mock: bool):
     """A fresh iterator over the validation packs: the same packs at every evaluation."""
     if mock:
-        loader = build_mock_loader(cfg)
+        loader = build_mock_loader(cfg, layout)
         loader.settings = dataclasses.replace(loader.settings, seed=cfg.rng.seed + MOCK_VALIDATION_SEED_OFFSET)
         return loader
     from dfm.data.energon.data_module import build_val_loader
 
-    return iter(build_val_loader(energon_settings(cfg), *data_parallel_info()))
+    return iter(build_val_loader(energon_settings(cfg, layout), *data_parallel_info()))

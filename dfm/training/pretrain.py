@@ -21,6 +21,7 @@ from dfm.config.container import ConfigContainer
 from dfm.config.loader import config_to_dict, format_config, save_config_yaml
 from dfm.diffusion.pipeline import pipeline_from_config
 from dfm.models.dit.flops import dit_training_flops
+from dfm.parallel.layout import ParallelLayout, launched_world_size
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.platform.parent_watch import checkpoint_writer_queue_dies_with_us, die_with_launcher
 from dfm.training.data import build_train_loader, build_val_iterator
@@ -144,18 +145,10 @@ def pretrain(cfg: ConfigContainer, mock: bool) -> None:
     die_with_launcher()
     if cfg.checkpoint.save:
         checkpoint_writer_queue_dies_with_us()
-    m = cfg.model
-    device = initialize_distributed(
-        m.tensor_model_parallel_size,
-        m.pipeline_model_parallel_size,
-        m.virtual_pipeline_model_parallel_size,
-        m.context_parallel_size,
-        m.expert_model_parallel_size,
-        seed=cfg.rng.seed,
-        timeout_minutes=cfg.train.collective_timeout_minutes,
-    )
+    layout = ParallelLayout.from_config(cfg.model, launched_world_size())
+    device = initialize_distributed(layout, seed=cfg.rng.seed, timeout_minutes=cfg.train.collective_timeout_minutes)
     try:
-        run(cfg, mock, device)
+        run(cfg, layout, mock, device)
     except Exception:
         logger.exception("rank %d failed", torch.distributed.get_rank())
         raise
@@ -173,28 +166,28 @@ def announce_config(cfg: ConfigContainer) -> None:
         set_aside_partial_saves(cfg.checkpoint.save)
 
 
-def run(cfg: ConfigContainer, mock: bool, device: torch.device) -> None:
+def run(cfg: ConfigContainer, layout: ParallelLayout, mock: bool, device: torch.device) -> None:
     rank = torch.distributed.get_rank()
     finalize_defaults(cfg)
     if rank == 0:
         announce_config(cfg)
     torch.distributed.barrier()  # unfinished saves are set aside before any rank looks for checkpoints
-    model, tconfig = build_model(cfg, device)
+    model, tconfig = build_model(cfg, layout, device)
     optimizer, scheduler = build_optimizer(cfg, model, tconfig)
-    data_iter = RecordingIterator(build_train_loader(cfg, mock))
+    data_iter = RecordingIterator(build_train_loader(cfg, layout, mock))
     ema = build_ema(model, cfg.optimizer.ema_decay)
     start = 0
     if cfg.checkpoint.load:
         start = load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, data_iter, ema, cfg.model)
     warn_if_little_room(cfg.checkpoint.save, model, ema)
     forward_step = DiffusionForwardStep(pipeline_from_config(cfg), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
-    loop = TrainLoop(cfg, model, optimizer, scheduler, data_iter, forward_step, device, mock, ema)
+    loop = TrainLoop(cfg, layout, model, optimizer, scheduler, data_iter, forward_step, device, mock, ema)
     loop.run(start)
 
 
 class TrainLoop:
-    def __init__(self, cfg, model, optimizer, scheduler, data_iter, forward_step, device, mock: bool, ema=None):
-        self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
+    def __init__(self, cfg, layout, model, optimizer, scheduler, data_iter, forward_step, device, mock: bool, ema=None):
+        self.cfg, self.layout, self.model, self.optimizer, self.scheduler = cfg, layout, model, optimizer, scheduler
         self.data_iter, self.forward_step, self.device, self.mock = data_iter, forward_step, device, mock
         self.ema = ema
         self.async_saves = AsyncCallsQueue() if cfg.checkpoint.async_save else None
@@ -264,7 +257,7 @@ class TrainLoop:
         return self.ema.swapped_in(self.model) if self.ema is not None else contextlib.nullcontext()
 
     def validate(self, iteration: int) -> None:
-        val_iter = FirstBatch(build_val_iterator(self.cfg, self.mock))
+        val_iter = FirstBatch(build_val_iterator(self.cfg, self.layout, self.mock))
         losses = validation_loss(self.val_forward_step, val_iter, self.model, self.cfg.train.eval_iters)
         loss, _ = reduce_loss_and_tokens(losses, self.device)
         with self.generation_weights():
@@ -302,8 +295,7 @@ class TrainLoop:
 
     def record(self, iteration: int, loss: float, grad_norm, elapsed: float, window: LogWindow) -> dict:
         """One metrics.jsonl line. Packs were seen by this rank; scaled to the work per GPU."""
-        dp = parallel_state.get_data_parallel_world_size()
-        world = torch.distributed.get_world_size()
+        dp, world = self.layout.dp, self.layout.world_size
         video_lens = [n for q, _, _ in window.packs for n in q]
         text_lens = [n for _, kv, _ in window.packs for n in kv]
         frames = [t // self.cfg.model.patch_temporal for _, _, ts in window.packs for t in ts]

@@ -13,6 +13,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from dfm.config.container import ConfigContainer
 from dfm.models.build import build_model_chunk
+from dfm.parallel.layout import ParallelLayout
 from dfm.training.data import data_parallel_info
 
 
@@ -35,14 +36,12 @@ def num_microbatches(cfg: ConfigContainer) -> int:
     return cfg.train.global_batch_size // per_step
 
 
-def build_model(cfg: ConfigContainer, device: torch.device) -> tuple[list[Any], Any]:
+def build_model(cfg: ConfigContainer, layout: ParallelLayout, device: torch.device) -> tuple[list[Any], Any]:
     """DDP-wrapped model chunks on ``device`` and the megatron TransformerConfig they share."""
-    vpp = cfg.model.virtual_pipeline_model_parallel_size or 1
     chunks, tconfig = [], None
-    for vp_stage in range(vpp):
-        chunk, tconfig = build_model_chunk(
-            cfg.model, cfg.mixed_precision.precision, cfg.rng.seed, vp_stage if vpp > 1 else None
-        )
+    for index in range(layout.chunks_per_stage):
+        vp_stage = index if layout.chunks_per_stage > 1 else None
+        chunk, tconfig = build_model_chunk(cfg.model, cfg.mixed_precision.precision, cfg.rng.seed, vp_stage, layout)
         # bf16/fp16 runs: the plain nn.Linear embedders and final layer too (as megatron's Float16Module
         # does), so no fp32 activation meets a low-precision weight; fp32 runs are unchanged.
         chunks.append(chunk.to(device=device, dtype=tconfig.params_dtype))

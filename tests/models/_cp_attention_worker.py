@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dfm.models.common.context_parallel import UlyssesAttention, local_query_attention, sequence_split
+from dfm.models.common.context_parallel import UlyssesAttention, local_query_attention
 from dfm.models.common.factorized_layout import factorized_params
 from dfm.models.common.packed_attention import (
     PackedSegments,
@@ -19,10 +19,12 @@ from dfm.models.common.packed_attention import (
     flex_document_attention,
     sdpa_per_segment,
 )
+from dfm.parallel import ParallelLayout
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 
 HEADS, HEAD_DIM = 4, 8
 SCALE = HEAD_DIM**-0.5
+LAYOUT = ParallelLayout(world_size=2, cp=2)
 
 
 def cumulative(lengths):
@@ -91,7 +93,7 @@ def self_and_cross_cases() -> dict:
     q_lens, q_padded = [5, 9, 3], [8, 12, 4]
     for name, kv_lens, kv_padded, is_self in [("self", q_lens, q_padded, True), ("cross", [2, 7, 4], [3, 7, 6], False)]:
         params = segments(q_lens, q_padded, kv_lens, kv_padded)
-        split = sequence_split(params.cu_seqlens_q_padded)
+        split = LAYOUT.sequence_split(params.cu_seqlens_q_padded)
         q, k, v, grad_out = random_inputs(sum(q_padded), sum(kv_padded))
         strategy = local_query_attention(params, split, self_attention=is_self)
         for backend in ("sdpa", "flex"):  # FlexAttention has no CPU backward: forward only
@@ -117,7 +119,7 @@ def factorized_cases() -> dict:
     padded = [12, 8, 8]
     offsets = cumulative(padded)
     layout = factorized_params(offsets, grids)
-    split = sequence_split(offsets)
+    split = LAYOUT.sequence_split(offsets)
     q, k, v, grad_out = random_inputs(sum(padded), sum(padded), seed=1)
     for name, params in (("spatial", layout.spatial), ("temporal", layout.temporal)):
         results |= compare(
@@ -136,7 +138,7 @@ def factorized_cases() -> dict:
 
 
 def main(out_dir: Path) -> None:
-    initialize_distributed(context_parallel_size=2)
+    initialize_distributed(LAYOUT)
     try:
         results = self_and_cross_cases() | factorized_cases()
         torch.save(results, out_dir / f"rank{torch.distributed.get_rank()}.pt")

@@ -5,7 +5,6 @@ import torch
 
 from dfm.models.build import build_model_chunk
 from dfm.models.common.embeddings import rope_3d_freqs
-from dfm.models.dit.dit_model import pack_split
 from tests.models._helpers import ARCHITECTURES, conditioning, make_samples, pack_samples, tiny_config
 
 
@@ -16,7 +15,7 @@ def test_fresh_blocks_are_identity_and_final_layer_is_zero(dist, name):
     pack = pack_samples(make_samples(cfg), segment_multiple=8)
     c_noise, labels = conditioning(pack.num_samples)
     cond = model.conditioning(c_noise, labels)
-    inputs = model.pack_inputs(pack, pack_split(pack), cond)
+    inputs = model.pack_inputs(pack, model.layout.pack_split(pack), cond)
     inputs.rotary_pos_emb = rope_3d_freqs(pack.pos_ids, cfg.hidden_size // cfg.num_attention_heads)
     hidden = torch.randn(pack.seq_len, 1, cfg.hidden_size)
     for layer in model.layers:

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from dfm.models.common.embeddings import rope_3d_freqs
-from dfm.models.dit.dit_model import pack_split
 from tests.models._helpers import build_random_model, conditioning, make_samples, pack_samples, tiny_config
 
 
@@ -70,7 +69,7 @@ def test_temporal_attention_mixes_only_at_one_position(setup):
 def test_a_block_mixes_only_within_a_sample(setup):
     model, pack, c_noise, hidden = setup
     layer = model.layers[0]
-    inputs = model.pack_inputs(pack, pack_split(pack), model.conditioning(c_noise, None))
+    inputs = model.pack_inputs(pack, model.layout.pack_split(pack), model.conditioning(c_noise, None))
     inputs.rotary_pos_emb = None
 
     def block(x):

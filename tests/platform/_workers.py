@@ -163,6 +163,13 @@ def full_grads(module):
     }
 
 
+def _layout(**sizes):
+    """The parallel layout of ``sizes`` on the ranks torchrun started."""
+    from dfm.parallel import ParallelLayout, launched_world_size
+
+    return ParallelLayout(world_size=launched_world_size(), **sizes)
+
+
 def _gather_tp(tensor, param, group, world):
     if world == 1 or not getattr(param, "tensor_model_parallel", False):
         return tensor.clone()
@@ -236,7 +243,7 @@ def _run_block(results, tp, sp, key):
     from dfm.platform import initialize_distributed
     from dfm.platform.compat import patches_applied
 
-    initialize_distributed(tensor_model_parallel_size=tp, seed=SEED)
+    initialize_distributed(_layout(tp=tp), seed=SEED)
     torch.manual_seed(SEED)
     with patches_applied([TORCH_NORM_SEQUENCE_PARALLEL]):
         block = tiny_block(tiny_config(tp=tp, sp=sp))
@@ -279,7 +286,7 @@ def _run_moe(results, ep, key, reference_state=None):
 
     from dfm.platform import initialize_distributed
 
-    initialize_distributed(expert_model_parallel_size=ep, seed=SEED)
+    initialize_distributed(_layout(ep=ep), seed=SEED)
     torch.manual_seed(SEED)
     num_experts = 4
     block = tiny_block(tiny_config(ep=ep, num_experts=num_experts), num_experts=num_experts)
@@ -346,7 +353,7 @@ def scenario_pp2(results, reference):
 
     from dfm.platform import initialize_distributed
 
-    initialize_distributed(pipeline_model_parallel_size=2, seed=SEED)
+    initialize_distributed(_layout(pp=2), seed=SEED)
     assert get_forward_backward_func() is forward_backward_pipelining_without_interleaving
     stage = parallel_state.get_pipeline_model_parallel_rank()
     config = tiny_config(pp=2)
@@ -380,7 +387,7 @@ def scenario_dist_checkpoint(results, out_dir):
     from dfm.platform import initialize_distributed
 
     ckpt_dir = os.path.join(out_dir, "ckpt")
-    initialize_distributed(tensor_model_parallel_size=2, seed=SEED)
+    initialize_distributed(_layout(tp=2), seed=SEED)
     torch.manual_seed(SEED)
     model = tiny_gpt(tiny_config(tp=2))
     saved = full_state(model)
@@ -396,7 +403,7 @@ def scenario_dist_checkpoint(results, out_dir):
     results["ckpt_loaded_tp2"] = full_state(same_layout)
     parallel_state.destroy_model_parallel()
 
-    initialize_distributed(tensor_model_parallel_size=1, seed=SEED)
+    initialize_distributed(_layout(tp=1), seed=SEED)
     torch.manual_seed(SEED + 2)
     resharded = tiny_gpt(tiny_config(tp=1))
     resharded.load_state_dict(dist_checkpointing.load(resharded.sharded_state_dict(), ckpt_dir))

@@ -2,7 +2,8 @@
 
 Split (the layout TE's THD context parallelism and megatron use): every sample's padded segment
 is cut into 2*cp equal chunks and CP rank r keeps chunks r and 2*cp-1-r, so each rank holds an
-equal share of every sample. The data pads segments to a multiple of 2*cp (dfm/training/data.py).
+equal share of every sample. The data pads segments to a multiple of 2*cp
+(`ParallelLayout.padding_multiples`).
 
 Attention on the local tokens, computed exactly (the local backend; TE does its own CP):
   * self-attention (DiT, MovieGen): all-gather K and V over CP (backward reduce-scatters dK/dV),
@@ -19,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import all_to_all, gather_from_sequence_parallel_region
 from torch import Tensor
@@ -68,20 +68,25 @@ class SequenceSplit:
         return gathered[self.from_gathered.to(tensor.device)]
 
 
-def sequence_split(cu_seqlens_padded: Tensor, device: torch.device | None = None) -> SequenceSplit:
-    """This rank's share of a pack with segment offsets ``cu_seqlens_padded [N+1]`` (pass host
-    offsets and the pack's ``device`` to build the indices without a device sync)."""
-    size = parallel_state.get_context_parallel_world_size()
+def split_for_rank(
+    cu_seqlens_padded: Tensor,
+    size: int,
+    rank: int,
+    group: torch.distributed.ProcessGroup | None,
+    device: torch.device | None = None,
+) -> SequenceSplit:
+    """CP rank ``rank``'s share (of ``size`` ranks in ``group``) of a pack with segment offsets
+    ``cu_seqlens_padded [N+1]`` (pass host offsets and the pack's ``device`` to build the indices
+    without a device sync). The layout picks size, rank and group (`ParallelLayout.sequence_split`)."""
     if size == 1:
         return SequenceSplit(size=1)
-    rank = parallel_state.get_context_parallel_rank()
     device = cu_seqlens_padded.device if device is None else device
     cu = cu_seqlens_padded.cpu()
     per_rank = [load_balanced_positions(cu, size, r) for r in range(size)]
     to_gathered = torch.cat(per_rank)
     return SequenceSplit(
         size=size,
-        group=parallel_state.get_context_parallel_group(),
+        group=group,
         local_positions=per_rank[rank].to(device),
         from_gathered=torch.argsort(to_gathered).to(device),
         to_gathered=to_gathered.to(device),

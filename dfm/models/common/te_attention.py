@@ -19,6 +19,7 @@ from megatron.core.extensions.transformer_engine import TEDotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from dfm.models.common.packed_attention import attend_in_segment_order
+from dfm.parallel.layout import layout_of
 
 
 class TEPackedDotProductAttention(TEDotProductAttention):
@@ -26,7 +27,7 @@ class TEPackedDotProductAttention(TEDotProductAttention):
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs):
         super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
-        self.local_queries_only = attention_type == "cross" and config.context_parallel_size > 1
+        self.local_queries_only = attention_type == "cross" and layout_of(config).cp > 1
         if self.local_queries_only:
             self.set_context_parallel_group(None, None, None, "p2p")
 

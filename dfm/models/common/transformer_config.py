@@ -1,4 +1,4 @@
-"""Our ModelConfig (+ precision) -> megatron-core TransformerConfig."""
+"""Our ModelConfig (+ parallel layout, precision) -> megatron-core TransformerConfig."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from dfm.models.common.fused import activation
+from dfm.parallel.layout import ParallelLayout
 
 
-def build_transformer_config(model, precision: str = "fp32") -> TransformerConfig:
-    """``model`` is a dfm.config ModelConfig; ``precision`` in fp32 | bf16 | fp16."""
+def build_transformer_config(model, layout: ParallelLayout, precision: str = "fp32") -> TransformerConfig:
+    """``model`` is a dfm.config ModelConfig; ``precision`` in fp32 | bf16 | fp16. The config
+    carries ``layout`` for the model's modules (`dfm.parallel.layout_of`)."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     llama_style = model.architecture == "moviegen"
     config = TransformerConfig(
@@ -18,12 +20,8 @@ def build_transformer_config(model, precision: str = "fp32") -> TransformerConfi
         num_attention_heads=model.num_attention_heads,
         ffn_hidden_size=model.effective_ffn_hidden_size,
         kv_channels=model.hidden_size // model.num_attention_heads,
-        tensor_model_parallel_size=model.tensor_model_parallel_size,
-        pipeline_model_parallel_size=model.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=model.virtual_pipeline_model_parallel_size,
-        context_parallel_size=model.context_parallel_size,
-        sequence_parallel=model.sequence_parallel,
-        expert_model_parallel_size=model.expert_model_parallel_size,
+        **layout.megatron_parallel_kwargs(),
+        sequence_parallel=layout.sp,
         num_moe_experts=model.num_moe_experts,
         moe_router_topk=model.moe_router_topk,
         moe_ffn_hidden_size=model.moe_ffn_hidden_size,
@@ -62,4 +60,5 @@ def build_transformer_config(model, precision: str = "fp32") -> TransformerConfi
     # grads of params marked `pipeline_parallel` across stages when this flag is set.
     config.has_cond_embedder = True
     config.compile_regions = model.compile  # read by the blocks (dfm/models/common/fused.py)
+    layout.attach_to(config)
     return config

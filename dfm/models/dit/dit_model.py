@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from dfm.data.packed_batch import PackedBatch
 from dfm.models.common.adaln import AdaLNNorm, modulate, rows_to_tokens
-from dfm.models.common.context_parallel import SequenceSplit, UlyssesAttention, local_query_attention, sequence_split
+from dfm.models.common.context_parallel import SequenceSplit, UlyssesAttention, local_query_attention
 from dfm.models.common.embeddings import (
     FactorizedLearned3DEmbedding,
     TimestepEmbedder,
@@ -33,6 +33,7 @@ from dfm.models.common.pack_inputs import PackInputs
 from dfm.models.common.packed_attention import PackedSegments
 from dfm.models.common.param_names import global_param_name
 from dfm.models.common.recompute import forward_layers, layer_runs
+from dfm.parallel.layout import layout_of
 
 
 class FinalLayer(nn.Module):
@@ -90,11 +91,6 @@ def packed_seq_params(batch: PackedBatch, cross: bool, split: SequenceSplit | No
     return params
 
 
-def pack_split(batch: PackedBatch) -> SequenceSplit:
-    """This CP rank's share of ``batch``, built from its host offsets (no device sync)."""
-    return sequence_split(batch.host_view().cu_seqlens_q_padded, batch.latents.device)
-
-
 class DiTModel(MegatronModule):
     """Packed DiT: (x_in [S, D], c_noise [N], batch) -> raw prediction [S, D] (last stage)."""
 
@@ -111,6 +107,7 @@ class DiTModel(MegatronModule):
         self.model_type = ModelType.encoder_or_decoder
         self.share_embeddings_and_output_weights = False  # read by megatron finalize_model_grads
         self.model_cfg = model_cfg
+        self.layout = layout_of(config)
         self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
         h = config.hidden_size
         patch_volume = model_cfg.patch_temporal * model_cfg.patch_spatial**2
@@ -174,7 +171,7 @@ class DiTModel(MegatronModule):
         """Under context parallelism each rank runs its share of the tokens (``split``) and the
         output is gathered: every CP rank returns the whole [S, D]."""
         sp = self.config.sequence_parallel
-        split = pack_split(batch)
+        split = self.layout.pack_split(batch)
         token_ids = split.local(batch.token_sample_ids())
         inputs = self.pack_inputs(batch, split, self.conditioning(c_noise, class_labels), token_ids)
         if self.pre_process:
@@ -201,9 +198,9 @@ class DiTModel(MegatronModule):
             token_ids = split.local(batch.token_sample_ids())
         inputs = PackInputs(
             cond=cond,
-            token_sample_ids=self.sequence_parallel_slice(token_ids),
+            token_sample_ids=self.layout.sequence_parallel_slice(token_ids),
             self_attention=self.self_attention_params(batch, split),
-            padding_mask=self.sequence_parallel_slice(split.local(batch.loss_mask == 0)),
+            padding_mask=self.layout.sequence_parallel_slice(split.local(batch.loss_mask == 0)),
         )
         if self.cross:
             context = self.text_embedder(batch.context.to(cond.dtype)).unsqueeze(1)
@@ -214,19 +211,10 @@ class DiTModel(MegatronModule):
             inputs.rotary_pos_emb = rope_3d_freqs(split.local(batch.pos_ids), self.config.kv_channels)
         return inputs
 
-    def sequence_parallel_slice(self, per_token: Tensor) -> Tensor:
-        """The slice of a per-token [S] tensor held by this rank when the sequence is split over TP
-        ranks (sequence parallelism); the whole tensor otherwise."""
-        if not self.config.sequence_parallel:
-            return per_token
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        return per_token.chunk(tp)[rank]
-
     def self_attention_params(self, batch: PackedBatch, split: SequenceSplit | None = None):
         """Per-sample segments; ST-DiT's factorized attention needs per-frame / per-position ones
         (under CP re-sharded by all-to-all, as frames and positions span the CP ranks)."""
-        split = split if split is not None else pack_split(batch)
+        split = split if split is not None else self.layout.pack_split(batch)
         if self.model_cfg.architecture != "stdit":
             return packed_seq_params(batch, cross=False, split=split)
         host = batch.host_view()
