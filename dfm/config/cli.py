@@ -12,6 +12,7 @@ from dfm.config.container import ConfigContainer
 from dfm.config.errors import ConfigError
 from dfm.config.loader import build_config
 from dfm.config.recipes import recipe_names
+from dfm.parallel.layout import launched_world_size
 
 # A dotted key then '='; Hydra's grammar then parses the whole override (see loader.py).
 _OVERRIDE_PATTERN = re.compile(r"^[A-Za-z_][\w.]*=")
@@ -41,7 +42,6 @@ def parse_args(argv: Sequence[str]) -> CliArgs:
 
 def load_config_from_cli(argv: Sequence[str]) -> tuple[ConfigContainer, CliArgs]:
     """Parse `argv` and build the config it describes, its layout checked against the ranks launched."""
-    from dfm.parallel.layout import launched_world_size  # circular at the top: dfm.parallel uses ConfigError
 
     args = parse_args(argv)
     return build_config(args.recipe, args.config_file, args.overrides, launched_world_size()), args

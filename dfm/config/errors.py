@@ -1,5 +1,6 @@
-"""The one exception type the config system raises for user mistakes."""
+"""The one exception type the config system raises for user mistakes (defined in the leaf module
+`dfm.errors`, so `dfm.parallel`'s layout rules raise it without importing the config package)."""
 
+from dfm.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A recipe, config file or override is invalid; the message names the key or file at fault."""
+__all__ = ["ConfigError"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dfm.config.container import ConfigContainer
 from dfm.config.errors import ConfigError
 from dfm.config.ranges import check_ranges
+from dfm.parallel.layout import ParallelLayout
 
 
 def validate_config(cfg: ConfigContainer, world_size: int | None = None) -> None:
@@ -47,9 +48,6 @@ def _check_model(cfg: ConfigContainer) -> None:
 
 def _check_parallel_layout(cfg: ConfigContainer, world_size: int | None) -> None:
     """The layout's own rules and the model's under it (dfm/parallel/rules.py)."""
-    # Imported here: dfm.parallel raises this package's ConfigError, so a top-level import is circular.
-    from dfm.parallel.layout import ParallelLayout
-
     ParallelLayout.from_config(cfg.model, world_size).check_model(cfg.model, cfg.dataset.seq_length)
 
 

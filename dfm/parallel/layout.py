@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from dfm.config.container import ModelConfig
     from dfm.data.packed_batch import PackedBatch
-    from dfm.models.common.context_parallel import SequenceSplit
+    from dfm.parallel.sequence_split import SequenceSplit
 
 # Short name -> ModelConfig field. The sizes' fields are also megatron's keyword names.
 CONFIG_FIELDS = {
@@ -136,7 +136,7 @@ class ParallelLayout:
 
     def sequence_split(self, cu_seqlens_padded: Tensor, device: device | None = None) -> SequenceSplit:
         """This CP rank's share of a pack with segment offsets ``cu_seqlens_padded [N+1]``."""
-        from dfm.models.common.context_parallel import SequenceSplit, split_for_rank
+        from dfm.parallel.sequence_split import SequenceSplit, split_for_rank
 
         if self.cp == 1:
             return SequenceSplit(size=1)

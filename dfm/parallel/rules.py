@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dfm.config.errors import ConfigError
+from dfm.errors import ConfigError
 
 if TYPE_CHECKING:
     from dfm.config.container import ModelConfig

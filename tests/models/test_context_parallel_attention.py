@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dfm.models.common.context_parallel import load_balanced_positions
+from dfm.parallel.sequence_split import load_balanced_positions
 
 WORKER = Path(__file__).with_name("_cp_attention_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]

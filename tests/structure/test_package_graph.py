@@ -1,7 +1,8 @@
 """The packages of dfm/ import each other without cycles, and the library holds no test or demo hooks.
 
-Every import counts, also those inside functions: a late import hides a cycle from Python, not from
-a reader. The allowed direction is what docs/architecture.md draws.
+Every import counts, also those inside functions (a late import hides a cycle from Python, not from
+a reader); imports under ``if TYPE_CHECKING:`` name types for annotations only and never run, so they
+are not dependencies. The allowed direction is what docs/architecture.md draws.
 """
 
 import ast
@@ -17,6 +18,15 @@ def package_of(module: str) -> str | None:
     return parts[1] if parts[0] == "dfm" and len(parts) > 1 else None
 
 
+def runtime_nodes(tree: ast.AST):
+    """Every node but those under ``if TYPE_CHECKING:``."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            continue
+        yield node
+        yield from runtime_nodes(node)
+
+
 def package_imports() -> dict[str, set[str]]:
     """package -> the other dfm packages its modules import."""
     graph: dict[str, set[str]] = {}
@@ -26,7 +36,7 @@ def package_imports() -> dict[str, set[str]]:
             continue  # dfm/__init__.py
         source = relative[0]
         targets = graph.setdefault(source, set())
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
             names = []
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]

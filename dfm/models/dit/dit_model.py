@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from dfm.data.packed_batch import PackedBatch
 from dfm.models.common.adaln import AdaLNNorm, modulate, rows_to_tokens
-from dfm.models.common.context_parallel import SequenceSplit, UlyssesAttention, local_query_attention
+from dfm.models.common.context_parallel import UlyssesAttention, local_query_attention
 from dfm.models.common.embeddings import (
     FactorizedLearned3DEmbedding,
     TimestepEmbedder,
@@ -34,6 +34,7 @@ from dfm.models.common.packed_attention import PackedSegments
 from dfm.models.common.param_names import global_param_name
 from dfm.models.common.recompute import forward_layers, layer_runs
 from dfm.parallel.layout import layout_of
+from dfm.parallel.sequence_split import SequenceSplit
 
 
 class FinalLayer(nn.Module):
