@@ -47,8 +47,16 @@ def _check_model(cfg: ConfigContainer) -> None:
 
 
 def _check_parallel_layout(cfg: ConfigContainer, world_size: int | None) -> None:
-    """The layout's own rules and the model's under it (dfm/parallel/rules.py)."""
-    ParallelLayout.from_config(cfg.model, world_size).check_model(cfg.model, cfg.dataset.seq_length)
+    """The layout's own rules, the model's under it (dfm/parallel/rules.py), and the batch it splits."""
+    layout = ParallelLayout.from_config(cfg.model, world_size)
+    layout.check_model(cfg.model, cfg.dataset.seq_length)
+    train = cfg.train
+    per_step = train.micro_batch_size * layout.dp
+    if world_size is not None and train.global_batch_size is not None and train.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size ({train.global_batch_size}) must be a multiple of train.micro_batch_size "
+            f"({train.micro_batch_size}) x the data-parallel size ({layout.dp} of {world_size} ranks) = {per_step}"
+        )
 
 
 def _check_precision(cfg: ConfigContainer) -> None:

@@ -171,3 +171,9 @@ def test_sizes_are_named_in_the_config_and_the_layout_only():
         str(path.relative_to(DFM)) for path in DFM.rglob("*.py") if any(name in path.read_text() for name in SIZE_NAMES)
     }
     assert naming <= {"config/container.py", "parallel/layout.py"}, naming
+
+
+def test_global_batch_must_split_over_micro_batches_and_data_parallel_ranks():
+    build_config("dit_tiny", None, ["train.global_batch_size=4", "train.micro_batch_size=1"], world_size=4)
+    with pytest.raises(ConfigError, match=r"train\.global_batch_size \(6\) must be a multiple of .* = 4"):
+        build_config("dit_tiny", None, ["train.global_batch_size=6", "train.micro_batch_size=1"], world_size=4)
