@@ -8,6 +8,7 @@ from megatron.core import parallel_state
 
 from dfm.config.container import ConfigContainer
 from dfm.data.mock import MockDataSettings, MockPackedLoader
+from dfm.data.pack_cost import PackCost
 
 
 def data_parallel_info() -> tuple[int, int]:
@@ -20,6 +21,10 @@ def padding_multiples(cfg: ConfigContainer) -> tuple[int, int]:
     segment = 2 * cp if cp > 1 else 1
     total = (tp if cfg.model.sequence_parallel else 1) * segment
     return segment, total
+
+
+def pack_cost(cfg: ConfigContainer) -> PackCost:
+    return PackCost.for_width(cfg.model.hidden_size, cfg.model.effective_ffn_hidden_size)
 
 
 def build_mock_loader(cfg: ConfigContainer) -> MockPackedLoader:
@@ -38,7 +43,16 @@ def build_mock_loader(cfg: ConfigContainer) -> MockPackedLoader:
     dp_rank, dp_size = data_parallel_info()
     segment, total = padding_multiples(cfg)
     return MockPackedLoader(
-        settings, dp_rank, dp_size, d.seq_length, segment, total, samples_per_pack=d.mock_samples_per_pack
+        settings,
+        dp_rank,
+        dp_size,
+        d.seq_length,
+        segment,
+        total,
+        samples_per_pack=d.mock_samples_per_pack,
+        balance=d.packing_balance,
+        cost=pack_cost(cfg),
+        window=d.packing_buffer_size or 1,
     )
 
 
@@ -57,6 +71,10 @@ def energon_settings(cfg: ConfigContainer):
         max_text_len=m.max_text_len,
         segment_multiple=segment,
         total_multiple=total,
+        balance=d.packing_balance,
+        cost=pack_cost(cfg),
+        in_channels=m.in_channels,
+        text_embed_dim=m.text_embed_dim,
     )
     return EnergonDataSettings(
         path=d.path,
@@ -65,6 +83,7 @@ def energon_settings(cfg: ConfigContainer):
         num_workers=d.num_workers,
         seed=cfg.rng.seed,
         val_limit=cfg.train.eval_iters,
+        skip_bad_samples=d.skip_bad_samples,
     )
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dfm.data.energon.data_module import EnergonDataSettings
-from dfm.data.energon.pack_selection import first_fit_decreasing, packing_efficiency
+from dfm.data.pack_selection import first_fit_decreasing, packing_efficiency
 from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings
 from dfm.data.mock import MockDataSettings, MockPackedLoader, mock_sample
 

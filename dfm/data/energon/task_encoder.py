@@ -1,4 +1,4 @@
-"""Energon TaskEncoder for diffusion: cook -> encode (patchify) -> pack (first-fit decreasing) -> batch.
+"""Energon TaskEncoder for diffusion: cook -> encode (patchify) -> pack (by cost or tokens) -> batch.
 
 With packing, energon's micro-batch size is 1: one PackedBatch holds several samples.
 Each PackedBatch also carries ``sample_metadata`` (a plain attribute, one dict per sample with
@@ -14,7 +14,8 @@ from typing import Any
 from megatron.energon import TaskEncoder, WorkerConfig, stateless
 
 from dfm.data.energon.cooker import CookedDiffusionSample, diffusion_cookers
-from dfm.data.energon.pack_selection import first_fit_decreasing
+from dfm.data.pack_cost import PackCost
+from dfm.data.pack_selection import PACKING_BALANCES, PackingBalance, select_packs
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify
@@ -31,12 +32,18 @@ class PackingSettings:
     max_text_len: int = 512  # longer text embeddings are truncated
     segment_multiple: int = 1  # per-sample padding (2 * CP size with context parallelism)
     total_multiple: int = 1  # whole-pack padding (TP * CP with sequence parallelism)
+    balance: PackingBalance = "cost"  # packs of about equal FLOPs, or the fullest packs ("tokens")
+    cost: PackCost = PackCost()  # the model width's cost model (PackCost.for_width)
+    in_channels: int | None = None  # latent channels the model takes; None: not checked
+    text_embed_dim: int | None = None  # text embedding width the model takes; None: not checked
 
     def __post_init__(self) -> None:
         if self.seq_length <= 0:
             raise ValueError(f"seq_length={self.seq_length} must be positive")
         if self.max_text_len <= 0:
             raise ValueError(f"max_text_len must be positive, got {self.max_text_len}")
+        if self.balance not in PACKING_BALANCES:
+            raise ValueError(f"balance must be one of {PACKING_BALANCES}, got {self.balance!r}")
 
 
 def sample_metadata(batch: PackedBatch) -> list[dict[str, Any]]:
@@ -99,7 +106,9 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
 
     def select_samples_to_pack(self, samples: list[DiffusionSample]) -> list[list[DiffusionSample]]:
         # Real lengths only: the layout's padding never changes which samples share a pack.
-        plan = first_fit_decreasing([s.seq_len_q for s in samples], self.settings.seq_length)
+        plan = select_packs(
+            [s.seq_len_q for s in samples], self.settings.seq_length, self.settings.balance, self.settings.cost
+        )
         for i in plan.too_long:
             self.skipped_too_long += 1
             logger.warning(
