@@ -37,9 +37,7 @@ class Balance:
 
 def global_packs(balance: str, args: argparse.Namespace, cost: PackCost) -> list[list[int]]:
     """Token lengths of the global packs covering about ``args.samples`` samples, whole steps only."""
-    loader = MockPackedLoader(
-        REALISTIC_MIX, 0, 1, args.seq_length, balance=balance, cost=cost, window=args.window
-    )
+    loader = MockPackedLoader(REALISTIC_MIX, 0, 1, args.seq_length, balance=balance, cost=cost, window=args.window)
     packs, used = [], 0
     while used < args.samples:
         pack = [mock_sample_length(REALISTIC_MIX, i) for i in loader.next_pack_indices()]
