@@ -67,7 +67,7 @@ def build_train_dataset(settings: EnergonDataSettings, dp_rank: int, dp_size: in
         packing_buffer_size=settings.packing_buffer_size,
         shuffle_buffer_size=settings.shuffle_buffer_size,
         max_samples_per_sequence=settings.max_samples_per_sequence,
-        task_encoder=DiffusionTaskEncoder(settings.packing),
+        task_encoder=DiffusionTaskEncoder(settings.packing, settings.skip_bad_samples),
     )
 
 
@@ -81,6 +81,7 @@ class EnergonTrainLoader:
             build_train_dataset(settings, dp_rank, dp_size), prefetch_factor=settings.prefetch_factor
         )
         self._iterator: Iterator[PackedBatch] | None = None
+        self._bad_samples_by_worker: dict[int, int] = {}
 
     def __iter__(self) -> Iterator[PackedBatch]:
         return self
@@ -88,7 +89,15 @@ class EnergonTrainLoader:
     def __next__(self) -> PackedBatch:
         if self._iterator is None:
             self._iterator = iter(self.loader)
-        return next(self._iterator)
+        batch = next(self._iterator)
+        worker, count = getattr(batch, "bad_samples", (0, 0))
+        self._bad_samples_by_worker[worker] = count
+        return batch
+
+    @property
+    def skipped_bad_samples(self) -> int:
+        """Bad samples this DP rank's workers skipped since the loader started."""
+        return sum(self._bad_samples_by_worker.values())
 
     def state_dict(self) -> dict[str, Any]:
         """Plain types only (the energon state is pickled to bytes) so it sits in any checkpoint."""
@@ -124,7 +133,7 @@ def build_val_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int):
         batch_size=1,
         packing_buffer_size=settings.packing_buffer_size,
         limit=settings.val_limit,
-        task_encoder=DiffusionTaskEncoder(settings.packing),
+        task_encoder=DiffusionTaskEncoder(settings.packing, settings.skip_bad_samples),
     )
     return get_loader(dataset, prefetch_factor=settings.prefetch_factor)
 

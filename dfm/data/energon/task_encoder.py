@@ -2,7 +2,12 @@
 
 With packing, energon's micro-batch size is 1: one PackedBatch holds several samples.
 Each PackedBatch also carries ``sample_metadata`` (a plain attribute, one dict per sample with
-the shard key and the ``.json`` metadata such as the caption) for logging and tests.
+the shard key and the ``.json`` metadata such as the caption) for logging and tests, and
+``bad_samples`` ((worker id, bad samples this worker skipped so far)).
+
+A sample that cannot train (``BadSampleError``: missing part, wrong rank, channel count or text
+width, non-finite values) stops the run when it is cooked, or with ``skip_bad_samples`` is skipped,
+counted and named once in the log.
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.energon import TaskEncoder, WorkerConfig, stateless
+from megatron.energon import SkipSample, TaskEncoder, WorkerConfig, stateless
 
-from dfm.data.energon.cooker import CookedDiffusionSample, diffusion_cookers
+from dfm.data.energon.cooker import BadSampleError, CookedDiffusionSample, diffusion_cookers
+from dfm.data.energon.sample_checks import check_cooked_sample
 from dfm.data.pack_cost import PackCost
 from dfm.data.pack_selection import PACKING_BALANCES, PackingBalance, select_packs
 from dfm.data.packed_batch import PackedBatch
@@ -75,11 +81,30 @@ def encode_cooked_sample(
 class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, PackedBatch, PackedBatch]):
     cookers = diffusion_cookers()
 
-    def __init__(self, settings: PackingSettings) -> None:
+    def __init__(self, settings: PackingSettings, skip_bad_samples: bool = False) -> None:
         self.settings = settings
+        self.skip_bad_samples = skip_bad_samples
         # Diagnostics, per worker process; not part of the loader state.
         self.skipped_too_long = 0
         self.truncated_texts = 0
+        self.bad_samples: set[str] = set()  # 'shard ..., key ...' of each skipped sample
+
+    @stateless
+    def cook_crude_sample(self, sample, cooker, aux) -> CookedDiffusionSample:
+        try:
+            cooked = super().cook_crude_sample(sample, cooker, aux)
+            check_cooked_sample(cooked, self.settings.in_channels, self.settings.text_embed_dim)
+        except BadSampleError as error:
+            self.skip_or_raise(error)
+        return cooked
+
+    def skip_or_raise(self, error: BadSampleError) -> None:
+        if not self.skip_bad_samples:
+            raise error
+        if error.where not in self.bad_samples:
+            self.bad_samples.add(error.where)
+            logger.warning("bad sample skipped (%d in this worker): %s", len(self.bad_samples), error)
+        raise SkipSample() from error
 
     def global_sample_index(self) -> int:
         """A data-parallel-unique index: energon's per-rank index interleaved over DP ranks.
@@ -124,6 +149,7 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
     def pack_selected_samples(self, samples: list[DiffusionSample]) -> PackedBatch:
         batch = pack_samples(samples, self.settings.segment_multiple, self.settings.total_multiple)
         batch.sample_metadata = [s.metadata for s in samples]
+        batch.bad_samples = (WorkerConfig.active_worker_config.rank_worker_id(), len(self.bad_samples))
         return batch
 
     @stateless
