@@ -56,6 +56,7 @@ BAD = {
     "bad-width": {"pickle": torch.randn(6, WIDTH + 2)},
     "bad-nan": {"pth": torch.full((CHANNELS, 1, 8, 8), float("nan"))},
     "bad-rank": {"pth": torch.randn(2, CHANNELS, 1, 8, 8)},
+    "bad-decode": {"pth": b"not a torch file"},
 }
 
 
@@ -71,13 +72,13 @@ def dataset_with_bad_samples(tmp_path_factory):
     return out
 
 
-def settings(path, skip: bool) -> EnergonDataSettings:
+def settings(path, skip: bool, num_workers: int = 0) -> EnergonDataSettings:
     packing = PackingSettings(seq_length=64, in_channels=CHANNELS, text_embed_dim=WIDTH)
     return EnergonDataSettings(
         path=str(path),
         packing=packing,
         packing_buffer_size=4,
-        num_workers=0,
+        num_workers=num_workers,
         shuffle_buffer_size=None,
         max_samples_per_sequence=None,
         skip_bad_samples=skip,
@@ -99,6 +100,13 @@ def test_bad_samples_are_skipped_counted_and_named_once(dataset_with_bad_samples
     assert loader.skipped_bad_samples == len(BAD)
     for key in BAD:
         assert sum(f"key {key}:" in r.getMessage() for r in caplog.records) == 1, key
+
+
+def test_bad_samples_are_counted_across_worker_processes(dataset_with_bad_samples):
+    loader = build_train_loader(settings(dataset_with_bad_samples, skip=True, num_workers=1), 0, 1)
+    for _ in range(16):
+        next(loader)
+    assert loader.skipped_bad_samples == len(BAD)
 
 
 def test_skip_bad_samples_is_a_training_config_key():

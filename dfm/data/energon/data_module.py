@@ -19,10 +19,9 @@ from megatron.energon import (
     get_savable_loader,
     get_train_dataset,
     get_val_dataset,
-    log_exception,
-    reraise_exception,
 )
 
+from dfm.data.energon.bad_samples import BadSampleLog
 from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings
 from dfm.data.packed_batch import PackedBatch
 
@@ -45,7 +44,9 @@ class EnergonDataSettings:
     extra_worker_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def build_worker_config(settings: EnergonDataSettings, dp_rank: int, dp_size: int) -> WorkerConfig:
+def build_worker_config(
+    settings: EnergonDataSettings, dp_rank: int, dp_size: int, bad_samples: BadSampleLog
+) -> WorkerConfig:
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
     return WorkerConfig(
@@ -53,21 +54,22 @@ def build_worker_config(settings: EnergonDataSettings, dp_rank: int, dp_size: in
         world_size=dp_size,
         num_workers=settings.num_workers,
         seed_offset=settings.seed,
-        global_error_handler=log_exception if settings.skip_bad_samples else reraise_exception,
+        global_error_handler=bad_samples.handle,
         **settings.extra_worker_kwargs,
     )
 
 
 def build_train_dataset(settings: EnergonDataSettings, dp_rank: int, dp_size: int):
+    bad_samples = BadSampleLog(settings.skip_bad_samples)
     return get_train_dataset(
         settings.path,
         split_part="train",
-        worker_config=build_worker_config(settings, dp_rank, dp_size),
+        worker_config=build_worker_config(settings, dp_rank, dp_size, bad_samples),
         batch_size=1,
         packing_buffer_size=settings.packing_buffer_size,
         shuffle_buffer_size=settings.shuffle_buffer_size,
         max_samples_per_sequence=settings.max_samples_per_sequence,
-        task_encoder=DiffusionTaskEncoder(settings.packing, settings.skip_bad_samples),
+        task_encoder=DiffusionTaskEncoder(settings.packing, bad_samples),
     )
 
 
@@ -126,14 +128,15 @@ def build_train_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int
 
 def build_val_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int):
     """One pass over the "val" split (of ``val_path`` or ``path``), packed like training."""
+    bad_samples = BadSampleLog(settings.skip_bad_samples)
     dataset = get_val_dataset(
         settings.val_path or settings.path,
         split_part="val",
-        worker_config=build_worker_config(settings, dp_rank, dp_size),
+        worker_config=build_worker_config(settings, dp_rank, dp_size, bad_samples),
         batch_size=1,
         packing_buffer_size=settings.packing_buffer_size,
         limit=settings.val_limit,
-        task_encoder=DiffusionTaskEncoder(settings.packing, settings.skip_bad_samples),
+        task_encoder=DiffusionTaskEncoder(settings.packing, bad_samples),
     )
     return get_loader(dataset, prefetch_factor=settings.prefetch_factor)
 

@@ -16,8 +16,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from megatron.energon import SkipSample, TaskEncoder, WorkerConfig, stateless
+from megatron.energon import TaskEncoder, WorkerConfig, stateless
 
+from dfm.data.energon.bad_samples import BadSampleLog
 from dfm.data.energon.cooker import BadSampleError, CookedDiffusionSample, diffusion_cookers
 from dfm.data.energon.sample_checks import check_cooked_sample
 from dfm.data.pack_cost import PackCost
@@ -81,13 +82,12 @@ def encode_cooked_sample(
 class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, PackedBatch, PackedBatch]):
     cookers = diffusion_cookers()
 
-    def __init__(self, settings: PackingSettings, skip_bad_samples: bool = False) -> None:
+    def __init__(self, settings: PackingSettings, bad_samples: BadSampleLog | None = None) -> None:
         self.settings = settings
-        self.skip_bad_samples = skip_bad_samples
+        self.bad_samples = bad_samples if bad_samples is not None else BadSampleLog(skip=False)
         # Diagnostics, per worker process; not part of the loader state.
         self.skipped_too_long = 0
         self.truncated_texts = 0
-        self.bad_samples: set[str] = set()  # 'shard ..., key ...' of each skipped sample
 
     @stateless
     def cook_crude_sample(self, sample, cooker, aux) -> CookedDiffusionSample:
@@ -95,16 +95,8 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
             cooked = super().cook_crude_sample(sample, cooker, aux)
             check_cooked_sample(cooked, self.settings.in_channels, self.settings.text_embed_dim)
         except BadSampleError as error:
-            self.skip_or_raise(error)
+            self.bad_samples.reject(error)
         return cooked
-
-    def skip_or_raise(self, error: BadSampleError) -> None:
-        if not self.skip_bad_samples:
-            raise error
-        if error.where not in self.bad_samples:
-            self.bad_samples.add(error.where)
-            logger.warning("bad sample skipped (%d in this worker): %s", len(self.bad_samples), error)
-        raise SkipSample() from error
 
     def global_sample_index(self) -> int:
         """A data-parallel-unique index: energon's per-rank index interleaved over DP ranks.
@@ -149,7 +141,7 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
     def pack_selected_samples(self, samples: list[DiffusionSample]) -> PackedBatch:
         batch = pack_samples(samples, self.settings.segment_multiple, self.settings.total_multiple)
         batch.sample_metadata = [s.metadata for s in samples]
-        batch.bad_samples = (WorkerConfig.active_worker_config.rank_worker_id(), len(self.bad_samples))
+        batch.bad_samples = (WorkerConfig.active_worker_config.rank_worker_id(), self.bad_samples.count)
         return batch
 
     @stateless
