@@ -35,10 +35,14 @@ class CookedDiffusionSample(Sample):
     metadata: dict
 
 
-def source_description(key: Any, sources: Sequence[Any] | None) -> str:
+def sample_location(shard: Any, key: Any) -> str:
     """'shard <dataset>/<shard>.tar, key <key>' for error messages."""
-    shard = f"{sources[0].dataset_path}/{sources[0].shard_name}" if sources else "<unknown shard>"
     return f"shard {shard}, key {key if key is not None else '<unknown key>'}"
+
+
+def source_description(key: Any, sources: Sequence[Any] | None) -> str:
+    shard = f"{sources[0].dataset_path}/{sources[0].shard_name}" if sources else "<unknown shard>"
+    return sample_location(shard, key)
 
 
 def describe_source(crude: dict) -> str:

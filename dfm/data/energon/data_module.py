@@ -22,6 +22,7 @@ from megatron.energon import (
 )
 
 from dfm.data.energon.bad_samples import BadSampleLog
+from dfm.data.energon.dataset_checks import check_energon_dataset
 from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings
 from dfm.data.packed_batch import PackedBatch
 
@@ -60,6 +61,7 @@ def build_worker_config(
 
 
 def build_train_dataset(settings: EnergonDataSettings, dp_rank: int, dp_size: int):
+    check_energon_dataset(settings.path)
     bad_samples = BadSampleLog(settings.skip_bad_samples)
     return get_train_dataset(
         settings.path,
@@ -128,6 +130,7 @@ def build_train_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int
 
 def build_val_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int):
     """One pass over the "val" split (of ``val_path`` or ``path``), packed like training."""
+    check_energon_dataset(settings.val_path or settings.path)
     bad_samples = BadSampleLog(settings.skip_bad_samples)
     dataset = get_val_dataset(
         settings.val_path or settings.path,
