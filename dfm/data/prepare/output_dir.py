@@ -108,11 +108,10 @@ def open_resumed(out_dir: Path, rank: int, world_size: int, args: dict[str, Any]
             )
         return open_fresh(out_dir, rank, world_size, args, overwrite=False)
     record = PrepareRecord.load(path)
-    changed = differing_args(record.args, args)
-    if record.world_size != world_size or changed:
+    changed = differing_args({**record.args, "world_size": record.world_size}, {**args, "world_size": world_size})
+    if changed:
         raise ValueError(
-            f"{out_dir}: --resume with other settings than the interrupted preparation "
-            f"(world_size {record.world_size} -> {world_size}; {'; '.join(changed) or 'same arguments'}); "
+            f"{out_dir}: --resume with other settings than the interrupted preparation ({'; '.join(changed)}); "
             f"rerun with the same arguments, or redo it with --overwrite"
         )
     forget_unpublished_shards(out_dir, record)

@@ -177,7 +177,7 @@ def log_skipped(report: PrepareReport) -> None:
 
 
 # Settings that do not change which samples are written (may differ on --resume).
-RUN_ONLY_SETTINGS = ("rank", "world_size", "device", "run_energon_prepare", "overwrite", "resume")
+RUN_ONLY_SETTINGS = ("output_dir", "rank", "world_size", "device", "run_energon_prepare", "overwrite", "resume")
 
 
 def record_args(settings: PrepareSettings, files: list[Path]) -> dict:
