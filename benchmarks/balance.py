@@ -3,9 +3,10 @@
     python -m benchmarks.balance [--dp 8 --micro_batches 4 --seq_length 32768 --samples 8192]
 
 A realistic image/video mix (256-token images to 16k-token videos, 50 % images) runs through the
-mock loader's global pack stream twice: ``tokens`` (fullest packs) and ``cost`` (packs of about
-equal FLOPs). Global pack ``p`` goes to DP rank ``p % dp`` as in training; a step is ``dp *
-micro_batches`` consecutive packs. A step lasts as long as its busiest rank, so the reported
+mock loader's global pack stream twice: ``tokens`` (greedy in stream order, "before") and ``cost``
+(packs of about equal FLOPs, "after"); for reference also first-fit decreasing on tokens over the
+same windows (the energon loader's token packing). Global pack ``p`` goes to DP rank ``p % dp``
+as in training; a step is ``dp * micro_batches`` consecutive packs. A step lasts as long as its busiest rank, so the reported
 max/mean (summed over steps) is the time lost to imbalance: 1.00 is perfect.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from dfm.data.mock import MockDataSettings, MockPackedLoader, mock_sample_length
 from dfm.data.pack_cost import PackCost
+from dfm.data.pack_selection import first_fit_decreasing
 
 # Latent sizes after an 8x VAE (4x in time); with 2x2 patches these are 256..4096-token images and
 # 1280..16384-token clips (256p to 512p, 17 to 61 frames).
@@ -43,6 +45,18 @@ def global_packs(balance: str, args: argparse.Namespace, cost: PackCost) -> list
         pack = [mock_sample_length(REALISTIC_MIX, i) for i in loader.next_pack_indices()]
         packs.append(pack)
         used += len(pack)
+    step = args.dp * args.micro_batches
+    return packs[: len(packs) // step * step]
+
+
+def first_fit_decreasing_packs(args: argparse.Namespace) -> list[list[int]]:
+    """Token lengths of first-fit-decreasing packs over windows of the same stream, whole steps only."""
+    packs, start = [], 0
+    while start < args.samples:
+        lengths = [mock_sample_length(REALISTIC_MIX, i) for i in range(start, start + args.window)]
+        lengths = [n for n in lengths if n <= args.seq_length]
+        packs += [[lengths[i] for i in pack] for pack in first_fit_decreasing(lengths, args.seq_length).packs]
+        start += args.window
     step = args.dp * args.micro_batches
     return packs[: len(packs) // step * step]
 
@@ -77,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict[str, Balance]:
     args = parse_args(argv)
     cost = PackCost.for_width(args.hidden_size)
     results = {balance: measure(global_packs(balance, args, cost), args, cost) for balance in ("tokens", "cost")}
-    before, after = results["tokens"], results["cost"]
+    results["first_fit_decreasing"] = measure(first_fit_decreasing_packs(args), args, cost)
+    before, after, ffd = results["tokens"], results["cost"], results["first_fit_decreasing"]
     print(
         f"dp {args.dp}, {args.micro_batches} micro-batches per rank, seq_length {args.seq_length}, "
         f"width {args.hidden_size}, {before.steps} / {after.steps} steps"
@@ -85,6 +100,10 @@ def main(argv: list[str] | None = None) -> dict[str, Balance]:
     print(f"max/mean FLOPs per DP rank: before {before.per_rank:.2f}, after {after.per_rank:.2f}")
     print(f"max/mean FLOPs per micro-batch: before {before.per_micro_batch:.2f}, after {after.per_micro_batch:.2f}")
     print(f"token fill: before {before.token_fill:.3f}, after {after.token_fill:.3f}")
+    print(
+        f"first-fit decreasing on tokens: max/mean per DP rank {ffd.per_rank:.2f}, per micro-batch "
+        f"{ffd.per_micro_batch:.2f}, token fill {ffd.token_fill:.3f}"
+    )
     return results
 
 

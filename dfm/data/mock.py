@@ -5,7 +5,7 @@ Sample ``g`` (the global sample index) is a pure function of ``(settings.seed, g
 How global indices reach ranks and micro-batches (``MockPackedLoader``):
 - the global stream is cut into global packs, in increasing index order. With ``balance="cost"``
   it is cut into windows of ``window`` samples and each window into packs of about equal cost
-  (``dfm.data.pack_selection.cost_balanced_packs``), ordered by their first sample. With
+  (``dfm.data.pack_selection.cost_balanced_packs``), costliest first. With
   ``balance="tokens"`` greedily: a pack takes the next samples while their real token counts sum
   to at most ``seq_length``. With ``samples_per_pack`` set, a pack is exactly that many next
   samples. A sample longer than ``seq_length`` is skipped;

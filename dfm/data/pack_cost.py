@@ -33,8 +33,3 @@ class PackCost:
 
     def pack(self, lengths: Sequence[int]) -> float:
         return sum(self.sample(n) for n in lengths)
-
-    def budget(self, capacity: int) -> float:
-        """Cost a pack is filled up to: ``capacity`` tokens' linear work (attention adds on top of it
-        for long samples, so they share a pack with fewer tokens)."""
-        return self.linear * capacity

@@ -52,46 +52,30 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> PackPlan:
 def cost_balanced_packs(lengths: Sequence[int], capacity: int, cost: PackCost) -> PackPlan:
     """Group buffer indices into packs of about equal cost, each <= capacity real tokens.
 
-    First-fit decreasing on cost (into packs filled up to ``cost.budget(capacity)`` and the token
-    limit) sets the number of packs; the samples are then dealt over that many packs largest cost
-    first, each to the cheapest pack with token room, which spreads the last packs' shortfall over
-    all of them. A sample costlier than the budget gets a pack of its own.
+    Longest processing time first: samples, costliest first, each go to the cheapest of ``k`` packs
+    with token room, for the smallest ``k`` from ``ceil(tokens / capacity)`` at which every sample
+    finds room (at most as many packs as first-fit decreasing on tokens needs, whose packs are kept
+    if none fits). Packs come costliest first: consecutive packs, which go to the DP ranks of one
+    micro-batch, then cost alike even where one sample costs more than a pack's share.
     """
     too_long = [i for i, n in enumerate(lengths) if n > capacity]
     costs = [cost.sample(n) for n in lengths]
     order = sorted((i for i, n in enumerate(lengths) if n <= capacity), key=lambda i: (-costs[i], i))
-    first_fit = _first_fit_by_cost(order, lengths, costs, capacity, cost.budget(capacity))
-    levelled = _level_by_cost(order, lengths, costs, capacity, len(first_fit))
-    packs = levelled if levelled is not None else first_fit
-    return PackPlan(packs=sorted(sorted(p) for p in packs), too_long=too_long)
-
-
-def _first_fit_by_cost(
-    order: Sequence[int], lengths: Sequence[int], costs: Sequence[float], capacity: int, budget: float
-) -> list[list[int]]:
-    packs: list[list[int]] = []
-    tokens: list[int] = []
-    spent: list[float] = []
-    for i in order:
-        target = next(
-            (p for p in range(len(packs)) if tokens[p] + lengths[i] <= capacity and spent[p] + costs[i] <= budget),
-            None,
-        )
-        if target is None:
-            packs.append([])
-            tokens.append(0)
-            spent.append(0.0)
-            target = len(packs) - 1
-        packs[target].append(i)
-        tokens[target] += lengths[i]
-        spent[target] += costs[i]
-    return packs
+    token_packs = first_fit_decreasing(lengths, capacity).packs
+    packs = None
+    for num_packs in range(max(1, -(-sum(lengths[i] for i in order) // capacity)), len(token_packs) + 1):
+        packs = _level_by_cost(order, lengths, costs, capacity, num_packs)
+        if packs is not None:
+            break
+    packs = [sorted(p) for p in (packs if packs is not None else token_packs)]
+    packs.sort(key=lambda p: (-sum(costs[i] for i in p), p[0]))
+    return PackPlan(packs=packs, too_long=too_long)
 
 
 def _level_by_cost(
     order: Sequence[int], lengths: Sequence[int], costs: Sequence[float], capacity: int, num_packs: int
 ) -> list[list[int]] | None:
-    """Longest processing time first over ``num_packs`` packs; None when a sample finds no token room."""
+    """``order`` dealt over ``num_packs`` packs, each sample to the cheapest with token room; None when one finds none."""
     packs: list[list[int]] = [[] for _ in range(num_packs)]
     tokens = [0] * num_packs
     spent = [0.0] * num_packs

@@ -84,11 +84,16 @@ MIXED = dict(
 
 
 @settings(max_examples=4, deadline=None)
-@given(seed=st.integers(0, 2**31), image_fraction=st.floats(0.2, 0.8), cp=st.sampled_from([1, 2]))
-def test_packing_efficiency_on_mixed_sizes_with_default_buffer(seed, image_fraction, cp):
+@given(
+    seed=st.integers(0, 2**31),
+    image_fraction=st.floats(0.2, 0.8),
+    cp=st.sampled_from([1, 2]),
+    balance=st.sampled_from(["cost", "tokens"]),
+)
+def test_packing_efficiency_on_mixed_sizes_with_default_buffer(seed, image_fraction, cp, balance):
     seq_length = 8192
     mock = MockDataSettings(seed=seed, image_fraction=image_fraction, **MIXED)
-    packing = PackingSettings(seq_length=seq_length, segment_multiple=2 * cp, total_multiple=cp, balance="tokens")
+    packing = PackingSettings(seq_length=seq_length, segment_multiple=2 * cp, total_multiple=cp, balance=balance)
     encoder = DiffusionTaskEncoder(packing)
     stream = [mock_sample(mock, i) for i in range(3 * DEFAULT_BUFFER)]
     batches = []
