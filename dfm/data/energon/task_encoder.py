@@ -141,7 +141,8 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
     def pack_selected_samples(self, samples: list[DiffusionSample]) -> PackedBatch:
         batch = pack_samples(samples, self.settings.segment_multiple, self.settings.total_multiple)
         batch.sample_metadata = [s.metadata for s in samples]
-        batch.bad_samples = (WorkerConfig.active_worker_config.rank_worker_id(), self.bad_samples.count)
+        worker = WorkerConfig.active_worker_config  # None outside an energon loader
+        batch.bad_samples = (worker.rank_worker_id() if worker is not None else 0, self.bad_samples.count)
         return batch
 
     @stateless
