@@ -58,7 +58,10 @@ def sample_key(dataset: Path, shard_id: int, sample_index: int) -> str:
 def check_shards_complete(dataset: Path) -> None:
     """Every shard the index lists is there and as long as the index says (the order of
     ``.info.json`` is energon's shard id)."""
-    shard_counts = json.loads((dataset / META / ".info.json").read_text())["shard_counts"]
+    info = dataset / META / ".info.json"
+    if not info.is_file():
+        return  # another energon version's layout: energon reports what it finds
+    shard_counts = json.loads(info.read_text())["shard_counts"]
     for shard_id, (name, count) in enumerate(shard_counts.items()):
         shard, index_file = dataset / name, dataset / f"{name}.idx"
         if not shard.is_file():
