@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from dfm.data.energon.data_module import EnergonDataSettings, build_train_loader
-from dfm.data.energon.pack_selection import packing_efficiency
 from dfm.data.energon.task_encoder import PackingSettings
 from dfm.data.mock import MockDataSettings
+from dfm.data.pack_selection import packing_efficiency
 from dfm.data.prepare.synthetic import write_synthetic_dataset
 
 

@@ -21,6 +21,7 @@ RecomputeMethod = Literal["uniform", "block"]
 LrDecayStyle = Literal["constant", "cosine", "linear"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Fp8Format = Literal["e4m3", "hybrid"]
+PackingBalance = Literal["cost", "tokens"]
 
 
 @dataclass
@@ -123,6 +124,10 @@ class DatasetConfig:
     path: str | None = None
     seq_length: int = 4096  # packing limit, in video tokens
     packing_buffer_size: int | None = 100
+    # cost: packs of about equal FLOPs (linear + attention) so DP ranks and micro-batches do equal
+    # work; tokens: the fullest packs. See docs/data.md.
+    packing_balance: PackingBalance = "cost"
+    skip_bad_samples: bool = False  # True: a malformed sample is skipped, named and counted; False: the run stops
     num_workers: int = 2
     mock_image_fraction: float = 0.5
     # Latent sizes: images [H, W], videos [T, H, W].

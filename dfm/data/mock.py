@@ -3,9 +3,12 @@
 Sample ``g`` (the global sample index) is a pure function of ``(settings.seed, g)``.
 
 How global indices reach ranks and micro-batches (``MockPackedLoader``):
-- the global stream is cut into global packs, in increasing index order, greedily: a pack takes
-  the next samples while their real token counts sum to at most ``seq_length`` (or exactly
-  ``samples_per_pack`` samples when that is set); a sample longer than ``seq_length`` is skipped;
+- the global stream is cut into global packs, in increasing index order. With ``balance="cost"``
+  it is cut into windows of ``window`` samples and each window into packs of about equal cost
+  (``dfm.data.pack_selection.cost_balanced_packs``), costliest first. With
+  ``balance="tokens"`` greedily: a pack takes the next samples while their real token counts sum
+  to at most ``seq_length``. With ``samples_per_pack`` set, a pack is exactly that many next
+  samples. A sample longer than ``seq_length`` is skipped;
 - data-parallel rank ``r`` of ``n`` trains on global packs ``r, r + n, r + 2n, ...``: its
   micro-batch ``k`` is global pack ``r + k * n``; a global batch is a run of consecutive global
   packs (DP size times the gradient-accumulation steps of them).
@@ -24,6 +27,8 @@ from typing import Any
 
 import torch
 
+from dfm.data.pack_cost import PackCost
+from dfm.data.pack_selection import PACKING_BALANCES, PackingBalance, cost_balanced_packs
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify
@@ -118,11 +123,18 @@ class MockPackedLoader:
         segment_multiple: int = 1,
         total_multiple: int = 1,
         samples_per_pack: int | None = None,
+        balance: PackingBalance = "tokens",
+        cost: PackCost | None = None,  # None: PackCost() (a 4096-wide model)
+        window: int = 256,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
         if samples_per_pack is not None and samples_per_pack < 1:
             raise ValueError(f"samples_per_pack must be >= 1, got {samples_per_pack}")
+        if balance not in PACKING_BALANCES:
+            raise ValueError(f"balance must be one of {PACKING_BALANCES}, got {balance!r}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         self.settings = settings
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -130,8 +142,14 @@ class MockPackedLoader:
         self.segment_multiple = segment_multiple
         self.total_multiple = total_multiple
         self.samples_per_pack = samples_per_pack
-        self.next_global_index = 0  # first sample of global pack ``next_global_pack``
+        self.balance = balance
+        self.cost = cost if cost is not None else PackCost()
+        self.window = window
+        self.next_global_index = 0  # first sample not yet in a pack (or a window)
         self.next_global_pack = 0
+        self.window_start = 0  # first sample of the current cost window
+        self.window_position = 0  # packs of the current cost window already taken
+        self._window_packs: list[list[int]] | None = None  # recomputed from window_start when None
         self.skipped_too_long = 0
 
     def _fits_alone(self, index: int, length: int) -> bool:
@@ -178,11 +196,29 @@ class MockPackedLoader:
             )
         return [i for i, _ in pack]
 
+    def _cost_window_packs(self, start: int) -> tuple[list[list[int]], int]:
+        """-> (packs of the window starting at ``start``, first index after it)."""
+        self.next_global_index = start
+        samples = [self._next_fitting_sample() for _ in range(self.window)]
+        plan = cost_balanced_packs([n for _, n in samples], self.seq_length, self.cost)
+        return [[samples[i][0] for i in pack] for pack in plan.packs], self.next_global_index
+
+    def _cost_balanced_pack(self) -> list[int]:
+        if self._window_packs is None:
+            self._window_packs, self.next_global_index = self._cost_window_packs(self.window_start)
+        if self.window_position == len(self._window_packs):
+            self.window_start, self.window_position = self.next_global_index, 0
+            self._window_packs, self.next_global_index = self._cost_window_packs(self.window_start)
+        self.window_position += 1
+        return self._window_packs[self.window_position - 1]
+
     def _next_global_pack(self) -> list[int]:
         """Global indices of the next global pack (any rank's); advances."""
         self.next_global_pack += 1
         if self.samples_per_pack is not None:
             return self._fixed_count_pack(self.samples_per_pack)
+        if self.balance == "cost":
+            return self._cost_balanced_pack()
         return self._greedy_pack()
 
     def next_pack_indices(self) -> list[int]:
@@ -204,15 +240,27 @@ class MockPackedLoader:
         return {
             "next_global_index": self.next_global_index,
             "next_global_pack": self.next_global_pack,
+            "window_start": self.window_start,
+            "window_position": self.window_position,
             "dp_rank": self.dp_rank,
             "dp_size": self.dp_size,
             "seed": self.settings.seed,
+            "balance": self.balance,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        expected = {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "seed": self.settings.seed}
+        expected = {
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "seed": self.settings.seed,
+            "balance": self.balance,
+        }
+        state = {"balance": "tokens", "window_start": 0, "window_position": 0, **state}
         for key, value in expected.items():
             if state.get(key) != value:
                 raise ValueError(f"mock loader state has {key}={state.get(key)!r}, this loader has {value!r}")
         self.next_global_index = int(state["next_global_index"])
         self.next_global_pack = int(state["next_global_pack"])
+        self.window_start = int(state["window_start"])
+        self.window_position = int(state["window_position"])
+        self._window_packs = None

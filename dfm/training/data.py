@@ -8,11 +8,16 @@ from megatron.core import parallel_state
 
 from dfm.config.container import ConfigContainer
 from dfm.data.mock import MockDataSettings, MockPackedLoader
+from dfm.data.pack_cost import PackCost
 from dfm.parallel.layout import ParallelLayout
 
 
 def data_parallel_info() -> tuple[int, int]:
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
+def pack_cost(cfg: ConfigContainer) -> PackCost:
+    return PackCost.for_width(cfg.model.hidden_size, cfg.model.effective_ffn_hidden_size)
 
 
 def build_mock_loader(cfg: ConfigContainer, layout: ParallelLayout) -> MockPackedLoader:
@@ -31,7 +36,16 @@ def build_mock_loader(cfg: ConfigContainer, layout: ParallelLayout) -> MockPacke
     dp_rank, dp_size = data_parallel_info()
     segment, total = layout.padding_multiples()
     return MockPackedLoader(
-        settings, dp_rank, dp_size, d.seq_length, segment, total, samples_per_pack=d.mock_samples_per_pack
+        settings,
+        dp_rank,
+        dp_size,
+        d.seq_length,
+        segment,
+        total,
+        samples_per_pack=d.mock_samples_per_pack,
+        balance=d.packing_balance,
+        cost=pack_cost(cfg),
+        window=d.packing_buffer_size or 1,
     )
 
 
@@ -50,6 +64,10 @@ def energon_settings(cfg: ConfigContainer, layout: ParallelLayout):
         max_text_len=m.max_text_len,
         segment_multiple=segment,
         total_multiple=total,
+        balance=d.packing_balance,
+        cost=pack_cost(cfg),
+        in_channels=m.in_channels,
+        text_embed_dim=m.text_embed_dim,
     )
     return EnergonDataSettings(
         path=d.path,
@@ -58,6 +76,7 @@ def energon_settings(cfg: ConfigContainer, layout: ParallelLayout):
         num_workers=d.num_workers,
         seed=cfg.rng.seed,
         val_limit=cfg.train.eval_iters,
+        skip_bad_samples=d.skip_bad_samples,
     )
 
 

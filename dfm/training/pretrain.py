@@ -315,4 +315,6 @@ class TrainLoop:
             "tflops_per_gpu": tflops,
             "mfu": mfu(tflops, self.peak),
             "global_batch_size": self.cfg.train.global_batch_size,
+            # This rank's loader (energon with dataset.skip_bad_samples); each is also logged by name.
+            "skipped_bad_samples": getattr(self.data_iter.loader, "skipped_bad_samples", 0),
         }

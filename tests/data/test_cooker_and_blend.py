@@ -7,7 +7,7 @@ import pytest
 import torch
 import webdataset as wds
 
-from dfm.data.energon.cooker import cook_diffusion_sample
+from dfm.data.energon.cooker import BadSampleError, cook_diffusion_sample
 from dfm.data.energon.data_module import (
     EnergonDataSettings,
     build_train_loader,
@@ -58,7 +58,7 @@ def test_loader_reads_dfm_style_shards(tmp_path):
 
 def test_missing_part_names_shard_and_key(tmp_path):
     write_dfm_style_shard(tmp_path / "nopickle", drop_part="pickle")
-    with pytest.raises(KeyError, match=r"shard .*dfm-000000\.tar, key dfm\d+: missing part '\.pickle'"):
+    with pytest.raises(BadSampleError, match=r"shard .*/nopickle/dfm-000000\.tar, key dfm\d+: missing part '\.pickle'"):
         next(build_train_loader(small_settings(tmp_path / "nopickle"), 0, 1))
 
 

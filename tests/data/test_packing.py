@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dfm.data.energon.data_module import EnergonDataSettings
-from dfm.data.energon.pack_selection import first_fit_decreasing, packing_efficiency
 from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings
 from dfm.data.mock import MockDataSettings, MockPackedLoader, mock_sample
+from dfm.data.pack_selection import first_fit_decreasing, packing_efficiency
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +84,17 @@ MIXED = dict(
 
 
 @settings(max_examples=4, deadline=None)
-@given(seed=st.integers(0, 2**31), image_fraction=st.floats(0.2, 0.8), cp=st.sampled_from([1, 2]))
-def test_packing_efficiency_on_mixed_sizes_with_default_buffer(seed, image_fraction, cp):
+@given(
+    seed=st.integers(0, 2**31),
+    image_fraction=st.floats(0.2, 0.8),
+    cp=st.sampled_from([1, 2]),
+    balance=st.sampled_from(["cost", "tokens"]),
+)
+def test_packing_efficiency_on_mixed_sizes_with_default_buffer(seed, image_fraction, cp, balance):
     seq_length = 8192
     mock = MockDataSettings(seed=seed, image_fraction=image_fraction, **MIXED)
-    encoder = DiffusionTaskEncoder(PackingSettings(seq_length=seq_length, segment_multiple=2 * cp, total_multiple=cp))
+    packing = PackingSettings(seq_length=seq_length, segment_multiple=2 * cp, total_multiple=cp, balance=balance)
+    encoder = DiffusionTaskEncoder(packing)
     stream = [mock_sample(mock, i) for i in range(3 * DEFAULT_BUFFER)]
     batches = []
     for start in range(0, len(stream), DEFAULT_BUFFER):  # as energon's PackingDataset feeds buffers

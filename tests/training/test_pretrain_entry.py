@@ -37,7 +37,9 @@ def test_tp2_writes_metrics_and_learns(tp_runs):
     for key in ("iteration", "loss", "lr", "grad_norm", "tokens_per_sec_per_gpu", "tflops_per_gpu", "mfu"):
         assert key in records[0]
     assert records[0]["mfu"] is None  # CPU: peak unknown
-    assert records[-1]["loss"] < records[0]["loss"]
+    # One pack's EDM loss swings with its noise levels: compare five-step means.
+    losses = [r["loss"] for r in records]
+    assert sum(losses[-5:]) < sum(losses[:5])
 
 
 def test_tp2_losses_match_tp1(tp_runs):

@@ -8,7 +8,6 @@ from dfm.data.energon.data_module import (
     build_val_loader,
     write_blend_metadataset,
 )
-from dfm.data.energon.pack_selection import first_fit_decreasing, packing_efficiency
 from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings, sample_metadata
 
 __all__ = [
@@ -19,8 +18,6 @@ __all__ = [
     "build_train_loader",
     "build_val_loader",
     "write_blend_metadataset",
-    "first_fit_decreasing",
-    "packing_efficiency",
     "DiffusionTaskEncoder",
     "PackingSettings",
     "sample_metadata",

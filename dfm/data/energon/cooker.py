@@ -2,11 +2,13 @@
 
 Accepts our shards and NVIDIA DFM's: a latent [C, T, H, W] or [1, C, T, H, W], text embeddings
 [L, D] or [1, L, D] as a tensor or numpy array, metadata as a dict (or undecoded JSON bytes).
+A sample that cannot train raises ``BadSampleError`` naming its shard path, key and what is wrong.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +20,14 @@ TEXT_PART = "pickle"
 METADATA_PART = "json"
 
 
+class BadSampleError(ValueError):
+    """A sample that cannot train; ``where`` is 'shard <path>, key <key>'."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where}: {problem}")
+        self.where = where
+
+
 @edataclass
 class CookedDiffusionSample(Sample):
     latent: torch.Tensor  # [C, T, H, W]
@@ -25,11 +35,18 @@ class CookedDiffusionSample(Sample):
     metadata: dict
 
 
+def sample_location(shard: Any, key: Any) -> str:
+    """'shard <dataset>/<shard>.tar, key <key>' for error messages."""
+    return f"shard {shard}, key {key if key is not None else '<unknown key>'}"
+
+
+def source_description(key: Any, sources: Sequence[Any] | None) -> str:
+    shard = f"{sources[0].dataset_path}/{sources[0].shard_name}" if sources else "<unknown shard>"
+    return sample_location(shard, key)
+
+
 def describe_source(crude: dict) -> str:
-    """'shard <name>, key <key>' for error messages."""
-    sources = crude.get("__sources__") or ()
-    shard = sources[0].shard_name if sources else "<unknown shard>"
-    return f"shard {shard}, key {crude.get('__key__', '<unknown key>')}"
+    return source_description(crude.get("__key__"), crude.get("__sources__"))
 
 
 def crude_part(crude: dict, part: str) -> Any:
@@ -38,44 +55,52 @@ def crude_part(crude: dict, part: str) -> Any:
         if name in crude:
             return crude[name]
     present = sorted(k for k in crude if not k.startswith("__"))
-    raise KeyError(f"{describe_source(crude)}: missing part '.{part}' (parts present: {present})")
+    raise BadSampleError(describe_source(crude), f"missing part '.{part}' (parts present: {present})")
 
 
-def as_tensor(value: Any, what: str) -> torch.Tensor:
+def as_tensor(value: Any, where: str, what: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(value))
-    raise TypeError(f"{what} is a {type(value).__name__}, expected a torch tensor or numpy array")
+    raise BadSampleError(where, f"{what} is a {type(value).__name__}, expected a torch tensor or numpy array")
 
 
-def drop_leading_unit_dim(tensor: torch.Tensor, want_dims: int, what: str) -> torch.Tensor:
+def drop_leading_unit_dim(tensor: torch.Tensor, want_dims: int, where: str, what: str) -> torch.Tensor:
     if tensor.dim() == want_dims + 1 and tensor.shape[0] == 1:
         tensor = tensor[0]
     if tensor.dim() != want_dims:
-        raise ValueError(f"{what} has shape {tuple(tensor.shape)}, expected {want_dims} dims (or a leading 1)")
+        raise BadSampleError(
+            where, f"{what} has shape {tuple(tensor.shape)}, expected {want_dims} dims (or a leading 1)"
+        )
     return tensor
 
 
 def decode_metadata(value: Any, where: str) -> dict:
     if isinstance(value, (bytes, bytearray, str)):
-        value = json.loads(value)
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise BadSampleError(where, f"'.json' is not valid JSON ({error})") from error
     if not isinstance(value, dict):
-        raise TypeError(f"{where}: '.json' holds a {type(value).__name__}, expected an object")
+        raise BadSampleError(where, f"'.json' holds a {type(value).__name__}, expected an object")
     return value
+
+
+def read_tensor(crude: dict, part: str, dims: int, what: str) -> torch.Tensor:
+    where = describe_source(crude)
+    tensor = as_tensor(crude_part(crude, part), where, f"{what} '.{part}'")
+    return drop_leading_unit_dim(tensor, dims, where, f"{what} '.{part}'").float()
 
 
 @stateless
 def cook_diffusion_sample(crude: dict) -> CookedDiffusionSample:
     """One crude sample -> CookedDiffusionSample; a missing or malformed part raises naming shard and key."""
-    where = describe_source(crude)
-    latent = as_tensor(crude_part(crude, LATENT_PART), f"{where}: latent '.{LATENT_PART}'")
-    text = as_tensor(crude_part(crude, TEXT_PART), f"{where}: text embeddings '.{TEXT_PART}'")
     return CookedDiffusionSample(
         **basic_sample_keys(crude),
-        latent=drop_leading_unit_dim(latent, 4, f"{where}: latent '.{LATENT_PART}'").float(),
-        text_embeddings=drop_leading_unit_dim(text, 2, f"{where}: text embeddings '.{TEXT_PART}'").float(),
-        metadata=decode_metadata(crude_part(crude, METADATA_PART), where),
+        latent=read_tensor(crude, LATENT_PART, 4, "latent"),
+        text_embeddings=read_tensor(crude, TEXT_PART, 2, "text embeddings"),
+        metadata=decode_metadata(crude_part(crude, METADATA_PART), describe_source(crude)),
     )
 
 

@@ -19,10 +19,10 @@ from megatron.energon import (
     get_savable_loader,
     get_train_dataset,
     get_val_dataset,
-    log_exception,
-    reraise_exception,
 )
 
+from dfm.data.energon.bad_samples import BadSampleLog
+from dfm.data.energon.dataset_checks import check_energon_dataset
 from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings
 from dfm.data.packed_batch import PackedBatch
 
@@ -45,7 +45,9 @@ class EnergonDataSettings:
     extra_worker_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def build_worker_config(settings: EnergonDataSettings, dp_rank: int, dp_size: int) -> WorkerConfig:
+def build_worker_config(
+    settings: EnergonDataSettings, dp_rank: int, dp_size: int, bad_samples: BadSampleLog
+) -> WorkerConfig:
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
     return WorkerConfig(
@@ -53,21 +55,23 @@ def build_worker_config(settings: EnergonDataSettings, dp_rank: int, dp_size: in
         world_size=dp_size,
         num_workers=settings.num_workers,
         seed_offset=settings.seed,
-        global_error_handler=log_exception if settings.skip_bad_samples else reraise_exception,
+        global_error_handler=bad_samples.handle,
         **settings.extra_worker_kwargs,
     )
 
 
 def build_train_dataset(settings: EnergonDataSettings, dp_rank: int, dp_size: int):
+    check_energon_dataset(settings.path)
+    bad_samples = BadSampleLog(settings.skip_bad_samples)
     return get_train_dataset(
         settings.path,
         split_part="train",
-        worker_config=build_worker_config(settings, dp_rank, dp_size),
+        worker_config=build_worker_config(settings, dp_rank, dp_size, bad_samples),
         batch_size=1,
         packing_buffer_size=settings.packing_buffer_size,
         shuffle_buffer_size=settings.shuffle_buffer_size,
         max_samples_per_sequence=settings.max_samples_per_sequence,
-        task_encoder=DiffusionTaskEncoder(settings.packing),
+        task_encoder=DiffusionTaskEncoder(settings.packing, bad_samples),
     )
 
 
@@ -81,6 +85,7 @@ class EnergonTrainLoader:
             build_train_dataset(settings, dp_rank, dp_size), prefetch_factor=settings.prefetch_factor
         )
         self._iterator: Iterator[PackedBatch] | None = None
+        self._bad_samples_by_worker: dict[int, int] = {}
 
     def __iter__(self) -> Iterator[PackedBatch]:
         return self
@@ -88,7 +93,15 @@ class EnergonTrainLoader:
     def __next__(self) -> PackedBatch:
         if self._iterator is None:
             self._iterator = iter(self.loader)
-        return next(self._iterator)
+        batch = next(self._iterator)
+        worker, count = getattr(batch, "bad_samples", (0, 0))
+        self._bad_samples_by_worker[worker] = count
+        return batch
+
+    @property
+    def skipped_bad_samples(self) -> int:
+        """Bad samples this DP rank's workers skipped since the loader started."""
+        return sum(self._bad_samples_by_worker.values())
 
     def state_dict(self) -> dict[str, Any]:
         """Plain types only (the energon state is pickled to bytes) so it sits in any checkpoint."""
@@ -117,14 +130,16 @@ def build_train_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int
 
 def build_val_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int):
     """One pass over the "val" split (of ``val_path`` or ``path``), packed like training."""
+    check_energon_dataset(settings.val_path or settings.path)
+    bad_samples = BadSampleLog(settings.skip_bad_samples)
     dataset = get_val_dataset(
         settings.val_path or settings.path,
         split_part="val",
-        worker_config=build_worker_config(settings, dp_rank, dp_size),
+        worker_config=build_worker_config(settings, dp_rank, dp_size, bad_samples),
         batch_size=1,
         packing_buffer_size=settings.packing_buffer_size,
         limit=settings.val_limit,
-        task_encoder=DiffusionTaskEncoder(settings.packing),
+        task_encoder=DiffusionTaskEncoder(settings.packing, bad_samples),
     )
     return get_loader(dataset, prefetch_factor=settings.prefetch_factor)
 

@@ -1,8 +1,13 @@
-"""Energon TaskEncoder for diffusion: cook -> encode (patchify) -> pack (first-fit decreasing) -> batch.
+"""Energon TaskEncoder for diffusion: cook -> encode (patchify) -> pack (by cost or tokens) -> batch.
 
 With packing, energon's micro-batch size is 1: one PackedBatch holds several samples.
 Each PackedBatch also carries ``sample_metadata`` (a plain attribute, one dict per sample with
-the shard key and the ``.json`` metadata such as the caption) for logging and tests.
+the shard key and the ``.json`` metadata such as the caption) for logging and tests, and
+``bad_samples`` ((worker id, bad samples this worker skipped so far)).
+
+A sample that cannot train (``BadSampleError``: missing part, wrong rank, channel count or text
+width, non-finite values) stops the run when it is cooked, or with ``skip_bad_samples`` is skipped,
+counted and named once in the log.
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ from typing import Any
 
 from megatron.energon import TaskEncoder, WorkerConfig, stateless
 
-from dfm.data.energon.cooker import CookedDiffusionSample, diffusion_cookers
-from dfm.data.energon.pack_selection import first_fit_decreasing
+from dfm.data.energon.bad_samples import BadSampleLog
+from dfm.data.energon.cooker import BadSampleError, CookedDiffusionSample, diffusion_cookers
+from dfm.data.energon.sample_checks import check_cooked_sample
+from dfm.data.pack_cost import PackCost
+from dfm.data.pack_selection import PACKING_BALANCES, PackingBalance, select_packs
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify
@@ -31,12 +39,18 @@ class PackingSettings:
     max_text_len: int = 512  # longer text embeddings are truncated
     segment_multiple: int = 1  # per-sample padding (2 * CP size with context parallelism)
     total_multiple: int = 1  # whole-pack padding (TP * CP with sequence parallelism)
+    balance: PackingBalance = "cost"  # packs of about equal FLOPs, or the fullest packs ("tokens")
+    cost: PackCost = PackCost()  # the model width's cost model (PackCost.for_width)
+    in_channels: int | None = None  # latent channels the model takes; None: not checked
+    text_embed_dim: int | None = None  # text embedding width the model takes; None: not checked
 
     def __post_init__(self) -> None:
         if self.seq_length <= 0:
             raise ValueError(f"seq_length={self.seq_length} must be positive")
         if self.max_text_len <= 0:
             raise ValueError(f"max_text_len must be positive, got {self.max_text_len}")
+        if self.balance not in PACKING_BALANCES:
+            raise ValueError(f"balance must be one of {PACKING_BALANCES}, got {self.balance!r}")
 
 
 def sample_metadata(batch: PackedBatch) -> list[dict[str, Any]]:
@@ -68,11 +82,21 @@ def encode_cooked_sample(
 class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, PackedBatch, PackedBatch]):
     cookers = diffusion_cookers()
 
-    def __init__(self, settings: PackingSettings) -> None:
+    def __init__(self, settings: PackingSettings, bad_samples: BadSampleLog | None = None) -> None:
         self.settings = settings
+        self.bad_samples = bad_samples if bad_samples is not None else BadSampleLog(skip=False)
         # Diagnostics, per worker process; not part of the loader state.
         self.skipped_too_long = 0
         self.truncated_texts = 0
+
+    @stateless
+    def cook_crude_sample(self, sample, cooker, aux) -> CookedDiffusionSample:
+        try:
+            cooked = super().cook_crude_sample(sample, cooker, aux)
+            check_cooked_sample(cooked, self.settings.in_channels, self.settings.text_embed_dim)
+        except BadSampleError as error:
+            self.bad_samples.reject(error)
+        return cooked
 
     def global_sample_index(self) -> int:
         """A data-parallel-unique index: energon's per-rank index interleaved over DP ranks.
@@ -99,7 +123,9 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
 
     def select_samples_to_pack(self, samples: list[DiffusionSample]) -> list[list[DiffusionSample]]:
         # Real lengths only: the layout's padding never changes which samples share a pack.
-        plan = first_fit_decreasing([s.seq_len_q for s in samples], self.settings.seq_length)
+        plan = select_packs(
+            [s.seq_len_q for s in samples], self.settings.seq_length, self.settings.balance, self.settings.cost
+        )
         for i in plan.too_long:
             self.skipped_too_long += 1
             logger.warning(
@@ -115,6 +141,8 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
     def pack_selected_samples(self, samples: list[DiffusionSample]) -> PackedBatch:
         batch = pack_samples(samples, self.settings.segment_multiple, self.settings.total_multiple)
         batch.sample_metadata = [s.metadata for s in samples]
+        worker = WorkerConfig.active_worker_config  # None outside an energon loader
+        batch.bad_samples = (worker.rank_worker_id() if worker is not None else 0, self.bad_samples.count)
         return batch
 
     @stateless

@@ -7,6 +7,8 @@ import sys
 from collections import deque
 from pathlib import Path
 
+from dfm.data.prepare.record import check_preparation_complete
+
 
 def energon_prepare_command(dataset_dir: str | Path, split_ratio: str = "1,0,0", num_workers: int = 1) -> list[str]:
     """The exact command line; same as ``energon prepare DIR --non-interactive --split-ratio 1,0,0
@@ -29,10 +31,12 @@ def energon_prepare_command(dataset_dir: str | Path, split_ratio: str = "1,0,0",
 
 
 def run_energon_prepare(dataset_dir: str | Path, split_ratio: str = "1,0,0", num_workers: int = 1) -> None:
-    """Index the shards with energon's progress bar shown on our stderr; raise with its output if it fails."""
+    """Index the shards with energon's progress bar shown on our stderr; raise with its output if it fails.
+    Refuses a folder whose preparation record says it is unfinished."""
     dataset_dir = Path(dataset_dir)
     if not any(dataset_dir.rglob("*.tar")):
         raise FileNotFoundError(f"{dataset_dir}: no .tar shards to prepare")
+    check_preparation_complete(dataset_dir)
     command = energon_prepare_command(dataset_dir, split_ratio, num_workers)
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         tail = deque(maxlen=256)  # the last output chunks, for the error message

@@ -4,6 +4,8 @@ Every file is read, bucketed, VAE-encoded and caption-encoded once. Files that c
 encoded are skipped, counted, logged as warnings and listed in the report (and in
 ``prepare_report.rank<R>.json``). Under torchrun each rank takes every WORLD_SIZE-th file and
 writes its own shards (``rank<R>-NNNNNN.tar``); sample keys are global file indices, unique across ranks.
+The output folder must be fresh, or cleared (``overwrite``), or hold an interrupted preparation
+to continue (``resume``); a record per rank tells which files are done (``record.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from dfm.data.prepare.buckets import ResolutionPolicy, resize_center_crop
 from dfm.data.prepare.captions import CaptionFormat, CaptionLookup
 from dfm.data.prepare.energon_prepare import run_energon_prepare
 from dfm.data.prepare.media import MediaItem, find_media_files, read_media
+from dfm.data.prepare.output_dir import inputs_digest, open_output_dir
+from dfm.data.prepare.record import COMPLETE, PrepareRecord
 from dfm.data.prepare.shards import AtomicShardWriter, encode_sample_parts
 
 logger = logging.getLogger(__name__)
@@ -58,6 +62,8 @@ class PrepareSettings:
     world_size: int = 1
     device: str = "cpu"
     run_energon_prepare: bool = False  # only rank 0 of a single-process run; see docs/data.md
+    overwrite: bool = False  # clear a previous preparation's shards and energon index first
+    resume: bool = False  # continue an interrupted preparation with the same settings
 
     def resolution_policy(self, multiple: int) -> ResolutionPolicy:
         preset = self.resolution_preset
@@ -170,26 +176,67 @@ def log_skipped(report: PrepareReport) -> None:
     logger.warning("skipped %d unreadable or unencodable files:\n%s", len(report.skipped), listing)
 
 
-def prepare_dataset(settings: PrepareSettings) -> PrepareReport:
-    """Encode this rank's share of ``input_dir`` into shards under ``output_dir``."""
-    files = find_media_files(settings.input_dir)
+# Settings that do not change which samples are written (may differ on --resume).
+RUN_ONLY_SETTINGS = ("output_dir", "rank", "world_size", "device", "run_energon_prepare", "overwrite", "resume")
+
+
+def record_args(settings: PrepareSettings, files: list[Path]) -> dict:
+    args = {k: v for k, v in asdict(settings).items() if k not in RUN_ONLY_SETTINGS}
+    return {**args, "num_files": len(files), "inputs_digest": inputs_digest(files, settings.input_dir)}
+
+
+def next_shard_number(record: PrepareRecord) -> int:
+    return max((int(name.split("-")[-1].split(".")[0]) + 1 for name in record.shards), default=0)
+
+
+def encode_files(
+    todo: list[tuple[int, Path]], key_width: int, settings: PrepareSettings, record: PrepareRecord
+) -> None:
+    """Encode ``todo`` into new shards; the record lists each shard's files as it is published."""
+    out = Path(settings.output_dir)
     encoders = load_encoders(settings)
     policy = settings.resolution_policy(settings.patch_spatial * encoders.vae.spatial_compression)
     captions = CaptionLookup(settings.input_dir, settings.caption_format)
-    report = PrepareReport()
-    key_width = max(8, len(str(len(files))))
-    mine = list(enumerate(files))[settings.rank :: settings.world_size]
-    with AtomicShardWriter(settings.output_dir, f"rank{settings.rank:03d}", settings.shard_maxcount) as writer:
-        for index, path in tqdm(mine, desc=f"prepare rank {settings.rank}", position=settings.rank):
+    in_open_shard: list[int] = []
+
+    def publish(shard_name: str) -> None:
+        record.shards[shard_name] = list(in_open_shard)
+        in_open_shard.clear()
+        record.save(out)
+
+    prefix, start = f"rank{settings.rank:03d}", next_shard_number(record)
+    with AtomicShardWriter(out, prefix, settings.shard_maxcount, start, before_publish=publish) as writer:
+        for index, path in tqdm(todo, desc=f"prepare rank {settings.rank}", position=settings.rank):
             try:
                 parts = encode_file(path, f"{index:0{key_width}d}", settings, encoders, captions, policy)
             except Exception as error:  # noqa: BLE001 - any unreadable input is skipped and reported
-                report.skipped.append((str(path), f"{type(error).__name__}: {error}"))
+                record.skipped.append((index, str(path), f"{type(error).__name__}: {error}"))
+                record.save(out)
                 logger.warning("skipping %s: %s: %s", path, type(error).__name__, error)
                 continue
-            writer.write(parts)
-            report.written += 1
-    report.shards = [str(p) for p in writer.finished]
+            writer.write(parts)  # may publish the previous shard, whose files are in_open_shard
+            in_open_shard.append(index)
+
+
+def prepare_dataset(settings: PrepareSettings) -> PrepareReport:
+    """Encode this rank's share of ``input_dir`` into shards under ``output_dir``."""
+    files = find_media_files(settings.input_dir)
+    out = Path(settings.output_dir)
+    record = open_output_dir(
+        out, settings.rank, settings.world_size, record_args(settings, files), settings.overwrite, settings.resume
+    )
+    key_width = max(8, len(str(len(files))))
+    done = record.done_files()
+    todo = [(i, p) for i, p in list(enumerate(files))[settings.rank :: settings.world_size] if i not in done]
+    if todo:
+        encode_files(todo, key_width, settings, record)
+    record.status = COMPLETE
+    record.save(out)
+    report = PrepareReport(
+        written=record.written,
+        skipped=[(path, reason) for _, path, reason in record.skipped],
+        shards=[str(out / name) for name in sorted(record.shards)],
+    )
     log_skipped(report)
     logger.info("rank %d: %s", settings.rank, report.summary())
     report_file = Path(settings.output_dir) / f"prepare_report.rank{settings.rank}.json"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,23 +38,37 @@ def encode_sample_parts(key: str, latent: torch.Tensor, text: torch.Tensor, meta
 class AtomicShardWriter:
     """Context manager over webdataset's ShardWriter: shards appear in ``out_dir`` only when complete."""
 
-    def __init__(self, out_dir: str | Path, prefix: str, maxcount: int) -> None:
+    def __init__(
+        self,
+        out_dir: str | Path,
+        prefix: str,
+        maxcount: int,
+        start_shard: int = 0,
+        before_publish: Callable[[str], None] | None = None,
+    ) -> None:
+        """``before_publish(shard file name)`` runs when a shard is complete, before it appears."""
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.pattern = str(self.out_dir / f"{prefix}-%06d.tar{PARTIAL_SUFFIX}")
         self.maxcount = maxcount
+        self.start_shard = start_shard
+        self.before_publish = before_publish
         self.finished: list[Path] = []
         self.writer: wds.ShardWriter | None = None
 
     def _publish(self, partial_name: str) -> None:
         final = Path(partial_name[: -len(PARTIAL_SUFFIX)])
+        if self.before_publish is not None:
+            self.before_publish(final.name)
         Path(partial_name).rename(final)
         self.finished.append(final)
 
     def write(self, sample: dict) -> None:
         if self.writer is None:
             # Opened lazily: ShardWriter opens a file on construction, which would leave an empty shard.
-            self.writer = wds.ShardWriter(self.pattern, maxcount=self.maxcount, post=self._publish, verbose=0)
+            self.writer = wds.ShardWriter(
+                self.pattern, maxcount=self.maxcount, post=self._publish, start_shard=self.start_shard, verbose=0
+            )
         self.writer.write(sample)
 
     def __enter__(self) -> AtomicShardWriter:

@@ -5,6 +5,9 @@
 
 Multi-process: ``torchrun --nproc_per_node 8 ... prepare_energon_dataset.py ...`` (each rank writes
 its own shards), then ``energon prepare`` once (see docs/data.md).
+
+The output folder must be new or empty; ``--overwrite`` clears a previous preparation first,
+``--resume`` continues an interrupted one without duplicating samples.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ def add_encoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard_maxcount", type=int, default=1000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--run_energon_prepare", action="store_true", help="run `energon prepare` afterwards")
+    existing = parser.add_mutually_exclusive_group()
+    existing.add_argument(
+        "--overwrite", action="store_true", help="clear a previous preparation's shards and energon index first"
+    )
+    existing.add_argument("--resume", action="store_true", help="continue an interrupted preparation (same arguments)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +86,8 @@ def settings_from_args(args: argparse.Namespace, input_dir: str | None = None) -
             shard_maxcount=args.shard_maxcount,
             device=args.device,
             run_energon_prepare=args.run_energon_prepare,
+            overwrite=args.overwrite,
+            resume=args.resume,
         )
     )
 

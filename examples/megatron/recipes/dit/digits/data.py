@@ -96,6 +96,7 @@ def digit_prepare_settings(root: Path, t5_dir: Path, vae_dir: Path, patch_spatia
         vae_subfolder=None,
         shard_maxcount=500,
         run_energon_prepare=True,
+        overwrite=True,  # a half-prepared folder from an interrupted run is redone
     )
 
 

@@ -1,0 +1,34 @@
+"""Checks that a cooked sample fits the model before it trains, naming its shard, key and the mismatch."""
+
+from __future__ import annotations
+
+import torch
+
+from dfm.data.energon.cooker import BadSampleError, CookedDiffusionSample, source_description
+
+
+def count_non_finite(tensor: torch.Tensor) -> int:
+    return int((~torch.isfinite(tensor)).sum())
+
+
+def check_cooked_sample(sample: CookedDiffusionSample, in_channels: int | None, text_embed_dim: int | None) -> None:
+    """Raise BadSampleError for a latent of the wrong channel count, text of the wrong width or
+    non-finite values (``None`` skips the size check)."""
+    where = source_description(sample.__key__, sample.__sources__)
+    latent, text = sample.latent, sample.text_embeddings
+    if in_channels is not None and latent.shape[0] != in_channels:
+        raise BadSampleError(
+            where,
+            f"latent '.pth' of shape {tuple(latent.shape)} has {latent.shape[0]} channels, "
+            f"expected model.in_channels={in_channels}",
+        )
+    if text_embed_dim is not None and text.shape[1] != text_embed_dim:
+        raise BadSampleError(
+            where,
+            f"text embeddings '.pickle' of shape {tuple(text.shape)} are {text.shape[1]} wide, "
+            f"expected model.text_embed_dim={text_embed_dim}",
+        )
+    for what, tensor in (("latent '.pth'", latent), ("text embeddings '.pickle'", text)):
+        bad = count_non_finite(tensor)
+        if bad:
+            raise BadSampleError(where, f"{what} holds {bad} non-finite values (NaN or inf) of {tensor.numel()}")
