@@ -90,12 +90,7 @@ def gpu_smoke_ladder() -> list[Rung]:
             variant="flex_mask_per_call",
             reference=False,
         ),
-        Rung(
-            "smoke-8k-mix-compiled-modulate",
-            small + mix + ["model.attention_backend=flex"],
-            variant="compiled_modulate",
-            reference=False,
-        ),
+        Rung("smoke-8k-mix-compiled", small + mix + ["model.compile=true"], reference=False),
     ]
 
 
@@ -127,12 +122,9 @@ def gpu_ladder() -> list[Rung]:
         Rung("xl2-256-img-flex", xl2 + flex, reference=False),
         Rung("cross-16k-mix-flex", cross + flex + mixed, reference=False),
         Rung("xl2-256-img-nomaskcache", xl2 + flex, variant="flex_mask_per_call", reference=False),
-        Rung("xl2-256-img-compiled-modulate", xl2, variant="compiled_modulate", reference=False),
+        Rung("xl2-256-img-compiled", xl2 + ["model.compile=true"], reference=False),
         Rung(
-            "h4096-8k-L6-compiled-modulate",
-            model(4096, 32, 6) + h4096 + one_8k_video,
-            variant="compiled_modulate",
-            reference=False,
+            "h4096-8k-L6-compiled", model(4096, 32, 6) + h4096 + ["model.compile=true"] + one_8k_video, reference=False
         ),
         Rung(
             "h4096-8k-L6-adaln-matmul",

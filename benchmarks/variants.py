@@ -35,13 +35,6 @@ def flex_mask_per_call() -> contextlib.AbstractContextManager:
     return _patched(packed_attention, "document_block_mask", uncached)
 
 
-def compiled_modulate() -> contextlib.AbstractContextManager:
-    """Candidate: fuse adaLN's x * (1 + scale) + shift into one kernel with torch.compile."""
-    from dfm.models.dit import dit_layer
-
-    return _patched(dit_layer, "modulate", torch.compile(dit_layer.modulate, dynamic=True))
-
-
 def adaln_matmul_broadcast() -> contextlib.AbstractContextManager:
     """Candidate: per-sample modulation -> per-token rows by a one-hot matmul instead of a gather.
 
@@ -128,7 +121,6 @@ def uniform_segments_cudnn() -> contextlib.AbstractContextManager:
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "default": contextlib.nullcontext,
     "flex_mask_per_call": flex_mask_per_call,
-    "compiled_modulate": compiled_modulate,
     "adaln_matmul_broadcast": adaln_matmul_broadcast,
     "adaln_gather_backward": adaln_gather_backward,
     "uniform_segments_sdpa": uniform_segments_sdpa,

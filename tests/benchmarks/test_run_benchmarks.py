@@ -20,12 +20,11 @@ def test_every_rung_builds_a_valid_config(ladder):
 
 def test_every_rung_names_a_known_variant_and_variants_undo_their_patch():
     from dfm.models.common import adaln, packed_attention
-    from dfm.models.dit import dit_layer, dit_model
+    from dfm.models.dit import dit_model
 
     patched = [
         (adaln, "rows_to_tokens"),
         (dit_model, "rows_to_tokens"),
-        (dit_layer, "modulate"),
         (adaln.AdaLNModulation, "forward"),
         (packed_attention, "document_block_mask"),
         (packed_attention, "flex_document_attention"),
