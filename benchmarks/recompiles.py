@@ -35,7 +35,8 @@ def run(packs: int, backend: str, config: str, overrides: list[str]) -> dict:
     initialize_distributed(ParallelLayout.from_config(cfg.model, 1), seed=cfg.rng.seed)
     try:
         if backend != "inductor":
-            fused.compile_region = lambda fn, backend_=backend, **_: torch.compile(fn, dynamic=True, backend=backend_)
+            compile_region = fused.compile_region
+            fused.compile_region = lambda fn, _backend="inductor": compile_region(fn, backend)
         model, _ = build_model_chunk(cfg.model, "fp32", cfg.rng.seed)
         loader = build_train_loader(cfg, ParallelLayout.from_config(cfg.model, 1), mock=True)
         lengths, graphs, start = set(), [], time.perf_counter()

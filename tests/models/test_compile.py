@@ -33,10 +33,8 @@ PACK_SHAPES = [
 def aot_eager(monkeypatch):
     """Compile regions with AOT autograd but no code generation; fresh compiled copies per test."""
 
-    def compile_region(fn, backend="inductor"):
-        return torch.compile(fn, dynamic=True, backend="aot_eager")
-
-    monkeypatch.setattr(fused, "compile_region", compile_region)
+    compile_region = fused.compile_region
+    monkeypatch.setattr(fused, "compile_region", lambda fn, backend="inductor": compile_region(fn, "aot_eager"))
     fused.compiled_block_ops.cache_clear()
     fused.compiled_activation.cache_clear()
     torch._dynamo.reset()

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.fx.experimental._config
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -51,8 +52,20 @@ class BlockOps:
 
 
 def compile_region(fn: Callable, backend: str = "inductor") -> Callable:
-    """``fn`` compiled with dynamic shapes (packs change length every step)."""
-    return torch.compile(fn, dynamic=True, backend=backend)
+    """``fn`` compiled with dynamic shapes (packs change length every step).
+
+    Without duck sizing: by default a size that happens to equal another one when first traced (a pack
+    of 256 tokens, a modulation chunk at storage offset 256) is assumed equal for good, and the next
+    pack recompiles.
+    """
+    compiled = torch.compile(fn, dynamic=True, backend=backend)
+
+    @functools.wraps(fn)
+    def run(*args):
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(*args)
+
+    return run
 
 
 @functools.cache
