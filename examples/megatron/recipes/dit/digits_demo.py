@@ -17,22 +17,15 @@ import json
 import sys
 from pathlib import Path
 
-from digits.evaluate import add_sampling_arguments, sampling_from_args
+from digits.evaluate import sampling_from_args
 from digits.plot import plot_learning_curves, plot_sample_grid
-from digits.run import CI_CONFIG, prepare_digits, summarise, train_and_score_pipelines
+from digits.run import CI_CONFIG, demo_parser, prepare_digits, summarise, train_and_score_pipelines
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out_dir", default="outputs/digits_demo")
-    p.add_argument("--config", default=str(CI_CONFIG))
-    p.add_argument("--pipelines", nargs="+", default=["edm", "flow"], choices=["edm", "flow"])
-    p.add_argument("--eval_interval", type=int, default=250, help="save and score a checkpoint every N iterations")
-    add_sampling_arguments(p)
-    p.add_argument("--threads", type=int, default=1, help="OMP threads per child process")
+    p = demo_parser(__doc__, "outputs/digits_demo", CI_CONFIG, ["edm", "flow"], eval_interval=250)
     p.add_argument("--plot", default=None, help="learning-curve PNG (default: OUT_DIR/digits_learning.png)")
     p.add_argument("--grid", default=None, help="sample-grid PNG (default: OUT_DIR/digits_samples.png)")
-    p.add_argument("overrides", nargs="*", help="training config overrides, key=value")
     return p
 
 

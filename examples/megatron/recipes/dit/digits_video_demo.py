@@ -20,29 +20,22 @@ import sys
 from pathlib import Path
 
 from digits.clips import ClipSpec
-from digits.evaluate import add_sampling_arguments, sampling_from_args
+from digits.evaluate import sampling_from_args
 from digits.plot import CLIP_PANELS, plot_clip_strips, plot_learning_curves, write_clip_gif
-from digits.run import CLIP_CONFIG, prepare_digits, summarise, train_and_score_runs
+from digits.run import CLIP_CONFIG, demo_parser, prepare_digits, summarise, train_and_score_runs
 
 FAMILIES = ("stdit", "moviegen", "dit_cross")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out_dir", default="outputs/digits_video_demo")
-    p.add_argument("--config", default=str(CLIP_CONFIG))
+    p = demo_parser(__doc__, "outputs/digits_video_demo", CLIP_CONFIG, ["flow"], eval_interval=300)
     p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    p.add_argument("--pipelines", nargs="+", default=["flow"], choices=["edm", "flow"])
     p.add_argument("--clips", type=int, default=None, help="how many clips to prepare (default: one per real digit)")
-    p.add_argument("--eval_interval", type=int, default=300, help="save and score a checkpoint every N iterations")
-    add_sampling_arguments(p)
     p.set_defaults(samples_per_caption=4, steps=12)
-    p.add_argument("--threads", type=int, default=1, help="OMP threads per child process")
     p.add_argument("--parallel", type=int, default=2, help="trainings at a time")
     p.add_argument("--plot", default=None, help="learning-curve PNG (default: OUT_DIR/digits_video_learning.png)")
     p.add_argument("--gif", default=None, help="animated clip grid (default: OUT_DIR/digits_video_samples.gif)")
     p.add_argument("--strip", default=None, help="frames as a PNG strip (default: OUT_DIR/digits_video_frames.png)")
-    p.add_argument("overrides", nargs="*", help="training config overrides, key=value")
     return p
 
 

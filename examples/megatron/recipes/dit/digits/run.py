@@ -11,6 +11,7 @@ finds this package.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from digits.clips import ClipSpec, prepare_clips_dataset, write_clip_vae
 from digits.data import build_digit_text_encoder, prepare_digits_dataset, write_digit_vae
-from digits.evaluate import DigitSampling, DigitScores, describe
+from digits.evaluate import DigitSampling, DigitScores, add_sampling_arguments, describe
 
 RECIPE_DIR = Path(__file__).resolve().parents[1]  # the dit recipe folder this package lives in
 TRAIN_ENTRY = RECIPE_DIR / "pretrain_dit_model.py"
@@ -183,3 +184,20 @@ def summarise(runs: Mapping[str, PipelineRun]) -> dict[str, dict]:
             "curve": [{k: v for k, v in s.items() if k != "samples"} for s in run.scores],
         }
     return summary
+
+
+def demo_parser(
+    doc: str, out_dir: str, config: Path, pipelines: Sequence[str], eval_interval: int
+) -> argparse.ArgumentParser:
+    """The flags both demos share: where, which config and pipelines, how often to score, sampling, threads."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", default=out_dir)
+    p.add_argument("--config", default=str(config))
+    p.add_argument("--pipelines", nargs="+", default=list(pipelines), choices=["edm", "flow"])
+    p.add_argument(
+        "--eval_interval", type=int, default=eval_interval, help="save and score a checkpoint every N iterations"
+    )
+    add_sampling_arguments(p)
+    p.add_argument("--threads", type=int, default=1, help="OMP threads per child process")
+    p.add_argument("overrides", nargs="*", help="training config overrides, key=value")
+    return p
