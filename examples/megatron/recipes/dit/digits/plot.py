@@ -109,7 +109,7 @@ def write_clip_gif(samples: dict[str, list], samples_per_caption: int, path: str
     panels = [clip_mosaics(one_clip_per_caption(c, samples_per_caption), len(DIGIT_WORDS)) for c in samples.values()]
     frames = np.concatenate([np.pad(p, ((0, 0), (0, 0), (0, 4))) for p in panels], axis=2)
     grey = 255 - np.round(np.clip(frames, 0, DIGIT_MAX) * 255 / DIGIT_MAX).astype(np.uint8)  # dark digits on white
-    big = grey.repeat(4, axis=1).repeat(4, axis=2)  # 4x pixels: 16x16 clips are tiny on screen
+    big = grey.repeat(2, axis=1).repeat(2, axis=2)  # 2x pixels: 16x16 clips are tiny on screen
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     imageio.mimsave(path, list(big), duration=1000 / fps, loop=0)
