@@ -19,7 +19,7 @@ PIPELINES = ("edm", "flow")
 CHANCE = 0.1
 CONDITIONAL_THRESHOLD = 0.6  # the bar for the CI-sized run; measured figures in docs/learning.md
 UNCONDITIONAL_CEILING = 0.3  # null text, no guidance: near chance (0.1), with room for 100 samples' noise
-CI_SAMPLING = DigitSampling(samples_per_digit=10, steps=12, guidance_scale=3.0, seed=0)
+CI_SAMPLING = DigitSampling(samples_per_caption=10, steps=12, guidance_scale=3.0, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -17,56 +17,32 @@ import json
 import sys
 from pathlib import Path
 
-from digits.evaluate import DigitSampling
+from digits.evaluate import sampling_from_args
 from digits.plot import plot_learning_curves, plot_sample_grid
-from digits.run import CI_CONFIG, prepare_digits, train_and_score_pipelines
+from digits.run import CI_CONFIG, demo_parser, prepare_digits, summarise, train_and_score_pipelines
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    defaults = DigitSampling()
-    p.add_argument("--out_dir", default="outputs/digits_demo")
-    p.add_argument("--config", default=str(CI_CONFIG))
-    p.add_argument("--pipelines", nargs="+", default=["edm", "flow"], choices=["edm", "flow"])
-    p.add_argument("--eval_interval", type=int, default=250, help="save and score a checkpoint every N iterations")
-    p.add_argument("--samples_per_digit", type=int, default=defaults.samples_per_digit)
-    p.add_argument("--steps", type=int, default=defaults.steps)
-    p.add_argument("--guidance_scale", type=float, default=defaults.guidance_scale)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--threads", type=int, default=1, help="OMP threads per child process")
+    p = demo_parser(__doc__, "outputs/digits_demo", CI_CONFIG, ["edm", "flow"], eval_interval=250)
     p.add_argument("--plot", default=None, help="learning-curve PNG (default: OUT_DIR/digits_learning.png)")
     p.add_argument("--grid", default=None, help="sample-grid PNG (default: OUT_DIR/digits_samples.png)")
-    p.add_argument("overrides", nargs="*", help="training config overrides, key=value")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out_dir = Path(args.out_dir)
-    sampling = DigitSampling(args.samples_per_digit, args.steps, args.guidance_scale, None, args.seed)
+    sampling = sampling_from_args(args)
     prepare_digits(out_dir)
     overrides = [f"checkpoint.save_interval={args.eval_interval}", *args.overrides]
     runs = train_and_score_pipelines(out_dir, args.pipelines, Path(args.config), overrides, sampling, args.threads)
-    summary = {}
-    for name, run in runs.items():
-        final = run.scores[-1]
-        summary[name] = {
-            "iterations": final["iteration"],
-            "minutes": round(run.seconds / 60, 1),
-            "final_loss": run.losses[-1][1],
-            "curve": [(s["iteration"], s["conditional_accuracy"], s["unconditional_accuracy"]) for s in run.scores],
-        }
-        print(
-            f"{name}: conditional accuracy: {final['conditional_accuracy']:.2f}, "
-            f"unconditional accuracy: {final['unconditional_accuracy']:.2f} "
-            f"(iteration {final['iteration']}, {run.seconds / 60:.1f} min)"
-        )
+    summary = summarise(runs)
     plot = plot_learning_curves(
         {n: (r.losses, r.scores) for n, r in runs.items()}, args.plot or out_dir / "digits_learning.png"
     )
     grid = plot_sample_grid(
         {n: r.scores[-1]["samples"] for n, r in runs.items()},
-        args.samples_per_digit,
+        args.samples_per_caption,
         args.grid or out_dir / "digits_samples.png",
     )
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -20,6 +20,7 @@ from PIL import Image
 
 from dfm.data.encoders.identity_vae import write_identity_vae
 from dfm.data.encoders.tiny import build_tiny_t5
+from dfm.data.prepare.captions import CaptionFormat
 from dfm.data.prepare.pipeline import PrepareReport, PrepareSettings, prepare_dataset
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -52,9 +53,11 @@ def video_to_digit_pixels(video: np.ndarray) -> np.ndarray:
     return np.clip((np.asarray(video, dtype=np.float64) + 1) / 2, 0, 1) * DIGIT_MAX
 
 
-def write_digit_vae(out_dir: str | Path) -> Path:
-    """Identity VAE (1 grey channel) normalising the digits to mean 0, std ``DIGIT_LATENT_STD``."""
-    pixels = load_digits()[0] / DIGIT_MAX * 2 - 1  # [-1, 1], as the preparation reads the PNGs
+def write_digit_vae(out_dir: str | Path, pixels: np.ndarray | None = None) -> Path:
+    """Identity VAE (1 grey channel) normalising ``pixels`` (any shape, 0..16; default: the 8x8
+    digits) to mean 0, std ``DIGIT_LATENT_STD``."""
+    pixels = load_digits()[0] if pixels is None else pixels
+    pixels = np.asarray(pixels) / DIGIT_MAX * 2 - 1  # [-1, 1], as the preparation reads the media
     return write_identity_vae(out_dir, 1, float(pixels.mean()), DIGIT_LATENT_STD / float(pixels.std()))
 
 
@@ -79,19 +82,29 @@ def build_digit_text_encoder(out_dir: str | Path, seed: int = 0) -> Path:
     return build_tiny_t5(Path(out_dir), seed, DIGIT_TEXT_DIM)
 
 
-def digit_prepare_settings(root: Path, t5_dir: Path, vae_dir: Path, patch_spatial: int) -> PrepareSettings:
-    """What ``prepare_energon_dataset.py --input_dir ROOT/raw --output_dir ROOT/dataset --height 8
-    --width 8 --t5 T5_DIR --vae VAE_DIR --vae_subfolder '' --max_text_len 32 --caption_format jsonl
-    --run_energon_prepare`` builds."""
+def digit_prepare_settings(
+    root: Path,
+    t5_dir: Path,
+    vae_dir: Path,
+    patch_spatial: int,
+    size: int = DIGIT_SIZE,
+    num_frames: int = 1,
+    caption_format: CaptionFormat = "jsonl",
+    max_text_len: int = DIGIT_MAX_TEXT_LEN,
+) -> PrepareSettings:
+    """What ``prepare_energon_dataset.py --input_dir ROOT/raw --output_dir ROOT/dataset --height SIZE
+    --width SIZE --num_frames NUM_FRAMES --t5 T5_DIR --vae VAE_DIR --vae_subfolder '' --max_text_len LEN
+    --caption_format FORMAT --run_energon_prepare`` builds."""
     return PrepareSettings(
         input_dir=str(root / "raw"),
         output_dir=str(root / "dataset"),
-        caption_format="jsonl",
-        height=DIGIT_SIZE,
-        width=DIGIT_SIZE,
+        caption_format=caption_format,
+        height=size,
+        width=size,
+        num_frames=num_frames,
         patch_spatial=patch_spatial,
         t5_name_or_dir=str(t5_dir),
-        max_text_len=DIGIT_MAX_TEXT_LEN,
+        max_text_len=max_text_len,
         vae_name_or_dir=str(vae_dir),
         vae_subfolder=None,
         shard_maxcount=500,

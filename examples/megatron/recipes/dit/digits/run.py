@@ -11,22 +11,25 @@ finds this package.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from digits.clips import ClipSpec, prepare_clips_dataset, write_clip_vae
 from digits.data import build_digit_text_encoder, prepare_digits_dataset, write_digit_vae
-from digits.evaluate import DigitSampling
+from digits.evaluate import DigitSampling, DigitScores, add_sampling_arguments, describe
 
 RECIPE_DIR = Path(__file__).resolve().parents[1]  # the dit recipe folder this package lives in
 TRAIN_ENTRY = RECIPE_DIR / "pretrain_dit_model.py"
 CI_CONFIG = RECIPE_DIR / "conf" / "digits_tiny.yaml"
+CLIP_CONFIG = RECIPE_DIR / "conf" / "digits_video_tiny.yaml"
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -44,16 +47,21 @@ def run_child(cmd: list[str], log_file: Path, threads: int, timeout: int) -> Non
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {result.returncode}):\n{log_file.read_text()[-4000:]}")
 
 
-def prepare_digits(root: str | Path, patch_spatial: int = 2) -> Path:
+def prepare_digits(
+    root: str | Path, patch_spatial: int = 2, clips: ClipSpec | None = None, limit: int | None = None
+) -> Path:
     """Tiny T5 under ``root/t5``, identity VAE under ``root/vae``, energon dataset under ``root/dataset``
-    (reused when already there)."""
+    (reused when already there): the 8x8 digits, or moving-digit clips of ``clips``."""
     root = Path(root)
     dataset_dir = root / "dataset"
     if (dataset_dir / ".nv-meta" / "dataset.yaml").is_file():
         return dataset_dir
     build_digit_text_encoder(root / "t5")
-    write_digit_vae(root / "vae")
-    return prepare_digits_dataset(root, root / "t5", root / "vae", patch_spatial)[0]
+    if clips is None:
+        write_digit_vae(root / "vae")
+        return prepare_digits_dataset(root, root / "t5", root / "vae", patch_spatial, limit)[0]
+    write_clip_vae(root / "vae", clips)
+    return prepare_clips_dataset(root, root / "t5", root / "vae", clips, patch_spatial, limit)[0]
 
 
 def train_digits(
@@ -126,14 +134,12 @@ class PipelineRun:
 
 
 def train_and_score(
-    root: Path, pipeline: str, config: Path, overrides: Sequence[str], sampling: DigitSampling, threads: int = 1
+    root: Path, name: str, config: Path, overrides: Sequence[str], sampling: DigitSampling, threads: int = 1
 ) -> PipelineRun:
-    """Train one pipeline on ``root/dataset`` into ``root/<pipeline>``, score every saved checkpoint."""
+    """Train with ``overrides`` on ``root/dataset`` into ``root/<name>``, score every saved checkpoint."""
     start = time.perf_counter()
-    out = Path(root) / pipeline
-    checkpoint_root = train_digits(
-        Path(root) / "dataset", out, config, [f"model.pipeline={pipeline}", *overrides], threads
-    )
+    out = Path(root) / name
+    checkpoint_root = train_digits(Path(root) / "dataset", out, config, overrides, threads)
     scores = score_digits(sorted(checkpoint_root.glob("iter_*")), root, sampling, out / "scores.json", threads)
     return PipelineRun(read_losses(out), scores, time.perf_counter() - start)
 
@@ -147,6 +153,51 @@ def train_and_score_pipelines(
     threads: int = 1,
 ) -> dict[str, PipelineRun]:
     """``train_and_score`` for each pipeline side by side (one single-threaded child each: 2 cores, 2 runs)."""
-    run = lambda name: train_and_score(root, name, config, overrides, sampling, threads)  # noqa: E731
-    with ThreadPoolExecutor(len(pipelines)) as pool:
-        return dict(zip(pipelines, pool.map(run, pipelines)))
+    runs = {p: [f"model.pipeline={p}", *overrides] for p in pipelines}
+    return train_and_score_runs(root, runs, config, sampling, threads)
+
+
+def train_and_score_runs(
+    root: Path,
+    runs: Mapping[str, Sequence[str]],
+    config: Path,
+    sampling: DigitSampling,
+    threads: int = 1,
+    parallel: int = 2,
+) -> dict[str, PipelineRun]:
+    """``train_and_score`` for each named list of overrides, ``parallel`` at a time (one child each)."""
+    run = lambda name: train_and_score(root, name, config, runs[name], sampling, threads)  # noqa: E731
+    with ThreadPoolExecutor(max(1, min(parallel, len(runs)))) as pool:
+        return dict(zip(runs, pool.map(run, runs)))
+
+
+def summarise(runs: Mapping[str, PipelineRun]) -> dict[str, dict]:
+    """Print each run's last scores (as docs/learning.md quotes them) -> a JSON-able summary."""
+    summary = {}
+    for name, run in runs.items():
+        final = run.scores[-1]
+        print(f"{name}: {describe(DigitScores(**final))} (iteration {final['iteration']}, {run.seconds / 60:.1f} min)")
+        summary[name] = {
+            "iterations": final["iteration"],
+            "minutes": round(run.seconds / 60, 1),
+            "final_loss": run.losses[-1][1],
+            "curve": [{k: v for k, v in s.items() if k != "samples"} for s in run.scores],
+        }
+    return summary
+
+
+def demo_parser(
+    doc: str, out_dir: str, config: Path, pipelines: Sequence[str], eval_interval: int
+) -> argparse.ArgumentParser:
+    """The flags both demos share: where, which config and pipelines, how often to score, sampling, threads."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", default=out_dir)
+    p.add_argument("--config", default=str(config))
+    p.add_argument("--pipelines", nargs="+", default=list(pipelines), choices=["edm", "flow"])
+    p.add_argument(
+        "--eval_interval", type=int, default=eval_interval, help="save and score a checkpoint every N iterations"
+    )
+    add_sampling_arguments(p)
+    p.add_argument("--threads", type=int, default=1, help="OMP threads per child process")
+    p.add_argument("overrides", nargs="*", help="training config overrides, key=value")
+    return p
