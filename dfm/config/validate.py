@@ -22,7 +22,19 @@ def validate_config(cfg: ConfigContainer, world_size: int | None = None) -> None
     _check_positive(cfg.train.micro_batch_size, "train.micro_batch_size")
     _check_at_least(cfg.train.train_iters, 0, "train.train_iters")
     _check_positive(cfg.logger.log_interval, "logger.log_interval")
+    _check_schedule(cfg)
     _check_precision(cfg)
+
+
+def _check_schedule(cfg: ConfigContainer) -> None:
+    """megatron's LR scheduler needs warm-up to end before the decay does."""
+    warmup, decay = cfg.scheduler.lr_warmup_iters, cfg.scheduler.decay_iters(cfg.train.train_iters)
+    if cfg.train.train_iters >= 1 and warmup >= decay:
+        source = "scheduler.lr_decay_iters" if cfg.scheduler.lr_decay_iters is not None else "train.train_iters"
+        raise ConfigError(
+            f"scheduler.lr_warmup_iters ({warmup}) must be less than {source} ({decay}): the warm-up has to "
+            "end before the learning-rate schedule does"
+        )
 
 
 def _check_model(cfg: ConfigContainer) -> None:

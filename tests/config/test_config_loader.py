@@ -328,3 +328,10 @@ def test_config_or_exit_exits_2_with_message_on_stderr():
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "train.train_iters" in result.stderr and "unreachable" not in result.stdout
+
+
+def test_warm_up_longer_than_the_run_is_refused_naming_both_keys():
+    with pytest.raises(
+        ConfigError, match=r"scheduler\.lr_warmup_iters \(20\) must be less than train\.train_iters \(20\)"
+    ):
+        build_config("dit_tiny", None, ["train.train_iters=20", "scheduler.lr_warmup_iters=20"])
