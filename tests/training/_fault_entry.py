@@ -1,7 +1,8 @@
 """The real entry point with a fault injected (tests only), chosen by DFM_TEST_FAULT:
 
-- ``kill_during_save:RANK:ITER``: that rank SIGKILLs itself inside the save of ITER, after
-  writing its shards and before the save completes on all ranks.
+- ``kill_during_save:RANK:ITER[:WHEN]``: that rank SIGKILLs itself inside the save of ITER; WHEN is
+  ``before_write`` (nothing written yet), ``after_write`` (the default: its shards written, the save
+  not complete on all ranks) or ``before_latest`` (manifest sealed, ``latest`` not moved yet).
 - ``enospc_during_save:ITER``: the save of ITER fails with ENOSPC (disk full) after writing its files.
 - ``nonfinite_loss:ITER,ITER,...``: the loss of those iterations is NaN.
 """
@@ -18,18 +19,32 @@ import torch
 ENTRY = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recipes" / "dit" / "pretrain_dit_model.py"
 
 
-def kill_during_save(rank: int, iteration: int) -> None:
+def kill_during_save(rank: int, iteration: int, when: str = "after_write") -> None:
     from megatron.core import dist_checkpointing
 
-    real_save = dist_checkpointing.save
+    from dfm.checkpoint import save as checkpoint_save
 
-    def save(state, directory, *args, **kwargs):
-        result = real_save(state, directory, *args, **kwargs)
+    def kill_here(directory) -> None:
         if torch.distributed.get_rank() == rank and str(directory).endswith(f"iter_{iteration:07d}"):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    real_save, real_mark_latest = dist_checkpointing.save, checkpoint_save.mark_latest
+
+    def save(state, directory, *args, **kwargs):
+        if when == "before_write":
+            kill_here(directory)
+        result = real_save(state, directory, *args, **kwargs)
+        if when == "after_write":
+            kill_here(directory)
         return result
 
+    def mark_latest(root, at_iteration):
+        if when == "before_latest":
+            kill_here(Path(root) / f"iter_{at_iteration:07d}")
+        return real_mark_latest(root, at_iteration)
+
     dist_checkpointing.save = save
+    checkpoint_save.mark_latest = mark_latest
 
 
 def enospc_during_save(iteration: int) -> None:
@@ -64,8 +79,8 @@ def nonfinite_loss(iterations: set[int]) -> None:
 def main() -> None:
     kind, _, arg = os.environ["DFM_TEST_FAULT"].partition(":")
     if kind == "kill_during_save":
-        rank, iteration = arg.split(":")
-        kill_during_save(int(rank), int(iteration))
+        rank, iteration, *when = arg.split(":")
+        kill_during_save(int(rank), int(iteration), *when)
     elif kind == "enospc_during_save":
         enospc_during_save(int(arg))
     elif kind == "nonfinite_loss":
