@@ -30,7 +30,8 @@ def test_layout_refusal_exits_2_before_training(tmp_path, config, overrides, mes
     conf = RECIPE_DIR / "conf" / f"{config}.yaml"
     result = run_entry(2, [*overrides, f"logger.log_dir={tmp_path}"], config=conf, timeout=120)
     assert result.returncode != 0
-    # torchrun reports each rank's exit status; both ranks stop at the config error.
-    assert len(re.findall(r"exitcode\s*:\s*2\b", result.stderr)) == 2, result.stderr[-3000:]
-    assert result.stderr.count(f"config error: {message}") == 2, result.stderr[-3000:]
+    # Every rank stops at the config error; torchrun may stop a rank first to exit 2 before the other
+    # prints, so at least one report of each is certain.
+    assert re.search(r"exitcode\s*:\s*2\b", result.stderr), result.stderr[-3000:]
+    assert f"config error: {message}" in result.stderr, result.stderr[-3000:]
     assert "resolved config" not in result.stderr and not (tmp_path / "metrics.jsonl").exists()
