@@ -5,7 +5,6 @@ from dfm.platform.distributed import (
     destroy_distributed,
     initialize_distributed,
     seed_everything,
-    validate_parallel_layout,
 )
 
 __all__ = [
@@ -13,5 +12,4 @@ __all__ = [
     "destroy_distributed",
     "initialize_distributed",
     "seed_everything",
-    "validate_parallel_layout",
 ]

@@ -5,7 +5,6 @@ from datetime import timedelta
 
 import torch
 
-from dfm.config.container import ModelConfig
 from dfm.parallel.layout import ParallelLayout, launched_world_size
 from dfm.platform import compat
 from dfm.platform.device import compute_device
@@ -58,12 +57,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(stage_seed)
     # On CPU the compat layer maps the tracker's CUDA generators to the CPU generator.
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, force_reset_rng=True)
-
-
-def validate_parallel_layout(world_size: int, **sizes: int) -> int:
-    """Data-parallel size of the ModelConfig parallel ``sizes`` on ``world_size`` ranks;
-    ConfigError naming the key to change if they cannot tile it."""
-    return ParallelLayout.from_config(ModelConfig(**sizes), world_size).dp
 
 
 def destroy_distributed() -> None:

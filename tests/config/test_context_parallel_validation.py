@@ -3,7 +3,7 @@
 import pytest
 
 from dfm.config import ConfigError, build_config
-from dfm.platform import validate_parallel_layout
+from dfm.parallel import ParallelLayout
 
 CP2 = "model.context_parallel_size=2"
 
@@ -45,4 +45,4 @@ def test_world_not_divisible_by_tp_pp_cp_names_the_sizes():
     with pytest.raises(
         ValueError, match=r"world size 6 is not divisible by tensor \(2\) x pipeline \(1\) x context \(2\)"
     ):
-        validate_parallel_layout(6, tensor_model_parallel_size=2, context_parallel_size=2)
+        ParallelLayout(world_size=6, tp=2, cp=2)

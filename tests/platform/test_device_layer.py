@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from dfm.platform import validate_parallel_layout
+from dfm.parallel import ParallelLayout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).with_name("_workers.py")
@@ -149,10 +149,10 @@ def test_moe_expert_parallel_matches_single_process(launches):
 
 
 def test_layout_validation_names_the_sizes():
-    assert validate_parallel_layout(8, tensor_model_parallel_size=2, context_parallel_size=2) == 2
+    assert ParallelLayout(world_size=8, tp=2, cp=2).dp == 2
     with pytest.raises(ValueError, match=r"tensor \(2\) x pipeline \(3\)"):
-        validate_parallel_layout(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=3)
+        ParallelLayout(world_size=8, tp=2, pp=3)
     with pytest.raises(ValueError, match="expert_model_parallel_size 4"):
-        validate_parallel_layout(4, tensor_model_parallel_size=2, expert_model_parallel_size=4)
+        ParallelLayout(world_size=4, tp=2, ep=4)
     with pytest.raises(ValueError, match="virtual_pipeline"):
-        validate_parallel_layout(2, virtual_pipeline_model_parallel_size=2)
+        ParallelLayout(world_size=2, vpp=2)
