@@ -20,14 +20,14 @@ from dfm.training.setup import build_model, build_optimizer, num_microbatches
 def time_dfm(cfg, device: torch.device, warmup: int, steps: int, profiler=None) -> Timing:
     """``profiler`` (a torch.profiler.profile) records the timed steps only."""
     reset_memory(device)
-    finalize_defaults(cfg)
     layout = ParallelLayout.from_config(cfg.model, torch.distributed.get_world_size())
+    finalize_defaults(cfg, layout)
     model, tconfig = build_model(cfg, layout, device)
     optimizer, scheduler = build_optimizer(cfg, model, tconfig)
     pipeline = pipeline_from_config(cfg)
     forward_step = DiffusionForwardStep(pipeline, cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
     data = RecordingIterator(build_mock_loader(cfg, layout))
-    n_micro = num_microbatches(cfg)
+    n_micro = num_microbatches(cfg, layout)
     for chunk in model:
         chunk.train()
     start = 0.0

@@ -70,8 +70,9 @@ def time_reference(cfg, device: torch.device, warmup: int, steps: int, profiler=
     reset_memory(device)
     model, optimizer = build_reference(cfg, device)
     pipeline = pipeline_from_config(cfg)
-    loader = build_mock_loader(cfg, ParallelLayout.from_config(cfg.model, torch.distributed.get_world_size()))
-    n_micro = num_microbatches(cfg)
+    layout = ParallelLayout.from_config(cfg.model, torch.distributed.get_world_size())
+    loader = build_mock_loader(cfg, layout)
+    n_micro = num_microbatches(cfg, layout)
     bf16 = cfg.mixed_precision.precision == "bf16"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     start, packs = 0.0, []

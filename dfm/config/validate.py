@@ -6,7 +6,7 @@ that cannot work together, before any process group starts.
 
 from __future__ import annotations
 
-from dfm.config.container import ConfigContainer
+from dfm.config.container import ConfigContainer, TrainConfig
 from dfm.config.errors import ConfigError
 from dfm.config.ranges import check_ranges
 from dfm.parallel.layout import ParallelLayout
@@ -62,13 +62,20 @@ def _check_parallel_layout(cfg: ConfigContainer, world_size: int | None) -> None
     """The layout's own rules, the model's under it (dfm/parallel/rules.py), and the batch it splits."""
     layout = ParallelLayout.from_config(cfg.model, world_size)
     layout.check_model(cfg.model, cfg.dataset.seq_length)
-    train = cfg.train
+    if world_size is not None and cfg.train.global_batch_size is not None:
+        micro_batches_per_step(cfg.train, layout)
+
+
+def micro_batches_per_step(train: TrainConfig, layout: ParallelLayout) -> int:
+    """global_batch_size / (micro_batch_size x dp); ConfigError naming the keys when it does not divide."""
     per_step = train.micro_batch_size * layout.dp
-    if world_size is not None and train.global_batch_size is not None and train.global_batch_size % per_step:
+    if train.global_batch_size % per_step:
         raise ConfigError(
             f"train.global_batch_size ({train.global_batch_size}) must be a multiple of train.micro_batch_size "
-            f"({train.micro_batch_size}) x the data-parallel size ({layout.dp} of {world_size} ranks) = {per_step}"
+            f"({train.micro_batch_size}) x the data-parallel size ({layout.dp} of {layout.world_size} ranks) "
+            f"= {per_step}"
         )
+    return train.global_batch_size // per_step
 
 
 def _check_precision(cfg: ConfigContainer) -> None:

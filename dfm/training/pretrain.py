@@ -94,11 +94,10 @@ class LogWindow:
     packs: list = field(default_factory=list)
 
 
-def finalize_defaults(cfg: ConfigContainer) -> None:
-    """Fill settings that depend on the layout (known only once process groups exist)."""
-    dp = parallel_state.get_data_parallel_world_size()
+def finalize_defaults(cfg: ConfigContainer, layout: ParallelLayout) -> None:
+    """Fill settings that depend on the layout."""
     if cfg.train.global_batch_size is None:
-        cfg.train.global_batch_size = cfg.train.micro_batch_size * dp
+        cfg.train.global_batch_size = cfg.train.micro_batch_size * layout.dp
 
 
 def is_loss_reporting_rank() -> bool:
@@ -168,7 +167,7 @@ def announce_config(cfg: ConfigContainer) -> None:
 
 def run(cfg: ConfigContainer, layout: ParallelLayout, mock: bool, device: torch.device) -> None:
     rank = torch.distributed.get_rank()
-    finalize_defaults(cfg)
+    finalize_defaults(cfg, layout)
     if rank == 0:
         announce_config(cfg)
     torch.distributed.barrier()  # unfinished saves are set aside before any rank looks for checkpoints
@@ -193,7 +192,7 @@ class TrainLoop:
         self.async_saves = AsyncCallsQueue() if cfg.checkpoint.async_save else None
         # Validation: no text dropout, noise fixed (iteration 0) so evaluations are comparable.
         self.val_forward_step = DiffusionForwardStep(forward_step.pipeline, cfg.rng.seed, 0.0, device)
-        self.n_micro = num_microbatches(cfg)
+        self.n_micro = num_microbatches(cfg, layout)
         self.peak = device_peak_flops(device)
         self.metrics = MetricsLog(
             cfg.logger.log_dir,

@@ -12,9 +12,9 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from dfm.config.container import ConfigContainer
+from dfm.config.validate import micro_batches_per_step
 from dfm.models.build import build_model_chunk
 from dfm.parallel.layout import ParallelLayout
-from dfm.training.data import data_parallel_info
 
 
 @dataclass
@@ -25,15 +25,8 @@ class TrainState:
     transformer_config: Any
 
 
-def num_microbatches(cfg: ConfigContainer) -> int:
-    _, dp = data_parallel_info()
-    per_step = cfg.train.micro_batch_size * dp
-    if cfg.train.global_batch_size % per_step:
-        raise ValueError(
-            f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
-            f"micro_batch_size x data-parallel size = {cfg.train.micro_batch_size} x {dp}"
-        )
-    return cfg.train.global_batch_size // per_step
+def num_microbatches(cfg: ConfigContainer, layout: ParallelLayout) -> int:
+    return micro_batches_per_step(cfg.train, layout)
 
 
 def build_model(cfg: ConfigContainer, layout: ParallelLayout, device: torch.device) -> tuple[list[Any], Any]:
