@@ -21,11 +21,13 @@ import torch.fx.experimental._config
 import torch.nn.functional as F
 from torch import Tensor
 
+from dfm.models.common.adaln import modulate
+
 
 def norm_modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float, rms: bool) -> Tensor:
     """Affine-free LayerNorm (or RMSNorm) of x [s, b, h], then x * (1 + scale) + shift."""
     normed = F.rms_norm(x, x.shape[-1:], eps=eps) if rms else F.layer_norm(x, x.shape[-1:], eps=eps)
-    return normed * (1 + scale) + shift
+    return modulate(normed, shift, scale)
 
 
 def gated_residual(x: Tensor, gate: Tensor | None, out: Tensor, bias: Tensor | None) -> Tensor:
