@@ -109,36 +109,54 @@ def document_ids_on_device(params: PackedSeqParams, side: str, total: int, devic
     return torch.where(positions - padded[ids] < lengths, ids, -1)
 
 
-def document_block_mask(params: PackedSeqParams, sq: int, sk: int, device: torch.device):
-    """(BlockMask, q_valid [sq]) for this pack, built once per pack and kept on ``params``.
+def cached_per_pack(params: PackedSeqParams, name: str, key: tuple, build):
+    """``build()`` once per pack, kept on ``params`` under ``name`` while ``key`` matches.
 
-    The model hands every layer the same ``params`` object, so caching there turns one mask
-    build per attention call into one per forward (measured: docs/performance.md).
+    The model hands every layer the same ``params`` object, so caching there turns one build
+    per attention call into one per forward (measured: docs/performance.md).
     """
-    cached = getattr(params, "_dfm_flex_mask", None)
-    if cached is not None and cached[0] == (sq, sk, device):
-        return cached[1], cached[2]
-    from torch.nn.attention.flex_attention import create_block_mask
+    cached = getattr(params, name, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    value = build()
+    setattr(params, name, (key, value))
+    return value
 
-    q_doc = document_ids_on_device(params, "q", sq, device)
-    kv_doc = document_ids_on_device(params, "kv", sk, device)
 
-    def same_sample(b, h, q_idx, kv_idx):
-        return (q_doc[q_idx] == kv_doc[kv_idx]) & (q_doc[q_idx] >= 0)
+def query_is_real(params: PackedSeqParams, q_total: int, device: torch.device) -> Tensor:
+    """[q_total, 1, 1, 1] bool: the query token is a sample's, not padding."""
+    return cached_per_pack(
+        params,
+        "_dfm_q_valid",
+        (q_total, device),
+        lambda: (document_ids_on_device(params, "q", q_total, device) >= 0)[:, None, None, None],
+    )
 
-    mask = create_block_mask(same_sample, B=None, H=None, Q_LEN=sq, KV_LEN=sk, device=device)
-    q_valid = (q_doc >= 0)[:, None, None, None]
-    params._dfm_flex_mask = ((sq, sk, device), mask, q_valid)
-    return mask, q_valid
+
+def document_block_mask(params: PackedSeqParams, sq: int, sk: int, device: torch.device):
+    """The FlexAttention BlockMask of this pack: each real query sees its own sample's keys."""
+
+    def build():
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        q_doc = document_ids_on_device(params, "q", sq, device)
+        kv_doc = document_ids_on_device(params, "kv", sk, device)
+
+        def same_sample(b, h, q_idx, kv_idx):
+            return (q_doc[q_idx] == kv_doc[kv_idx]) & (q_doc[q_idx] >= 0)
+
+        return create_block_mask(same_sample, B=None, H=None, Q_LEN=sq, KV_LEN=sk, device=device)
+
+    return cached_per_pack(params, "_dfm_flex_mask", (sq, sk, device), build)
 
 
 def flex_document_attention(query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams, scale: float) -> Tensor:
     """Same contract as :func:`sdpa_per_segment`, one FlexAttention call with a document mask."""
-    mask, q_valid = document_block_mask(params, query.shape[0], key.shape[0], query.device)
+    mask = document_block_mask(params, query.shape[0], key.shape[0], query.device)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     out = _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale).permute(2, 0, 1, 3)
     # Rows with no allowed key (padding) are undefined in flex; zero them as the reference does.
-    return out * q_valid.to(out.dtype)
+    return out * query_is_real(params, query.shape[0], query.device).to(out.dtype)
 
 
 def _kernel(backend: str):

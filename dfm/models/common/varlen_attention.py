@@ -23,7 +23,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
-from dfm.models.common.packed_attention import document_ids_on_device, segment_bounds
+from dfm.models.common.packed_attention import cached_per_pack, query_is_real, segment_bounds
 
 
 @dataclass(frozen=True)
@@ -64,31 +64,19 @@ def varlen_boundaries(
 
 def varlen_segments(params: PackedSeqParams, q_total: int, k_total: int, device: torch.device) -> VarlenSegments:
     """The kernel's boundaries for this pack, built once per pack and kept on ``params``."""
-    key = (q_total, k_total, device)
-    cached = getattr(params, "_dfm_varlen", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    q_starts, _ = segment_bounds(params, "q")
-    k_starts, k_lengths = segment_bounds(params, "kv")
-    cu_q, cu_k = varlen_boundaries(q_starts, q_total, k_starts, k_lengths, k_total)
-    segments = VarlenSegments(
-        cu_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
-        cu_k=torch.tensor(cu_k, dtype=torch.int32).to(device, non_blocking=True),
-        max_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
-        max_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
-    )
-    params._dfm_varlen = (key, segments)
-    return segments
 
+    def build() -> VarlenSegments:
+        q_starts, _ = segment_bounds(params, "q")
+        k_starts, k_lengths = segment_bounds(params, "kv")
+        cu_q, cu_k = varlen_boundaries(q_starts, q_total, k_starts, k_lengths, k_total)
+        return VarlenSegments(
+            cu_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
+            cu_k=torch.tensor(cu_k, dtype=torch.int32).to(device, non_blocking=True),
+            max_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
+            max_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
+        )
 
-def query_is_real(params: PackedSeqParams, q_total: int, device: torch.device) -> Tensor:
-    """[q_total, 1, 1, 1] bool: the token is a sample's, not padding (cached on ``params``)."""
-    cached = getattr(params, "_dfm_varlen_q_valid", None)
-    if cached is not None and cached[0] == (q_total, device):
-        return cached[1]
-    valid = (document_ids_on_device(params, "q", q_total, device) >= 0)[:, None, None, None]
-    params._dfm_varlen_q_valid = ((q_total, device), valid)
-    return valid
+    return cached_per_pack(params, "_dfm_varlen", (q_total, k_total, device), build)
 
 
 def torch_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale):
