@@ -6,7 +6,7 @@ and a PNG strip of their frames.
     python examples/megatron/recipes/dit/digits_video_demo.py --out_dir outputs/digits_video_demo \
         --families stdit moviegen dit_cross --pipelines flow --eval_interval 300 \
         --plot docs/img/digits_video_learning.png --gif docs/img/digits_video_samples.gif \
-        --strip docs/img/digits_video_frames.png train.train_iters=1200
+        --strip docs/img/digits_video_frames.png train.train_iters=3000
 
 Extra ``key=value`` arguments override the training config (conf/digits_video_tiny.yaml, the CI run's).
 The CI-sized version of the same path is tests/learning/test_video_learn.py.
