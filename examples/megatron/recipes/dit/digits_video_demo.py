@@ -52,12 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     results = train_and_score_runs(out_dir, runs, Path(args.config), sampling, args.threads, args.parallel)
     summary = summarise(results)
-    curves = {n: (r.losses, r.scores) for n, r in results.items()}
-    plot = plot_learning_curves(curves, args.plot or out_dir / "digits_video_learning.png", panels=CLIP_PANELS)
+    # The summary and the GIF (imageio only) first: the PNGs need matplotlib, an optional extra.
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     samples = {n: r.scores[-1]["samples"] for n, r in results.items()}
     gif = write_clip_gif(samples, sampling.samples_per_caption, args.gif or out_dir / "digits_video_samples.gif")
+    curves = {n: (r.losses, r.scores) for n, r in results.items()}
+    plot = plot_learning_curves(curves, args.plot or out_dir / "digits_video_learning.png", panels=CLIP_PANELS)
     strip = plot_clip_strips(samples, sampling.samples_per_caption, args.strip or out_dir / "digits_video_frames.png")
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {plot}, {gif}, {strip}, {out_dir / 'summary.json'}")
     return 0
 
