@@ -144,6 +144,9 @@ class CheckpointConfig:
 
     save: str | None = None
     load: str | None = None
+    # Initial model weights of a new run (a `convert import` output or any checkpoint, any layout): weights only,
+    # fresh optimizer and schedule. Ignored when `load` finds a checkpoint to resume.
+    pretrained: str | None = None
     save_interval: int | None = None
     keep_last: int | None = None  # None: keep every checkpoint
     async_save: bool = False
