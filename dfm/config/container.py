@@ -12,7 +12,7 @@ from typing import Literal
 from dfm.diffusion.edm import EDMSettings
 from dfm.diffusion.flow import FlowSettings
 
-Architecture = Literal["dit_cross", "dit_adaln", "stdit", "moviegen"]
+Architecture = Literal["dit_cross", "dit_adaln", "stdit", "moviegen", "wan"]
 PosEmbedding = Literal["rope3d", "sincos3d", "learned3d"]
 AttentionBackend = Literal["auto", "varlen", "flex", "sdpa", "te"]
 DiffusionPipeline = Literal["edm", "flow"]

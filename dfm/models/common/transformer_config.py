@@ -36,6 +36,7 @@ def build_transformer_config(model, layout: ParallelLayout, precision: str = "fp
         activation_func=activation(gated=llama_style, compile=model.compile),
         add_bias_linear=not llama_style,
         qk_layernorm=model.qk_layernorm,
+        rotary_interleaved=model.architecture == "wan",  # Wan rotates channel pairs (2i, 2i+1)
         init_method_std=model.init_method_std,
         params_dtype=dtype,
         pipeline_dtype=dtype,
