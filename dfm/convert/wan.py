@@ -13,11 +13,15 @@ from torch import Tensor
 
 from dfm.config.container import ConfigContainer, ModelConfig
 from dfm.convert.cli import Family
+from dfm.convert.diffusers_folder import model_folder
+from dfm.convert.pretrained import fill_weights, single_process_world
 from dfm.convert.rules import ConversionError, Rule, fused_kv, fused_qkv, rename
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify, unpatchify
 from dfm.data.sample import DiffusionSample
+from dfm.inference.checkpoint_loading import single_process_config
+from dfm.models.build import build_model
 
 FREQ_DIM = 256  # the timestep sinusoid width of every published Wan (dfm's TimestepEmbedder)
 QK_NORM = "rms_norm_across_heads"
@@ -202,11 +206,6 @@ def max_abs_diff(outputs: Sequence[Tensor], references: Sequence[Tensor]) -> flo
 def verify(folder: str, cfg: ConfigContainer, weights: dict[str, Tensor]) -> float:
     """Max abs diff of dfm (these weights, one process, fp32) vs diffusers (``folder``) on random packed samples."""
     import diffusers
-
-    from dfm.convert.pretrained import fill_weights, single_process_world
-    from dfm.convert.diffusers_folder import model_folder
-    from dfm.inference.checkpoint_loading import single_process_config
-    from dfm.models.build import build_model
 
     transformer = diffusers.WanTransformer3DModel.from_pretrained(model_folder(folder), torch_dtype=torch.float32)
     single = single_process_config(cfg)
