@@ -21,7 +21,7 @@ TINY = dict(
 )
 
 
-def tiny_diffusers_wan(seed: int = 0, std: float = 0.2):
+def tiny_diffusers_wan(seed: int = 0, std: float = 0.1):
     """WanTransformer3DModel with every parameter N(0, std^2) (zero or one inits would hide bugs), fp32."""
     import diffusers
 
