@@ -67,6 +67,8 @@ CASES = [
     ("stdit_tiny", [TP2, SP, PP2], []),
     ("moviegen_tiny", [TP2, SP, "model.context_parallel_size=2"], []),
     ("dit_tiny", VPP, ["model.num_layers=4", *ACCUMULATE]),
+    # Wan: q/k RMSNorm across the heads that TP splits (all-reduced sum of squares), its affine norm2 under SP.
+    ("wan_tiny", [TP2, SP], []),
 ]
 
 
