@@ -15,8 +15,8 @@ from megatron.core import parallel_state
 
 from dfm.convert.rules import to_dfm
 from dfm.convert.wan import (
-    diffusers_sample_output,
     dfm_sample_outputs,
+    diffusers_sample_output,
     max_abs_diff,
     parity_samples,
     parity_timesteps,

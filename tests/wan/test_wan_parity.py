@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from dfm.convert.pretrained import fill_weights
-from dfm.convert.rules import to_diffusers, to_dfm
+from dfm.convert.rules import to_dfm, to_diffusers
 from dfm.convert.wan import (
-    diffusers_sample_output,
     dfm_sample_outputs,
+    diffusers_sample_output,
     max_abs_diff,
     parity_samples,
     parity_timesteps,
