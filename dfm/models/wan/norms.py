@@ -9,6 +9,7 @@ from megatron.core.tensor_parallel import (
     reduce_from_tensor_model_parallel_region,
     set_tensor_model_parallel_attributes,
 )
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from torch import Tensor, nn
 
 
@@ -42,6 +43,19 @@ class AcrossHeadsRMSNorm(nn.Module):
             squares = sum_over_tensor_parallel_ranks(squares)
         normed = (x.float() * torch.rsqrt(squares / self.full_dim + self.eps)).to(x.dtype)
         return normed * self.weight.view(-1, self.head_dim)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The weight as a TP shard along dim 0 (megatron takes a plain module's tensors as replicated)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(
+            state,
+            prefix,
+            {"weight": 0},
+            sharded_offsets,
+            tp_group=parallel_state.get_tensor_model_parallel_group(),
+            dp_cp_group=metadata["dp_cp_group"],
+        )
 
 
 class SequenceParallelLayerNorm(nn.LayerNorm):
