@@ -1,5 +1,6 @@
-"""Generation: dfm's flow sampler (Euler, shift, classifier-free guidance with a negative prompt) on the
-converted weights gives the latents of diffusers' WanPipeline on the same noise and text embeddings.
+"""Generation: dfm's sampling (dfm.inference.sampling, what inference_dit_model.py runs: Euler, shift,
+classifier-free guidance with a negative prompt) on the converted weights gives the latents of
+diffusers' WanPipeline on the same noise and text embeddings.
 
 WanPipeline's scheduler is given dfm's schedule (its own ends at sigma = shift(1/1000), not 0); the
 rest, the timestep 1000 t, guidance and Euler steps, is diffusers' own loop.
@@ -17,7 +18,7 @@ from dfm.convert.wan import parity_samples, rules
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import unpatchify
 from dfm.diffusion.pipeline import build_pipeline
-from dfm.inference.sampling import unpack_latents
+from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model
 from tests.wan._tiny import TEXT_LEN, tiny_diffusers_wan, tiny_model_config
 
@@ -57,16 +58,7 @@ def test_dfm_sampler_matches_wan_pipeline(dist):
     pack = pack_samples([start])
     uncond = pack_samples([dataclasses.replace(start, text=negative.text)])
     flow = build_pipeline("flow", c_noise_scale=1000.0, shift=SHIFT)
-    ours = flow.sample(
-        lambda x, c_noise, batch: model(x, c_noise, batch),
-        pack.latents,
-        pack.token_sample_ids(),
-        STEPS,
-        cond={"batch": pack},
-        uncond={"batch": uncond},
-        guidance_scale=GUIDANCE,
-    )
-    ours = unpack_latents(ours, pack, cfg)[0]
+    ours = sample_latent(model, flow, "flow", pack, cfg, STEPS, GUIDANCE, "euler", uncond=uncond)
     c, t, h, w = start.latent_shape
     with torch.no_grad():
         theirs = wan_pipeline(transformer)(
