@@ -41,3 +41,36 @@ def tiny_model_config(**overrides) -> ModelConfig:
     return ModelConfig(
         **{**fields, "architecture": "wan", "max_text_len": TEXT_LEN, "attention_backend": "sdpa", **overrides}
     )
+
+
+def tiny_wan_pipeline_folder(root) -> None:
+    """What data preparation reads of a Wan2.1-T2V-*-Diffusers folder, tiny and random: tokenizer/ and
+    text_encoder/ (UMT5, 24-d like TINY's text_dim), vae/ (AutoencoderKLWan, 4 latent channels)."""
+    from pathlib import Path
+
+    from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+
+    from dfm.data.encoders.tiny import build_tiny_wan_vae
+
+    root = Path(root)
+    torch.manual_seed(0)
+    config = UMT5Config(vocab_size=384, d_model=TINY["text_dim"], d_kv=6, d_ff=32, num_layers=2, num_heads=4)
+    UMT5EncoderModel(config).save_pretrained(root / "text_encoder")
+    ByT5Tokenizer().save_pretrained(root / "tokenizer")
+    build_tiny_wan_vae(root / "vae", 0, TINY["in_channels"])
+
+
+def write_tiny_videos(folder) -> None:
+    """Two captioned clips of 5 frames (1 + 4k for the Wan VAE), 32 x 48, with sidecar captions."""
+    import json
+    from pathlib import Path
+
+    import imageio.v3 as iio
+
+    folder = Path(folder)
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    for name, caption in (("bars", "stripes sliding to the left"), ("dots", "a dot moving up")):
+        frames = (torch.rand(5, 32, 48, 3, generator=gen) * 255).to(torch.uint8).numpy()
+        iio.imwrite(folder / f"{name}.mp4", frames, fps=8)
+        (folder / f"{name}.json").write_text(json.dumps({"caption": caption}))

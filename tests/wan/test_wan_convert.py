@@ -2,11 +2,12 @@
 
 * import then export reproduces every tensor of a diffusers folder bit for bit, and the exported
   folder loads in diffusers; ``--verify`` prints the dfm-vs-diffusers difference;
-* the real entry point fine-tunes the imported model 3 iterations at TP=2
-  (``checkpoint.pretrained``, mock data), and the export of that run loads in diffusers with
-  exactly the run's weights (and not the initial ones).
+* the real entry point fine-tunes the imported model 3 iterations at TP=2 (``checkpoint.pretrained``)
+  on energon shards that prepare_energon_dataset.py wrote with Wan's encoders (a tiny pipeline folder:
+  UMT5, AutoencoderKLWan), and the export of that run loads in diffusers with exactly the run's weights.
 """
 
+import importlib.util
 import re
 
 import pytest
@@ -18,7 +19,7 @@ from dfm.convert.pretrained import read_full_weights
 from dfm.convert.rules import to_dfm
 from dfm.convert.wan import WAN, rules
 from tests.training.entry import RECIPE_DIR, read_metrics, run_entry
-from tests.wan._tiny import tiny_diffusers_wan
+from tests.wan._tiny import tiny_diffusers_wan, tiny_wan_pipeline_folder, write_tiny_videos
 
 WAN_TINY = RECIPE_DIR / "conf" / "wan_tiny.yaml"
 TINY_TEXT = ["model.max_text_len=16", "dataset.mock_text_len_range=[4,12]"]
@@ -73,10 +74,26 @@ def test_import_export_round_trip_is_bit_exact(imported, tmp_path):
     assert loaded.config.num_layers == 2 and loaded.config.qk_norm == "rms_norm_across_heads"
 
 
+def prepare_with_wan_encoders(tmp_path):
+    """Energon shards of two tiny clips, encoded by a tiny Wan pipeline folder's UMT5 and VAE."""
+    script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
+    module = importlib.util.module_from_spec(script)
+    script.loader.exec_module(module)
+    tiny_wan_pipeline_folder(tmp_path / "wan_pipeline")
+    write_tiny_videos(tmp_path / "videos")
+    args = ["--input_dir", str(tmp_path / "videos"), "--output_dir", str(tmp_path / "shards")]
+    args += ["--caption_format", "sidecar", "--height", "32", "--width", "48", "--num_frames", "5"]
+    args += ["--t5", str(tmp_path / "wan_pipeline"), "--vae", str(tmp_path / "wan_pipeline"), "--max_text_len", "16"]
+    assert module.main([*args, "--run_energon_prepare"]) == 0
+    return tmp_path / "shards"
+
+
 def test_finetune_at_tp2_then_export_loads_in_diffusers(imported, tmp_path):
     _, state, checkpoint, _ = imported
     run = tmp_path / "run"
     overrides = [
+        f"dataset.path={prepare_with_wan_encoders(tmp_path)}",
+        "dataset.num_workers=0",
         f"checkpoint.pretrained={checkpoint}",
         f"checkpoint.save={run / 'checkpoints'}",
         "checkpoint.save_interval=3",
@@ -84,7 +101,7 @@ def test_finetune_at_tp2_then_export_loads_in_diffusers(imported, tmp_path):
         "model.tensor_model_parallel_size=2",
         f"logger.log_dir={run / 'logs'}",
     ]
-    result = run_entry(2, overrides, config=WAN_TINY)
+    result = run_entry(2, overrides, config=WAN_TINY, mock=False)
     assert result.returncode == 0, result.stderr[-4000:]
     assert [m["iteration"] for m in read_metrics(run / "logs")] == [1, 2, 3]
     _run_cli(["export", "--checkpoint", str(run / "checkpoints"), "--output", str(tmp_path / "export")])
