@@ -58,6 +58,8 @@ def dit_forward_flops(
 ) -> float:
     """Forward FLOPs of one pack. ``frames``: per-sample token-grid T (ST-DiT needs it; default 1)."""
     frames = frames if frames is not None else [1] * len(video_lens)
+    if model_cfg.architecture == "wan":  # Wan attends to each sample's text padded to max_text_len
+        text_lens = [model_cfg.max_text_len] * len(video_lens)
     return sum(
         model_cfg.num_layers * layer_flops(model_cfg, n, m, t) + embedding_flops(model_cfg, n, m)
         for n, m, t in zip(video_lens, text_lens, frames)
