@@ -106,8 +106,8 @@ def test_finetune_at_tp2_then_export_loads_in_diffusers(imported, tmp_path):
     assert [m["iteration"] for m in read_metrics(run / "logs")] == [1, 2, 3]
     _run_cli(["export", "--checkpoint", str(run / "checkpoints"), "--output", str(tmp_path / "export")])
     loaded = load_in_diffusers(tmp_path / "export")
-    _, trained = read_full_weights(run / "checkpoints")
-    cfg_rules = rules(read_full_weights(run / "checkpoints")[0].model)
+    cfg, trained = read_full_weights(run / "checkpoints")
+    cfg_rules = rules(cfg.model)
     assert to_dfm(loaded.state_dict(), cfg_rules).keys() == trained.keys()
     for name, tensor in to_dfm(loaded.state_dict(), cfg_rules).items():
         assert torch.equal(tensor, trained[name]), name
