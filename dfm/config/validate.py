@@ -6,9 +6,12 @@ that cannot work together, before any process group starts.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dfm.config.container import ConfigContainer, TrainConfig
 from dfm.config.errors import ConfigError
 from dfm.config.ranges import check_ranges
+from dfm.diffusion.flow import FlowSettings
 from dfm.parallel.layout import ParallelLayout
 
 
@@ -21,6 +24,16 @@ def validate_config(cfg: ConfigContainer, world_size: int | None = None) -> None
     _check_parallel_layout(cfg, world_size)
     _check_schedule(cfg)
     _check_precision(cfg)
+    _check_flow(cfg)
+
+
+def _check_flow(cfg: ConfigContainer) -> None:
+    """The flow settings' own rules (e.g. a field contradicting flow.training_mode), checked as the
+    pipeline will build them, before any process starts."""
+    try:
+        FlowSettings(**dataclasses.asdict(cfg.flow))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _check_schedule(cfg: ConfigContainer) -> None:

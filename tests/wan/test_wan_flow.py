@@ -4,6 +4,10 @@
 import pytest
 import torch
 
+from dfm.config.errors import ConfigError
+from dfm.config.loader import apply_overrides
+from dfm.config.recipes import get_recipe
+from dfm.config.validate import validate_config
 from dfm.diffusion.flow import FlowPipeline, FlowSettings
 from dfm.diffusion.pipeline import build_pipeline
 
@@ -36,3 +40,12 @@ def test_training_mode_sets_its_fields_and_refuses_a_contradiction():
         FlowSettings(training_mode="pretrain", logit_std=1.5)
     with pytest.raises(ValueError, match="unknown flow.training_mode 'warmup'"):
         FlowSettings(training_mode="warmup")
+
+
+def test_a_contradicting_training_mode_fails_config_validation():
+    cfg = get_recipe("Wan2.1-T2V-1.3B")
+    apply_overrides(cfg, ["flow.training_mode=finetune", "flow.timestep_sampling=logit_normal"])
+    validate_config(cfg)  # logit_normal is the default: the mode replaces it
+    apply_overrides(cfg, ["flow.logit_std=2.0", "flow.training_mode=pretrain"])
+    with pytest.raises(ConfigError, match="flow.training_mode=pretrain sets flow.logit_std"):
+        validate_config(cfg)
