@@ -12,9 +12,13 @@ from dfm.models.common.transformer_config import build_transformer_config
 from dfm.models.common.varlen_attention import varlen_available
 from dfm.models.dit.dit_model import DiTModel
 from dfm.models.dit.dit_spec import dit_layer_spec, local_modules, te_modules
+from dfm.models.flux.flux_model import FluxModel
+from dfm.models.flux.flux_spec import flux_layer_specs
 from dfm.parallel.layout import ParallelLayout
 
-ARCHITECTURES = ("dit_adaln", "dit_cross", "stdit", "moviegen")
+ARCHITECTURES = ("dit_adaln", "dit_cross", "stdit", "moviegen", "flux")
+# Architectures with their own (model class, layer specs of a backend's modules); the others are DiTModels.
+OWN_MODELS = {"flux": (FluxModel, flux_layer_specs)}
 
 
 def transformer_engine_available() -> bool:
@@ -44,6 +48,8 @@ def layer_spec_for(model_cfg, layout: ParallelLayout):
             "set model.attention_backend=flex or sdpa"
         )
     modules = te_modules() if backend == "te" else local_modules(backend)
+    if model_cfg.architecture in OWN_MODELS:
+        return OWN_MODELS[model_cfg.architecture][1](modules)
     return dit_layer_spec(model_cfg.architecture, modules, model_cfg.qk_layernorm, model_cfg.num_moe_experts)
 
 
@@ -55,7 +61,8 @@ def build_model(model_cfg, precision: str, vp_stage: int | None = None, layout: 
     tconfig = build_transformer_config(model_cfg, layout, precision)
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    model = DiTModel(
+    model_class = OWN_MODELS.get(model_cfg.architecture, (DiTModel,))[0]
+    model = model_class(
         tconfig, layer_spec_for(model_cfg, layout), model_cfg, pre_process=pre, post_process=post, vp_stage=vp_stage
     )
     return model, tconfig
