@@ -21,7 +21,7 @@ from dfm.convert.rules import Rule, fused_qkv, rename
 PATCH = 2  # FLUX packs 2x2 latent patches into a token
 
 
-def _features(tensor: Tensor, dim: int, source: str, target: str, channels: int) -> Tensor:
+def reorder_patch_features(tensor: Tensor, dim: int, source: str, target: str, channels: int) -> Tensor:
     """Reorder the patch-feature axis ``dim`` from order ``source`` to ``target`` ('cpq' / 'pqc')."""
     sizes = {"c": channels, "p": PATCH, "q": PATCH}
     moved = tensor.movedim(dim, 0)
@@ -35,8 +35,8 @@ def patch_features(dfm: str, diffusers: str, dim: int, channels: int) -> Rule:
     return Rule(
         dfm,
         (diffusers,),
-        join=lambda t: _features(t[0], dim, "cpq", "pqc", channels),
-        split=lambda t: [_features(t, dim, "pqc", "cpq", channels)],
+        join=lambda t: reorder_patch_features(t[0], dim, "cpq", "pqc", channels),
+        split=lambda t: [reorder_patch_features(t, dim, "pqc", "cpq", channels)],
     )
 
 
@@ -174,9 +174,9 @@ def diffusers_config(model: ModelConfig) -> dict:
 def diffusers_inputs(batch, x_in: Tensor, t: Tensor, guidance: Tensor | None, sample: int, channels: int) -> dict:
     """Sample ``sample`` of a pack as FluxTransformer2DModel's keyword arguments (batch of one)."""
     host = batch.host_view()
-    q0, q1 = host.cu_seqlens_q_padded[sample], host.cu_seqlens_q_padded[sample] + host.sample_lengths[sample]
-    k0, k1 = host.cu_seqlens_kv_padded[sample], host.cu_seqlens_kv_padded[sample] + host.text_lengths[sample]
-    tokens = _features(x_in[q0:q1], 1, "pqc", "cpq", channels)
+    q0, k0 = int(host.cu_seqlens_q_padded[sample]), int(host.cu_seqlens_kv_padded[sample])
+    q1, k1 = q0 + int(host.sample_lengths[sample]), k0 + int(host.text_lengths[sample])
+    tokens = reorder_patch_features(x_in[q0:q1], 1, "pqc", "cpq", channels)
     text = batch.context[k0:k1]
     return dict(
         hidden_states=tokens[None],
@@ -189,53 +189,65 @@ def diffusers_inputs(batch, x_in: Tensor, t: Tensor, guidance: Tensor | None, sa
     )
 
 
-def per_sample_max_abs_diff(diffusers_model, dfm_model, batch, x_in, t, guidance) -> list[float]:
-    """max |dfm - diffusers| of each sample of ``batch``: dfm runs the pack, diffusers each sample alone."""
-    channels = dfm_model.model_cfg.in_channels
+def diffusers_outputs(diffusers_model, batch, t: Tensor, guidance: Tensor | None, channels: int) -> list[Tensor]:
+    """Each sample of ``batch`` run alone through diffusers -> its output [L_i, D] in dfm's feature order."""
     with torch.no_grad():
-        packed = dfm_model(x_in, t, batch, guidance)
-        diffs = []
-        host = batch.host_view()
-        for i in range(batch.num_samples):
-            ref = diffusers_model(**diffusers_inputs(batch, x_in, t, guidance, i, channels)).sample[0]
-            q0 = int(host.cu_seqlens_q_padded[i])
-            ours = _features(packed[q0 : q0 + ref.shape[0]], 1, "pqc", "cpq", channels)
-            diffs.append(float((ours - ref).abs().max()))
-    return diffs
+        return [
+            reorder_patch_features(
+                diffusers_model(**diffusers_inputs(batch, batch.latents, t, guidance, i, channels)).sample[0],
+                1,
+                "cpq",
+                "pqc",
+                channels,
+            )
+            for i in range(batch.num_samples)
+        ]
 
 
-def verify(folder: str, cfg: ConfigContainer, weights: dict[str, Tensor]) -> float:
-    """Max abs diff of dfm vs diffusers on a random pack of three images of different sizes (fp32)."""
-    import diffusers
+def per_sample_max_abs_diff(packed: Tensor, references: list[Tensor], batch) -> list[float]:
+    """max |packed rows of sample i - references[i]| for every sample of ``batch``."""
+    starts = batch.host_view().cu_seqlens_q_padded.tolist()
+    return [float((packed[start : start + ref.shape[0]] - ref).abs().max()) for start, ref in zip(starts, references)]
 
-    from dfm.convert.pretrained import fill_weights, single_process_world
+
+def verification_pack(model_cfg: ModelConfig, seed: int = 0, padding: tuple[int, int] = (1, 1)):
+    """(pack, t [N], guidance [N] or None): three images of different sizes (16, 15, 15 tokens) and
+    text lengths; ``padding``: the layout's (segment, total) multiples."""
     from dfm.data.mock import MockDataSettings, MockPackedLoader
-    from dfm.inference.checkpoint_loading import single_process_config
-    from dfm.models.build import build_model
 
-    reference = diffusers.FluxTransformer2DModel.from_pretrained(str(Path(folder)), torch_dtype=torch.float32)
-    single = single_process_config(cfg)
-    model_cfg = single.model
     settings = MockDataSettings(
-        image_sizes=[(8, 8), (8, 12), (12, 8)],
+        seed=seed,
+        image_sizes=[(8, 8), (6, 10), (10, 6)],
         image_fraction=1.0,
         text_len_range=(3, 12),
         in_channels=model_cfg.in_channels,
         text_embed_dim=model_cfg.text_embed_dim,
         pooled_text_dim=model_cfg.pooled_text_dim,
     )
-    batch = next(MockPackedLoader(settings, 0, 1, seq_length=10**6, samples_per_pack=3))
-    generator = torch.Generator().manual_seed(0)
-    t, guidance = torch.rand(3, generator=generator), torch.full((3,), 3.5)
+    batch = next(MockPackedLoader(settings, 0, 1, 10**6, *padding, samples_per_pack=3))
+    t = torch.rand(3, generator=torch.Generator().manual_seed(seed))
+    return batch, t, torch.full((3,), 3.5) if model_cfg.guidance_embeds else None
+
+
+def verify(folder: str, cfg: ConfigContainer, weights: dict[str, Tensor]) -> float:
+    """Max abs diff of dfm vs diffusers on ``verification_pack`` (fp32, one process)."""
+    import diffusers
+
+    from dfm.convert.pretrained import fill_weights, single_process_world
+    from dfm.inference.checkpoint_loading import single_process_config
+    from dfm.models.build import build_model
+
+    reference = diffusers.FluxTransformer2DModel.from_pretrained(str(Path(folder)), torch_dtype=torch.float32)
+    model_cfg = single_process_config(cfg).model
+    batch, t, guidance = verification_pack(model_cfg)
     with single_process_world(cfg.rng.seed):
         model, _ = build_model(model_cfg, "fp32")
         fill_weights(model, weights, "the converted weights")
         model.eval()
-        return max(
-            per_sample_max_abs_diff(
-                reference, model, batch, batch.latents, t, guidance if model_cfg.guidance_embeds else None
-            )
-        )
+        with torch.no_grad():
+            packed = model(batch.latents, t, batch, guidance)
+    references = diffusers_outputs(reference, batch, t, guidance, model_cfg.in_channels)
+    return max(per_sample_max_abs_diff(packed, references, batch))
 
 
 FLUX = Family(
