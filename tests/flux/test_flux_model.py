@@ -28,6 +28,7 @@ from dfm.convert.flux import (
 from dfm.convert.pretrained import fill_weights, single_process_world
 from dfm.convert.rules import to_dfm, to_diffusers
 from dfm.models.build import build_model
+from dfm.models.presets_cli import preset_parameter_counts
 from tests.flux._tiny import dfm_config_and_weights, save_tiny, tiny_diffusers_flux
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -108,3 +109,9 @@ def test_tp2_sp_cp2_pp2_forward_match_diffusers(tmp_path):
     for layout in ("tp2_sp", "cp2"):
         assert all(r[layout] <= TOLERANCE for r in results), (layout, results)
     assert results[0]["pp2"] is None and results[1]["pp2"] <= TOLERANCE, results
+
+
+def test_flux1_presets_have_the_diffusers_parameter_counts():
+    # diffusers FluxTransformer2DModel(guidance_embeds=True / False) on the meta device.
+    counts = preset_parameter_counts(["FLUX.1-dev", "FLUX.1-schnell"])
+    assert counts == {"FLUX.1-dev": 11_901_408_320, "FLUX.1-schnell": 11_891_178_560}
