@@ -51,6 +51,37 @@ class FluxLayerSubmodules:
     mlp: ModuleSpec | None = None  # double block only
 
 
+def column_linear(submodules: FluxLayerSubmodules, config, input_size: int, output_size: int, **extra):
+    """A column-parallel linear with bias (output split over TP ranks)."""
+    return build_module(
+        submodules.column_linear,
+        input_size,
+        output_size,
+        config=config,
+        init_method=config.init_method,
+        bias=True,
+        gather_output=False,
+        skip_bias_add=False,
+        is_expert=False,
+        **extra,
+    )
+
+
+def row_linear(submodules: FluxLayerSubmodules, config, input_size: int, output_size: int):
+    """A row-parallel linear whose bias is returned apart (added with the gate)."""
+    return build_module(
+        submodules.row_linear,
+        input_size,
+        output_size,
+        config=config,
+        init_method=config.output_layer_init_method,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=True,
+        is_expert=False,
+    )
+
+
 class HeadProjection(MegatronModule):
     """x [s_sp, b, h] -> this TP rank's q, k, v heads over the whole (CP-local) sequence, q and k
     RMS-normalised per head. ``linear_qkv`` rows are megatron's fused layout: per head [q, k, v]."""
@@ -58,18 +89,7 @@ class HeadProjection(MegatronModule):
     def __init__(self, config, submodules: FluxLayerSubmodules):
         super().__init__(config=config)
         h, hn = config.hidden_size, config.kv_channels
-        self.linear_qkv = build_module(
-            submodules.column_linear,
-            h,
-            3 * h,
-            config=config,
-            init_method=config.init_method,
-            bias=True,
-            gather_output=False,
-            skip_bias_add=False,
-            is_expert=False,
-            tp_comm_buffer_name="qkv",
-        )
+        self.linear_qkv = column_linear(submodules, config, h, 3 * h)
         self.q_layernorm = build_module(submodules.qk_norm, hidden_size=hn, config=config, eps=config.layernorm_epsilon)
         self.k_layernorm = build_module(submodules.qk_norm, hidden_size=hn, config=config, eps=config.layernorm_epsilon)
 
@@ -100,25 +120,10 @@ class FluxDoubleLayer(_FluxLayer):
         self.image_heads = HeadProjection(config, submodules)
         self.text_heads = HeadProjection(config, submodules)
         self.core_attention = build_module(submodules.core_attention, config=config, layer_number=layer_number)
-        self.linear_proj = self._out_projection(submodules)
-        self.text_linear_proj = self._out_projection(submodules)
+        self.linear_proj = row_linear(submodules, config, config.hidden_size, config.hidden_size)
+        self.text_linear_proj = row_linear(submodules, config, config.hidden_size, config.hidden_size)
         self.mlp = build_module(submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size)
         self.text_mlp = build_module(submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size)
-
-    def _out_projection(self, submodules: FluxLayerSubmodules):
-        h = self.config.hidden_size
-        return build_module(
-            submodules.row_linear,
-            h,
-            h,
-            config=self.config,
-            init_method=self.config.output_layer_init_method,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=True,
-            is_expert=False,
-            tp_comm_buffer_name="proj",
-        )
 
     def forward(self, hidden: Tensor, inputs: FluxPackInputs) -> Tensor:
         text, image = hidden[: inputs.num_text], hidden[inputs.num_text :]
@@ -154,29 +159,8 @@ class FluxSingleLayer(_FluxLayer):
         self.adaln = AdaLNModulation(config, num_chunks=3)
         self.heads = HeadProjection(config, submodules)
         self.core_attention = build_module(submodules.core_attention, config=config, layer_number=layer_number)
-        self.proj_mlp = build_module(
-            submodules.column_linear,
-            h,
-            ffn,
-            config=config,
-            init_method=config.init_method,
-            bias=True,
-            gather_output=False,
-            skip_bias_add=False,
-            is_expert=False,
-            stride=ratio,
-        )
-        self.proj_out = build_module(
-            submodules.row_linear,
-            h + ffn,
-            h,
-            config=config,
-            init_method=config.output_layer_init_method,
-            bias=True,
-            input_is_parallel=True,
-            skip_bias_add=True,
-            is_expert=False,
-        )
+        self.proj_mlp = column_linear(submodules, config, h, ffn, stride=ratio)
+        self.proj_out = row_linear(submodules, config, h + ffn, h)
         mark_strided(self.proj_mlp.weight, 0, ratio)
         mark_strided(self.proj_out.weight, 1, ratio + 1)
 
