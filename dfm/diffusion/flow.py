@@ -10,6 +10,7 @@ from t = 1 to t = 0.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,9 @@ class FlowSettings:
     sigma_min: float = 0.0  # noise std left at t = 0
     c_noise_scale: float = 1.0  # c_noise = c_noise_scale * t; 1000 for nets built for DDPM-style steps
     sampler: str = "euler"
+    # Training: shift each sample's t by shift_for_num_tokens(its token count) instead of ``shift``
+    # (FLUX's resolution-dependent shift; dfm's forward step draws one sample at a time).
+    dynamic_shift: bool = False
 
     def __post_init__(self) -> None:
         if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
@@ -109,6 +113,21 @@ class FlowPipeline(DiffusionPipeline):
 
     def draw_level(self, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
         return self.draw_t(num_samples, generator)
+
+    def draw_training_noise(
+        self,
+        num_samples: int,
+        shape: Shape,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As every pipeline's; with ``dynamic_shift`` t is shifted for shape[0] / num_samples tokens a sample."""
+        if not self.settings.dynamic_shift:
+            return super().draw_training_noise(num_samples, shape, generator, device, dtype)
+        shift = shift_for_num_tokens(shape[0] / num_samples)
+        fixed = FlowPipeline(dataclasses.replace(self.settings, shift=shift, dynamic_shift=False))
+        return fixed.draw_training_noise(num_samples, shape, generator, device, dtype)
 
     def model_input(
         self, x0: torch.Tensor, noise: torch.Tensor, level: torch.Tensor, sample_ids: torch.Tensor
