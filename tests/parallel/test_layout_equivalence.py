@@ -87,7 +87,7 @@ def world_size(layout: list[str]) -> int:
 
 
 def train(tmp: Path, config: str, nproc: int, overrides: list[str]) -> Run:
-    log_dir = tmp / f"{config}-{nproc}-{abs(hash(tuple(overrides)))}"
+    log_dir = tmp / f"{Path(config).name}-{nproc}-{abs(hash(tuple(overrides)))}"
     conf = RECIPE_DIR / "conf" / f"{config}.yaml"
     weights = log_dir / "full_weights.pt"
     args = ["train.train_iters=3", f"logger.log_dir={log_dir}", *overrides]
