@@ -1,24 +1,24 @@
 """FLUX forward at TP=2 + SP, CP=2 and PP=2 against diffusers, all in one 2-process launch.
 
-Usage: torchrun --nproc-per-node 2 _layouts_worker.py DIFFUSERS_DIR OUT_DIR. Each layout
-re-initialises megatron's parallel state, builds its shard of the model from the converted full
-weights, runs one pack of three images of different sizes (every sample compared with diffusers
-run on it alone) and saves {layout: max abs diff} to OUT_DIR/rank<R>.pt (None: no output here).
+Usage: torchrun --nproc-per-node 2 _layouts_worker.py CASE OUT_DIR. CASE (a torch file written by
+the test) holds the diffusers config, the converted full weights and diffusers' output for every
+sample of ``verification_pack`` run alone. Each layout re-initialises megatron's parallel state,
+builds its shard of the model, runs the pack and saves {layout: max abs diff} to
+OUT_DIR/rank<R>.pt (None: no output on this rank).
 """
 
 import sys
 from pathlib import Path
 
-import diffusers
 import torch
 from megatron.core import parallel_state
 
-from dfm.convert.flux import diffusers_outputs, per_sample_max_abs_diff, verification_pack
+from dfm.convert.cli import import_config
+from dfm.convert.flux import FLUX, per_sample_max_abs_diff, verification_pack
 from dfm.models.build import build_model
 from dfm.models.common.init import mark_tensor_parallel_weights, take_shard
 from dfm.parallel import ParallelLayout
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
-from tests.flux._tiny import dfm_config_and_weights
 
 LAYOUTS = {"tp2_sp": dict(tp=2, sp=True), "cp2": dict(cp=2), "pp2": dict(pp=2)}
 
@@ -48,11 +48,9 @@ def run_layout(model_cfg, weights, layout: ParallelLayout, references: list) -> 
     return max(per_sample_max_abs_diff(out, references, batch))
 
 
-def main(folder: Path, out_dir: Path) -> None:
-    reference = diffusers.FluxTransformer2DModel.from_pretrained(folder)
-    cfg, weights = dfm_config_and_weights(reference)
-    batch, t, guidance = verification_pack(cfg.model)
-    references = diffusers_outputs(reference, batch, t, guidance, cfg.model.in_channels)
+def main(case: Path, out_dir: Path) -> None:
+    case = torch.load(case)
+    cfg, weights, references = import_config(FLUX, case["config"], None, []), case["weights"], case["references"]
     results = {}
     for name, sizes in LAYOUTS.items():
         layout = ParallelLayout(world_size=2, **sizes)

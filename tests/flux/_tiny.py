@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import diffusers
 import torch
 
@@ -34,11 +32,6 @@ def tiny_diffusers_flux(seed: int = 0, std: float = 0.1, **overrides) -> diffuse
         for _, param in sorted(model.named_parameters()):
             param.copy_(torch.randn(param.shape, generator=generator) * std)
     return model
-
-
-def save_tiny(folder: Path, **overrides) -> Path:
-    tiny_diffusers_flux(**overrides).save_pretrained(folder)
-    return folder
 
 
 def dfm_config_and_weights(reference: diffusers.FluxTransformer2DModel):

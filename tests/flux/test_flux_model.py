@@ -29,7 +29,7 @@ from dfm.convert.pretrained import fill_weights, single_process_world
 from dfm.convert.rules import to_dfm, to_diffusers
 from dfm.models.build import build_model
 from dfm.models.presets_cli import preset_parameter_counts
-from tests.flux._tiny import dfm_config_and_weights, save_tiny, tiny_diffusers_flux
+from tests.flux._tiny import dfm_config_and_weights, tiny_diffusers_flux
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_layouts_worker.py")
@@ -94,8 +94,12 @@ def test_rules_round_trip_bit_exact(guidance_embeds):
     assert all(torch.equal(back[name], tensor) for name, tensor in reference.state_dict().items())
 
 
-def test_tp2_sp_cp2_pp2_forward_match_diffusers(tmp_path):
-    folder, out = save_tiny(tmp_path / "tiny"), tmp_path / "out"
+def test_tp2_sp_cp2_pp2_forward_match_diffusers(tiny, tmp_path):
+    reference, cfg, weights = tiny
+    batch, t, guidance = verification_pack(cfg.model)
+    references = diffusers_outputs(reference, batch, t, guidance, cfg.model.in_channels)
+    case, out = tmp_path / "case.pt", tmp_path / "out"
+    torch.save({"config": dict(reference.config), "weights": weights, "references": references}, case)
     out.mkdir()
     env = {
         **os.environ,
@@ -103,7 +107,7 @@ def test_tp2_sp_cp2_pp2_forward_match_diffusers(tmp_path):
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = subprocess.run([*command, str(WORKER), str(folder), str(out)], env=env, capture_output=True, text=True)
+    proc = subprocess.run([*command, str(WORKER), str(case), str(out)], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
     for layout in ("tp2_sp", "cp2"):
