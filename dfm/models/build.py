@@ -47,6 +47,11 @@ def layer_spec_for(model_cfg, layout: ParallelLayout):
             f"stdit with {layout.key('cp')} > 1 runs on the local attention backends, not te: "
             "set model.attention_backend=flex or sdpa"
         )
+    if backend == "te" and model_cfg.architecture == "flux":
+        # FLUX's joint attention builds its own segments for the local kernels (joint_attention.py).
+        if model_cfg.attention_backend == "te":
+            raise NotImplementedError("flux runs on the local attention backends: set model.attention_backend=auto")
+        backend = "varlen" if varlen_available() else "flex"
     modules = te_modules() if backend == "te" else local_modules(backend)
     if model_cfg.architecture in OWN_MODELS:
         return OWN_MODELS[model_cfg.architecture][1](modules)
