@@ -17,8 +17,8 @@ from dfm.models.flux.flux_spec import flux_layer_specs
 from dfm.parallel.layout import ParallelLayout
 
 ARCHITECTURES = ("dit_adaln", "dit_cross", "stdit", "moviegen", "flux")
-# Architectures with their own (model class, layer specs of a backend's modules); the others are DiTModels.
-OWN_MODELS = {"flux": (FluxModel, flux_layer_specs)}
+# Families with their own model class and block: architecture -> (model class, spec of modules).
+FAMILIES = {"flux": (FluxModel, flux_layer_specs)}
 
 
 def transformer_engine_available() -> bool:
@@ -53,8 +53,8 @@ def layer_spec_for(model_cfg, layout: ParallelLayout):
             raise NotImplementedError("flux runs on the local attention backends: set model.attention_backend=auto")
         backend = "varlen" if varlen_available() else "flex"
     modules = te_modules() if backend == "te" else local_modules(backend)
-    if model_cfg.architecture in OWN_MODELS:
-        return OWN_MODELS[model_cfg.architecture][1](modules)
+    if model_cfg.architecture in FAMILIES:
+        return FAMILIES[model_cfg.architecture][1](modules)
     return dit_layer_spec(model_cfg.architecture, modules, model_cfg.qk_layernorm, model_cfg.num_moe_experts)
 
 
@@ -66,7 +66,7 @@ def build_model(model_cfg, precision: str, vp_stage: int | None = None, layout: 
     tconfig = build_transformer_config(model_cfg, layout, precision)
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    model_class = OWN_MODELS.get(model_cfg.architecture, (DiTModel,))[0]
+    model_class = FAMILIES[model_cfg.architecture][0] if model_cfg.architecture in FAMILIES else DiTModel
     model = model_class(
         tconfig, layer_spec_for(model_cfg, layout), model_cfg, pre_process=pre, post_process=post, vp_stage=vp_stage
     )
