@@ -38,12 +38,12 @@ class FlowSettings:
     logit_mean: float = 0.0  # logit_normal: logit(t) ~ N(logit_mean, logit_std^2)
     logit_std: float = 1.0
     shift: float = 1.0  # training and sampling; see shift_for_num_tokens for a resolution-aware value
-    sigma_min: float = 0.0  # noise std left at t = 0
-    c_noise_scale: float = 1.0  # c_noise = c_noise_scale * t; 1000 for nets built for DDPM-style steps
-    sampler: str = "euler"
     # Training: shift each sample's t by shift_for_num_tokens(its token count) instead of ``shift``
     # (FLUX's resolution-dependent shift; dfm's forward step draws one sample at a time).
     dynamic_shift: bool = False
+    sigma_min: float = 0.0  # noise std left at t = 0
+    c_noise_scale: float = 1.0  # c_noise = c_noise_scale * t; 1000 for nets built for DDPM-style steps
+    sampler: str = "euler"
 
     def __post_init__(self) -> None:
         if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
