@@ -27,9 +27,12 @@ from dfm.convert.flux import (
 )
 from dfm.convert.pretrained import fill_weights, single_process_world
 from dfm.convert.rules import to_dfm, to_diffusers
+from dfm.diffusion.pipeline import build_pipeline
 from dfm.models.build import build_model
 from dfm.models.presets_cli import preset_parameter_counts
+from dfm.training.forward_step import DiffusionForwardStep
 from tests.flux._tiny import dfm_config_and_weights, tiny_diffusers_flux
+from tests.models.test_no_host_sync import DeviceTensor, on_fake_device
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_layouts_worker.py")
@@ -119,3 +122,19 @@ def test_flux1_presets_have_the_diffusers_parameter_counts():
     # diffusers FluxTransformer2DModel(guidance_embeds=True / False) on the meta device.
     counts = preset_parameter_counts(["FLUX.1-dev", "FLUX.1-schnell"])
     assert counts == {"FLUX.1-dev": 11_901_408_320, "FLUX.1-schnell": 11_891_178_560}
+
+
+def test_micro_batch_device_work_never_reads_back(tiny):
+    """As tests/models/test_no_host_sync.py for the DiT family: the joint-attention plan is host work."""
+    _, cfg, weights = tiny
+    batch, _, _ = verification_pack(cfg.model, padding=(4, 4))
+    step = DiffusionForwardStep(build_pipeline("flow"), seed=1, cfg_dropout_prob=0.5, device=torch.device("cpu"))
+    with single_process_world(cfg.rng.seed):
+        model = dfm_model(cfg, weights)
+        batch, noise, level = step.prepare(batch)
+        noise, level = noise.as_subclass(DeviceTensor), level.as_subclass(DeviceTensor)
+        DeviceTensor.reads = []
+        output, loss_fn = step.run(model, on_fake_device(batch), noise, level)
+        loss_fn(output)[0].backward()
+    assert DeviceTensor.reads == [], "\n".join(DeviceTensor.reads)
+    assert all(p.grad is not None for p in model.parameters())
