@@ -101,6 +101,8 @@ class HeadProjection(MegatronModule):
 
 
 class _FluxLayer(MegatronModule):
+    """What both blocks share: the (eager or compiled) elementwise ops and affine-free LayerNorm + modulate."""
+
     def __init__(self, config, layer_number: int):
         super().__init__(config=config)
         self.layer_number = layer_number
