@@ -12,9 +12,8 @@ import torch
 
 from dfm.convert.cli import main
 from dfm.convert.flux import FLUX, flux_rules
-from dfm.convert.pretrained import read_full_weights
-from dfm.convert.rules import to_dfm, to_diffusers
-from tests.flux._tiny import tiny_diffusers_flux
+from dfm.convert.rules import to_diffusers
+from tests.flux._tiny import dfm_config_and_weights, tiny_diffusers_flux
 from tests.parallel.test_layout_equivalence import WEIGHTS_ENTRY
 from tests.training.entry import run_entry
 
@@ -28,9 +27,10 @@ TINY_AS_FLUX_TINY_YAML = dict(
 
 
 def test_import_finetune_at_tp2_export_loads_in_diffusers(tmp_path, capsys):
-    source = tmp_path / "diffusers"
-    tiny_diffusers_flux(**TINY_AS_FLUX_TINY_YAML).save_pretrained(source)
-    original = diffusers.FluxTransformer2DModel.from_pretrained(source).state_dict()
+    source, reference = tmp_path / "diffusers", tiny_diffusers_flux(**TINY_AS_FLUX_TINY_YAML)
+    reference.save_pretrained(source)
+    original = reference.state_dict()
+    cfg, start = dfm_config_and_weights(reference)
     imported = tmp_path / "imported"
     assert main(FLUX, ["import", "--diffusers", str(source), "--output", str(imported), "--verify"]) == 0
     assert float(re.search(r"max abs diff vs diffusers: (\S+)", capsys.readouterr().out).group(1)) <= 1e-5
@@ -50,13 +50,11 @@ def test_import_finetune_at_tp2_export_loads_in_diffusers(tmp_path, capsys):
     assert main(FLUX, ["export", "--checkpoint", str(trained), "--output", str(tmp_path / "export")]) == 0
     exported = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "export").state_dict()
 
-    cfg, _ = read_full_weights(trained)
     weights = torch.load(dump)  # gathered from the TP=2 ranks, independently of the checkpoint
     expected = to_diffusers(weights, flux_rules(cfg.model))
     assert sorted(exported) == sorted(expected)
     assert all(torch.equal(exported[name], tensor) for name, tensor in expected.items())
     # Fine-tuned from the imported weights (3 Adam steps of lr 1e-4 each move a weight by <= ~1e-4);
     # a shard loaded into the wrong place would differ by the weights' own size (~0.1).
-    start = to_dfm(original, flux_rules(cfg.model))
     moved = max(float((weights[name] - start[name]).abs().max()) for name in start)
     assert 0 < moved < 1e-3
