@@ -10,7 +10,6 @@ from t = 1 to t = 0.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -111,23 +110,12 @@ class FlowPipeline(DiffusionPipeline):
 
     # --- training pieces -------------------------------------------------------------------------
 
-    def draw_level(self, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        return self.draw_t(num_samples, generator)
-
-    def draw_training_noise(
-        self,
-        num_samples: int,
-        shape: Shape,
-        generator: torch.Generator | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As every pipeline's; with ``dynamic_shift`` t is shifted for shape[0] / num_samples tokens a sample."""
-        if not self.settings.dynamic_shift:
-            return super().draw_training_noise(num_samples, shape, generator, device, dtype)
-        shift = shift_for_num_tokens(shape[0] / num_samples)
-        fixed = FlowPipeline(dataclasses.replace(self.settings, shift=shift, dynamic_shift=False))
-        return fixed.draw_training_noise(num_samples, shape, generator, device, dtype)
+    def draw_level(
+        self, num_samples: int, generator: torch.Generator | None = None, tokens: float | None = None
+    ) -> torch.Tensor:
+        """With ``dynamic_shift``, t is shifted for ``tokens`` per sample (FLUX's resolution-dependent shift)."""
+        dynamic = self.settings.dynamic_shift and tokens is not None
+        return self.draw_t(num_samples, generator, shift=shift_for_num_tokens(tokens) if dynamic else None)
 
     def model_input(
         self, x0: torch.Tensor, noise: torch.Tensor, level: torch.Tensor, sample_ids: torch.Tensor
