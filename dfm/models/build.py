@@ -12,13 +12,15 @@ from dfm.models.common.transformer_config import build_transformer_config
 from dfm.models.common.varlen_attention import varlen_available
 from dfm.models.dit.dit_model import DiTModel
 from dfm.models.dit.dit_spec import dit_layer_spec, local_modules, te_modules
+from dfm.models.flux.flux_model import FluxModel
+from dfm.models.flux.flux_spec import flux_layer_specs
 from dfm.models.wan.wan_model import WanModel
 from dfm.models.wan.wan_spec import wan_layer_spec
 from dfm.parallel.layout import ParallelLayout
 
-ARCHITECTURES = ("dit_adaln", "dit_cross", "stdit", "moviegen", "wan")
+ARCHITECTURES = ("dit_adaln", "dit_cross", "stdit", "moviegen", "flux", "wan")
 # Families with their own model class and block: architecture -> (model class, spec of modules).
-FAMILIES = {"wan": (WanModel, wan_layer_spec)}
+FAMILIES = {"flux": (FluxModel, flux_layer_specs), "wan": (WanModel, wan_layer_spec)}
 
 
 def transformer_engine_available() -> bool:
@@ -47,6 +49,11 @@ def layer_spec_for(model_cfg, layout: ParallelLayout):
             f"stdit with {layout.key('cp')} > 1 runs on the local attention backends, not te: "
             "set model.attention_backend=flex or sdpa"
         )
+    if backend == "te" and model_cfg.architecture == "flux":
+        # FLUX's joint attention builds its own segments for the local kernels (joint_attention.py).
+        if model_cfg.attention_backend == "te":
+            raise NotImplementedError("flux runs on the local attention backends: set model.attention_backend=auto")
+        backend = "varlen" if varlen_available() else "flex"
     modules = te_modules() if backend == "te" else local_modules(backend)
     if model_cfg.architecture in FAMILIES:
         return FAMILIES[model_cfg.architecture][1](modules)
