@@ -42,10 +42,18 @@ def grads_are_finite(model: list[Any], losses: list[torch.Tensor], device: torch
     """
     checks = [torch.isfinite(loss).all() for loss in losses]
     for chunk in model:
-        checks += [torch.isfinite(buffer.grad_data).all() for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+        checks += [torch.isfinite(grads).all() for grads in grad_buffers(chunk)]
     flag = (~torch.stack(checks)).any().float().reshape(1) if checks else torch.zeros(1, device=device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return flag.item() == 0.0
+
+
+def grad_buffers(chunk) -> list[torch.Tensor]:
+    """The flat gradient buffers of a DDP or a Megatron-FSDP chunk (this rank's shard under FSDP)."""
+    if chunk.ddp_config.use_megatron_fsdp:
+        groups = chunk.param_and_grad_buffer.parameter_groups
+        return [group.main_grad_buffer.data for group in groups if group.main_grad_buffer is not None]
+    return [buffer.grad_data for buffer in chunk.buffers + chunk.expert_parallel_buffers]
 
 
 class NonFiniteGuard:

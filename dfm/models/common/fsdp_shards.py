@@ -1,0 +1,78 @@
+"""Megatron-FSDP's parameter shards, gathered to full tensors and scattered back.
+
+Between optimizer steps a Megatron-FSDP model's parameters are DTensors over its fp32 main
+weights: each data-parallel rank holds whole rows ``[rows_r, ...]`` of every (TP-local) parameter
+``[rows, ...]``, ranks in order, row counts uneven. Mesh dimension 0 is the data-parallel group
+(the expert data-parallel group for experts), dimension 1 (if any) tensor parallelism, which
+stays as it is: "full" here means TP-local, like a DDP-wrapped model's parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def is_fsdp_shard(tensor) -> bool:
+    return isinstance(tensor, DTensor)
+
+
+def _dp_group_and_rows(shard: DTensor) -> tuple[torch.distributed.ProcessGroup | None, list[int]]:
+    """The shard's data-parallel group (None when replicated over it) and every rank's row count."""
+    if isinstance(shard.placements[0], Replicate):
+        return None, [shard.to_local().shape[0] if shard.dim() else 1]
+    group = shard.device_mesh.get_group(0)
+    local = shard.to_local()
+    rows = torch.tensor([local.shape[0]], dtype=torch.long, device=local.device)
+    counts = [torch.zeros_like(rows) for _ in range(group.size())]
+    torch.distributed.all_gather(counts, rows, group=group)
+    return group, [int(c.item()) for c in counts]
+
+
+def gather_rows(shard: DTensor) -> Tensor:
+    """``[rows, ...]``: the TP-local parameter from every DP rank's rows (collective over its DP group)."""
+    local = shard.to_local().detach()
+    group, counts = _dp_group_and_rows(shard)
+    if group is None:
+        return local.clone()
+    width = max(counts)
+    padded = local.new_zeros((width, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in counts]
+    torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([part[:count] for part, count in zip(parts, counts)])
+
+
+def rows_of_this_rank(shard: DTensor, full: Tensor) -> Tensor:
+    """This DP rank's rows of ``full`` ``[rows, ...]``, shaped like the shard's local tensor."""
+    group, counts = _dp_group_and_rows(shard)
+    if group is None:
+        return full
+    rank = torch.distributed.get_rank(group)
+    start = sum(counts[:rank])
+    return full[start : start + counts[rank]]
+
+
+def full_tensor(param) -> Tensor:
+    """A parameter as its TP-local full tensor: FSDP shards gathered, anything else as it is."""
+    return gather_rows(param) if is_fsdp_shard(param) else param.detach()
+
+
+def inner_model(chunk):
+    """The model inside a wrapped chunk: ``DDP.module``, or ``FullyShardedDataParallel.module.module``
+    (Megatron-FSDP nests its own ``MegatronFSDP`` module in between)."""
+    module = getattr(chunk, "module", chunk)
+    return getattr(module, "module", module) if _is_megatron_fsdp(module) else module
+
+
+def _is_megatron_fsdp(module) -> bool:
+    return type(module).__name__ == "MegatronFSDP"
+
+
+def install_main_weights(chunks) -> None:
+    """After writing into FSDP's main-weight shards (load, EMA swap): copy them into the compute
+    weights the next forward gathers; a no-op for DDP chunks."""
+    for chunk in chunks:
+        if _is_megatron_fsdp(getattr(chunk, "module", None)):
+            chunk.module.install_optimized_model_weights()
