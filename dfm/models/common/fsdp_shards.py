@@ -54,9 +54,20 @@ def rows_of_this_rank(shard: DTensor, full: Tensor) -> Tensor:
     return full[start : start + counts[rank]]
 
 
+TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
+
+
 def full_tensor(param) -> Tensor:
-    """A parameter as its TP-local full tensor: FSDP shards gathered, anything else as it is."""
-    return gather_rows(param) if is_fsdp_shard(param) else param.detach()
+    """A parameter as its TP-local full tensor in the model's dtype, FSDP shards gathered (collective
+    over DP), carrying the TP attributes of the model parameter; anything else as it is."""
+    if not is_fsdp_shard(param):
+        return param.detach()
+    model_param = param.orig_param
+    full = gather_rows(param).to(model_param.dtype)
+    for name in TP_ATTRIBUTES:
+        if hasattr(model_param, name):
+            setattr(full, name, getattr(model_param, name))
+    return full
 
 
 def inner_model(chunk):
