@@ -327,6 +327,16 @@ MEGATRON_FSDP = (
         replace=fsdp.meshes_on_cpu,
         site="FullyShardedDataParallel._init_dist_index",
     ),
+    Patch(
+        name="megatron-fsdp-te-linear",
+        module="megatron.core.distributed.fsdp.mcore_fsdp_adapter",
+        attribute="TELinear",
+        why="without Transformer Engine TELinear is a MagicMock, and isinstance(module, (TELinear,)) raises under TP",
+        relies_on=("isinstance(direct_module, (TELinear,))",),
+        replace=fsdp.te_linear_or_placeholder,
+        site="FullyShardedDataParallel._fix_tensor_parallel_attributes",
+        cpu_only=False,
+    ),
 )
 
 # Not about the device: megatron's checkpointing with torch's Adam (no Apex / TE), applied on CUDA too.
