@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dfm.models.common.fsdp_shards import full_tensor, inner_model
+from dfm.models.common.fsdp_shards import full_tensor, inner_model, named_parameters
 from dfm.models.common.init import gather_full
 
 
@@ -35,7 +35,7 @@ def local_full_tensors(model_chunks) -> dict[str, Tensor]:
     tensors = {}
     for chunk in model_chunks:
         module = inner_model(chunk)
-        for name, param in module.named_parameters():
+        for name, param in named_parameters(chunk):
             tensors[module.global_param_name(name)] = gather_full(full_tensor(param)).cpu().clone()
     return tensors
 

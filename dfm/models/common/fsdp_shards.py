@@ -30,9 +30,10 @@ def _dp_group_and_rows(shard: DTensor) -> tuple[torch.distributed.ProcessGroup |
     return group, [int(c.item()) for c in counts]
 
 
-def gather_rows(shard: DTensor) -> Tensor:
-    """``[rows, ...]``: the TP-local parameter from every DP rank's rows (collective over its DP group)."""
-    local = shard.to_local().detach()
+def gather_rows(shard: DTensor, local: Tensor | None = None) -> Tensor:
+    """``[rows, ...]``: the TP-local parameter from every DP rank's rows (collective over its DP group);
+    ``local``: rows sharded like ``shard`` (an optimizer moment, an EMA) to gather instead of its own."""
+    local = (shard.to_local() if local is None else local).detach()
     group, counts = _dp_group_and_rows(shard)
     if group is None:
         return local.clone()
@@ -81,9 +82,21 @@ def _is_megatron_fsdp(module) -> bool:
     return type(module).__name__ == "MegatronFSDP"
 
 
+def named_parameters(chunk) -> list[tuple[str, Tensor]]:
+    """The model's parameters by name. Under Megatron-FSDP its main-weight shards (DTensors), whatever
+    the module holds at the moment (after a step it may hold the gathered compute weights, whose
+    buckets FSDP frees and reuses); under DDP the parameters themselves."""
+    model = inner_model(chunk)
+    if not _is_megatron_fsdp(getattr(chunk, "module", None)):
+        return list(model.named_parameters())
+    shards = dict(chunk.module.param_and_grad_buffer.optimizer_named_parameters)
+    return [(name, shards[name]) for name, _ in model.named_parameters()]
+
+
 def install_main_weights(chunks) -> None:
     """After writing into FSDP's main-weight shards (load, EMA swap): copy them into the compute
-    weights the next forward gathers; a no-op for DDP chunks."""
+    weights and gather those, as megatron's optimizer step does; a no-op for DDP chunks."""
     for chunk in chunks:
         if _is_megatron_fsdp(getattr(chunk, "module", None)):
             chunk.module.install_optimized_model_weights()
+            chunk.start_param_sync()

@@ -319,6 +319,15 @@ MEGATRON_FSDP = (
         also_bound_in=(f"{MEGATRON_FSDP_SRC}.param_and_grad_buffer",),
     ),
     Patch(
+        name="torch-view:megatron-fsdp-adapter",
+        module="megatron.core.distributed.fsdp.mcore_fsdp_adapter",
+        attribute="torch",
+        why="syncs the CUDA RNG state over the TP group (torch.cuda.get_rng_state / set_rng_state)",
+        relies_on=("'cuda_rng_state': torch.cuda.get_rng_state(),",),
+        replace=fsdp.cpu_device_torch_view,
+        site="_get_rng_state_dict",
+    ),
+    Patch(
         name="megatron-fsdp-cpu-mesh",
         module="megatron.core.distributed.fsdp.mcore_fsdp_adapter",
         attribute="DeviceMesh",

@@ -1,0 +1,68 @@
+"""Megatron-FSDP checkpoints through the real entry point: exact resume (with EMA and async saves),
+and resharding between FSDP at DP=2 and the distributed optimizer at TP=2, both ways.
+
+One chain of four short runs: A (FSDP, 6 iterations, saves at 3) -> B resumes A@3 under FSDP
+(losses 4-6 bitwise equal to A's) -> C resumes A@3 at TP=2 (saving 4-6) -> D resumes C@4 under
+FSDP (losses 5-6 as C's). Across layouts float sums run in a different order: rel 1e-5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.training.entry import read_metrics, run_entry
+
+FSDP = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
+TP2 = ["model.tensor_model_parallel_size=2", "ddp.use_distributed_optimizer=true"]
+COMMON = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=2", "train.train_iters=6"]
+EXTRAS = ["optimizer.ema_decay=0.9", "checkpoint.async_save=true"]
+
+
+def run(tmp: Path, name: str, overrides: list[str]) -> tuple[dict[int, float], str]:
+    log_dir = tmp / name
+    result = run_entry(2, [*COMMON, *EXTRAS, *overrides, f"logger.log_dir={log_dir}"])
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {r["iteration"]: r["loss"] for r in read_metrics(log_dir)}, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp_resume")
+    a, a_log = run(tmp, "a", [*FSDP, f"checkpoint.save={tmp / 'a'}", "checkpoint.save_interval=3"])
+    b, _ = run(tmp, "b", [*FSDP, f"checkpoint.load={tmp / 'a' / 'iter_0000003'}"])
+    c, _ = run(
+        tmp,
+        "c",
+        [
+            *TP2,
+            f"checkpoint.load={tmp / 'a' / 'iter_0000003'}",
+            f"checkpoint.save={tmp / 'c'}",
+            "checkpoint.save_interval=1",
+        ],
+    )
+    d, _ = run(tmp, "d", [*FSDP, f"checkpoint.load={tmp / 'c' / 'iter_0000004'}"])
+    return {"a": a, "b": b, "c": c, "d": d, "a_log": a_log}
+
+
+def test_exact_resume_under_fsdp(chain):
+    assert sorted(chain["b"]) == [4, 5, 6]
+    assert all(chain["b"][i] == chain["a"][i] for i in chain["b"]), (chain["a"], chain["b"])
+
+
+def test_fsdp_checkpoint_resumes_at_tp2(chain):
+    assert sorted(chain["c"]) == [4, 5, 6]
+    for i in chain["c"]:
+        assert chain["c"][i] == pytest.approx(chain["a"][i], rel=1e-5), (chain["a"], chain["c"])
+
+
+def test_tp2_checkpoint_resumes_under_fsdp(chain):
+    assert sorted(chain["d"]) == [5, 6]
+    for i in chain["d"]:
+        assert chain["d"][i] == pytest.approx(chain["c"][i], rel=1e-5), (chain["c"], chain["d"])
+
+
+def test_start_up_log_shows_memory_per_rank(chain):
+    assert "memory per rank (optim_grads_params" in chain["a_log"]
+    assert "rank 1: params" in chain["a_log"]
