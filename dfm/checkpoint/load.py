@@ -7,8 +7,8 @@ from pathlib import Path
 
 from megatron.core import dist_checkpointing
 
-from dfm.checkpoint.compare import model_differences
 from dfm.checkpoint import fsdp_state
+from dfm.checkpoint.compare import model_differences
 from dfm.checkpoint.errors import CheckpointError
 from dfm.checkpoint.progress import StageProgress
 from dfm.checkpoint.select import choose_checkpoint
