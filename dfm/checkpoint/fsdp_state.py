@@ -17,7 +17,13 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.utils import to_local_if_dtensor
 
-from dfm.models.common.fsdp_shards import full_tensor, gather_rows, named_parameters, rows_of_this_rank
+from dfm.models.common.fsdp_shards import (
+    full_tensor,
+    gather_rows,
+    named_parameters,
+    rows_of_this_rank,
+    tp_local_shape,
+)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -29,12 +35,29 @@ def is_fsdp(chunk) -> bool:
 def model_state(chunk, model_sharded_state_dict, is_loading: bool) -> dict[str, Any]:
     """The chunk's sharded state dict with TP-local full tensors (gathered from the FSDP rows for a
     save, empty ones to load into)."""
-    chunk.module._replace_param_with_raw_if_needed()  # TP-local shapes for the sharded metadata
-    state = model_sharded_state_dict(chunk.module.module)
-    for name, shard in named_parameters(chunk):
-        sharded = state[name]
-        data = torch.empty_like(sharded.data) if is_loading else full_tensor(shard).to(sharded.data.dtype)
-        state[name] = dataclasses.replace(sharded, data=data)
+    shards = named_parameters(chunk)
+    fulls = {
+        name: torch.empty(tp_local_shape(shard), dtype=shard.orig_param.dtype) if is_loading else full_tensor(shard)
+        for name, shard in shards
+    }
+    # megatron reads the shapes from the module's parameters: FSDP's compute weights, whose freed
+    # buckets leave them empty between steps; they hold the full tensors while the dict is built.
+    # (The flag keeps FSDP's state-dict pre-hook from swapping its DTensor shards in meanwhile.)
+    fsdp = chunk.module
+    fsdp._replace_param_with_raw_if_needed()
+    raw = dict(fsdp.module.named_parameters())
+    kept = {name: raw[name].data for name in fulls}
+    fsdp.is_param_fsdp_distributed = True
+    try:
+        for name, full in fulls.items():
+            raw[name].data = full
+        state = model_sharded_state_dict(fsdp.module)
+    finally:
+        for name, data in kept.items():
+            raw[name].data = data
+        fsdp.is_param_fsdp_distributed = False
+    for name, full in fulls.items():
+        state[name] = dataclasses.replace(state[name], data=full)
     return state
 
 
@@ -46,7 +69,7 @@ def optimizer_state(model, optimizer, chunk_states: list[dict[str, Any]], is_loa
     for chunk, chunk_state in zip(model, chunk_states):
         for name, shard in named_parameters(chunk):
             sharded = chunk_state[name]
-            tensors = {"param": shard.to_local(), **{k: to_local_if_dtensor(state[shard][k]) for k in MOMENTS}}
+            tensors = {"param": shard.to_local(), **{k: _moment(state, shard, k) for k in MOMENTS}}
             param_state[len(param_state)] = {
                 key: _like(sharded, f"optimizer.state.{key}.{sharded.key}", shard, local, is_loading)
                 for key, local in tensors.items()
@@ -60,6 +83,12 @@ def _like(sharded: ShardedTensor, key: str, shard, local: torch.Tensor, is_loadi
     data = torch.empty(shape, dtype=torch.float32) if is_loading else gather_rows(shard, local).reshape(shape)
     dtype = {} if isinstance(sharded, ShardedTensorFactory) else {"dtype": torch.float32}
     return dataclasses.replace(sharded, key=key, data=data, **dtype)
+
+
+def _moment(state: dict, shard, key: str) -> torch.Tensor:
+    """This rank's rows of an Adam moment; zeros where Adam never stepped the shard (no rows here)."""
+    moment = state.get(shard, {}).get(key)  # not state[shard]: a defaultdict would add an empty state
+    return to_local_if_dtensor(moment) if moment is not None else torch.zeros_like(shard.to_local())
 
 
 def _adam_state(optimizer) -> dict:
@@ -79,7 +108,8 @@ def load_model(chunk, loaded: dict[str, Any]) -> None:
 @torch.no_grad()
 def load_optimizer(model, optimizer, loaded: dict[str, Any]) -> None:
     """Moments and step from a ``fully_reshardable`` optimizer state (saved by FSDP or the distributed
-    optimizer); the main weights come from the same state's ``param`` tensors."""
+    optimizer); the main weights come from the same state's ``param`` tensors. Every rank makes the
+    same collectives in the same order (a rank without rows of a parameter copies zero rows)."""
     state = _adam_state(optimizer)
     step = loaded["optimizer"]["param_groups"][0]["step"]  # learning rates: the scheduler's state
     index = 0

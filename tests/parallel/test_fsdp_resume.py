@@ -2,8 +2,8 @@
 and resharding between FSDP at DP=2 and the distributed optimizer at TP=2, both ways.
 
 One chain of four short runs: A (FSDP, 6 iterations, saves at 3) -> B resumes A@3 under FSDP
-(losses 4-6 bitwise equal to A's) -> C resumes A@3 at TP=2 (saving 4-6) -> D resumes C@4 under
-FSDP (losses 5-6 as C's). Across layouts float sums run in a different order: rel 1e-5.
+(losses and grad norms 4-6 bitwise equal to A's) -> C resumes A@3 at TP=2 (saving 4-6) -> D resumes C@4 under
+FSDP (losses and grad norms 5-6 as C's). Across layouts float sums run in a different order: rel 1e-5.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ COMMON = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=2", "train
 EXTRAS = ["optimizer.ema_decay=0.9", "checkpoint.async_save=true"]
 
 
-def run(tmp: Path, name: str, overrides: list[str]) -> tuple[dict[int, float], str]:
+def run(tmp: Path, name: str, overrides: list[str]) -> tuple[dict[int, tuple[float, float]], str]:
+    """-> ({iteration: (loss, grad norm)}, the run's output)."""
     log_dir = tmp / name
     result = run_entry(2, [*COMMON, *EXTRAS, *overrides, f"logger.log_dir={log_dir}"])
     assert result.returncode == 0, result.stderr[-4000:]
-    return {r["iteration"]: r["loss"] for r in read_metrics(log_dir)}, result.stdout + result.stderr
+    return {r["iteration"]: (r["loss"], r["grad_norm"]) for r in read_metrics(log_dir)}, result.stdout + result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +55,13 @@ def test_exact_resume_under_fsdp(chain):
 def test_fsdp_checkpoint_resumes_at_tp2(chain):
     assert sorted(chain["c"]) == [4, 5, 6]
     for i in chain["c"]:
-        assert chain["c"][i] == pytest.approx(chain["a"][i], rel=1e-5), (chain["a"], chain["c"])
+        assert chain["c"][i] == pytest.approx(chain["a"][i], rel=1e-5), (i, chain["a"], chain["c"])
 
 
 def test_tp2_checkpoint_resumes_under_fsdp(chain):
     assert sorted(chain["d"]) == [5, 6]
     for i in chain["d"]:
-        assert chain["d"][i] == pytest.approx(chain["c"][i], rel=1e-5), (chain["c"], chain["d"])
+        assert chain["d"][i] == pytest.approx(chain["c"][i], rel=1e-5), (i, chain["c"], chain["d"])
 
 
 def test_start_up_log_shows_memory_per_rank(chain):

@@ -45,6 +45,15 @@ def gather_rows(shard: DTensor, local: Tensor | None = None) -> Tensor:
     return torch.cat([part[:count] for part, count in zip(parts, counts)])
 
 
+def tp_local_shape(shard: DTensor) -> torch.Size:
+    """The TP-local parameter's shape: the DTensor's global shape with TP's split dimension divided."""
+    shape = list(shard.shape)
+    for mesh_dim, placement in enumerate(shard.placements[1:], start=1):
+        if placement.is_shard():
+            shape[placement.dim] //= shard.device_mesh.size(mesh_dim)
+    return torch.Size(shape)
+
+
 def rows_of_this_rank(shard: DTensor, full: Tensor) -> Tensor:
     """This DP rank's rows of ``full`` ``[rows, ...]``, shaped like the shard's local tensor."""
     group, counts = _dp_group_and_rows(shard)
