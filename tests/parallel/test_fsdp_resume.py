@@ -1,9 +1,11 @@
 """Megatron-FSDP checkpoints through the real entry point: exact resume (with EMA and async saves),
 and resharding between FSDP at DP=2 and the distributed optimizer at TP=2, both ways.
 
-One chain of four short runs: A (FSDP, 6 iterations, saves at 3) -> B resumes A@3 under FSDP
-(losses and grad norms 4-6 bitwise equal to A's) -> C resumes A@3 at TP=2 (saving 4-6) -> D resumes C@4 under
-FSDP (losses and grad norms 5-6 as C's). Across layouts float sums run in a different order: rel 1e-5.
+One chain of four short runs, DP=2 throughout (the data position is restored only into the same
+DP size): A (FSDP, 6 iterations, saves at 3) -> B resumes A@3 under FSDP (losses and grad norms
+4-6 bitwise equal to A's) -> C resumes A@3 at TP=2 x DP=2 with the distributed optimizer (4
+processes, saving 4-6) -> D resumes C@4 under FSDP (losses and grad norms 5-6 as C's). Across
+layouts float sums run in a different order: rel 1e-5.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ COMMON = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=2", "train
 EXTRAS = ["optimizer.ema_decay=0.9", "checkpoint.async_save=true"]
 
 
-def run(tmp: Path, name: str, overrides: list[str]) -> tuple[dict[int, tuple[float, float]], str]:
+def run(tmp: Path, name: str, overrides: list[str], nproc: int = 2) -> tuple[dict[int, tuple[float, float]], str]:
     """-> ({iteration: (loss, grad norm)}, the run's output)."""
     log_dir = tmp / name
-    result = run_entry(2, [*COMMON, *EXTRAS, *overrides, f"logger.log_dir={log_dir}"])
+    result = run_entry(nproc, [*COMMON, *EXTRAS, *overrides, f"logger.log_dir={log_dir}"])
     assert result.returncode == 0, result.stderr[-4000:]
     return {r["iteration"]: (r["loss"], r["grad_norm"]) for r in read_metrics(log_dir)}, result.stdout + result.stderr
 
@@ -42,6 +44,7 @@ def chain(tmp_path_factory):
             f"checkpoint.save={tmp / 'c'}",
             "checkpoint.save_interval=1",
         ],
+        nproc=4,
     )
     d, _ = run(tmp, "d", [*FSDP, f"checkpoint.load={tmp / 'c' / 'iter_0000004'}"])
     return {"a": a, "b": b, "c": c, "d": d, "a_log": a_log}
