@@ -165,9 +165,31 @@ def check_data_parallel_sharding(ddp: DDPConfig, layout: ParallelLayout) -> None
                 "the optimizer state alone)"
             )
         return
+    _check_sharded_gradient_groups(ddp, layout)
     if layout.pp > 1:
         raise ConfigError(
             f"ddp.use_megatron_fsdp=true with {layout.key('pp')} ({layout.pp}) is not supported: FSDP here "
             f"shards over data parallel and combines with TP, SP, CP and EP; set {layout.key('pp')}=1 or "
             "ddp.use_megatron_fsdp=false (the distributed optimizer works with pipeline stages)"
+        )
+
+
+def _check_sharded_gradient_groups(ddp: DDPConfig, layout: ParallelLayout) -> None:
+    """megatron-core 0.16.1's Megatron-FSDP reduce-scatters a gradient bucket it does not shard (a
+    group of one rank) onto itself and then adds the result to the same memory: those gradients
+    come out doubled (measured: MovieGen's experts at EP = DP x CP = 2). Every gradient group
+    must therefore span >= 2 ranks: DP x CP for dense weights, DP x CP / EP for experts."""
+    shards = layout.dp * layout.cp
+    if shards < 2:
+        raise ConfigError(
+            f"ddp.use_megatron_fsdp=true needs data-parallel x context-parallel size >= 2, got {shards} "
+            f"({layout.world_size} ranks): megatron-core 0.16.1 doubles the gradients of a group of one rank; "
+            "launch more ranks or set ddp.use_megatron_fsdp=false"
+        )
+    if layout.ep > 1 and shards // layout.ep < 2:
+        raise ConfigError(
+            f"ddp.use_megatron_fsdp=true with {layout.key('ep')} ({layout.ep}) = data-parallel x "
+            f"context-parallel size ({shards}) leaves each expert on one rank, and megatron-core 0.16.1's "
+            "Megatron-FSDP doubles the gradients of such a one-rank group: use "
+            f"{layout.key('ep')} <= {shards // 2}, or the distributed optimizer (ddp.use_megatron_fsdp=false)"
         )
