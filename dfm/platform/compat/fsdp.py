@@ -7,13 +7,11 @@ Megatron-FSDP builds its device meshes with a ``device_type="cuda"`` literal, na
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from typing import Any
 
 import torch
 
-from dfm.platform.compat.devices import cpu_if_cuda, cpu_torch_view
+from dfm.platform.compat.devices import cpu_if_cuda, cpu_torch_view, running_inside, tensor_method_replaced
 from dfm.platform.compat.patch import TargetChanged
 
 
@@ -50,30 +48,21 @@ def meshes_on_cpu(original):
     return CpuDeviceMesh(original)
 
 
-@contextlib.contextmanager
-def cuda_copies_stay_on_cpu():
-    """``Tensor.cuda()`` returns the CPU tensor itself for the ``with`` block."""
-    original = torch.Tensor.cuda
-
+def _stay_on_cpu(original):
     def stay(tensor, *args, **kwargs):
         return tensor if tensor.device.type == "cpu" else original(tensor, *args, **kwargs)
 
-    torch.Tensor.cuda = stay
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = original
+    return stay
+
+
+def cuda_copies_stay_on_cpu():
+    """``Tensor.cuda()`` returns the CPU tensor itself for the ``with`` block."""
+    return tensor_method_replaced("cuda", _stay_on_cpu)
 
 
 def without_cuda_copies(original):
     """Wrap a function so its ``.cuda()`` copies stay on the CPU."""
-
-    @functools.wraps(original)
-    def wrapped(*args, **kwargs):
-        with cuda_copies_stay_on_cpu():
-            return original(*args, **kwargs)
-
-    return wrapped
+    return running_inside(cuda_copies_stay_on_cpu, original)
 
 
 class MissingTELinear:
