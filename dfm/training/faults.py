@@ -49,10 +49,11 @@ def grads_are_finite(model: list[Any], losses: list[torch.Tensor], device: torch
 
 
 def grad_buffers(chunk) -> list[torch.Tensor]:
-    """The flat gradient buffers of a DDP or a Megatron-FSDP chunk (this rank's shard under FSDP)."""
+    """The gradients of a DDP chunk (its flat buffers) or of a Megatron-FSDP chunk: this rank's rows
+    of each parameter's gradient, not FSDP's flat buffers, whose padding is never written."""
     if chunk.ddp_config.use_megatron_fsdp:
-        groups = chunk.param_and_grad_buffer.parameter_groups
-        return [group.main_grad_buffer.data for group in groups if group.main_grad_buffer is not None]
+        shards = chunk.param_and_grad_buffer.optimizer_named_parameters
+        return [shard.grad.to_local() for _, shard in shards if shard.grad is not None]
     return [buffer.grad_data for buffer in chunk.buffers + chunk.expert_parallel_buffers]
 
 
