@@ -12,7 +12,7 @@ from dfm.checkpoint.compare import model_differences
 from dfm.checkpoint.errors import CheckpointError
 from dfm.checkpoint.progress import StageProgress
 from dfm.checkpoint.select import choose_checkpoint
-from dfm.checkpoint.state import full_sharded_state_dict, layout, restore_ema, set_rng_state
+from dfm.checkpoint.state import WEIGHTS_ONLY, full_sharded_state_dict, layout, restore_ema, set_rng_state
 from dfm.config.container import ModelConfig
 from dfm.models.common.fsdp_shards import install_main_weights
 from dfm.platform.compat.checkpointing import ensure_adam_state, unshare_adam_steps
@@ -34,6 +34,11 @@ def load_checkpoint(
         return 0
     with StageProgress(f"load {directory.name}", LOAD_STAGES) as progress:
         common = dist_checkpointing.load_common_state_dict(str(directory))
+        if common.get(WEIGHTS_ONLY):
+            raise CheckpointError(
+                f"checkpoint {directory} holds model weights only (no optimizer or schedule): start a run from it "
+                f"with checkpoint.pretrained={path}; checkpoint.load resumes training checkpoints"
+            )
         if model_config is not None:
             check_same_model(common, directory, model_config)
         ensure_adam_state(optimizer)

@@ -25,6 +25,9 @@ from dfm.parallel.layout import layout_of
 
 logger = logging.getLogger("dfm.checkpoint")
 
+# Common-state flag of a checkpoint holding model weights only (``dfm.checkpoint.weights_only``).
+WEIGHTS_ONLY = "weights_only"
+
 
 def _bump_replica_for_stage(sharded: dict[str, Any]) -> None:
     """Embedders replicated on every pipeline stage: only stage 0 holds the main replica."""

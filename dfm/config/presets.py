@@ -29,6 +29,22 @@ _VIDEO = dict(
     qk_layernorm=True,
 )
 
+# Black Forest Labs FLUX.1 (diffusers FluxTransformer2DModel): 19 double-stream + 38 single-stream
+# blocks, 16-channel latents in 2x2 patches, T5-XXL tokens + a pooled CLIP-L vector, flow matching.
+_FLUX1 = dict(
+    architecture="flux",
+    num_single_layers=38,
+    ffn_hidden_size=12288,
+    patch_spatial=2,
+    patch_temporal=1,
+    in_channels=16,
+    text_embed_dim=4096,
+    pooled_text_dim=768,
+    rope_axes_dim=[16, 56, 56],
+    qk_layernorm=True,
+    pipeline="flow",
+)
+
 
 def _shape(layers: int, hidden: int, heads: int, **extra) -> dict:
     return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, **extra)
@@ -59,6 +75,9 @@ PRESETS = MappingProxyType(
         "STDiT-30B": _shape(28, 6144, 48, architecture="stdit", **_VIDEO),
         # MovieGen Video (Polyak et al. 2024), 30B: Llama-style blocks, 48 x 6144, 48 heads, FFN 16384.
         "MovieGen-30B": _shape(48, 6144, 48, architecture="moviegen", ffn_hidden_size=16384, **_VIDEO),
+        # FLUX.1-dev is guidance-distilled (a guidance embedder); FLUX.1-schnell is timestep-distilled.
+        "FLUX.1-dev": _shape(57, 3072, 24, guidance_embeds=True, max_text_len=512, **_FLUX1),
+        "FLUX.1-schnell": _shape(57, 3072, 24, guidance_embeds=False, max_text_len=256, **_FLUX1),
     }
 )
 

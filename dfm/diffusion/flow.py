@@ -37,6 +37,9 @@ class FlowSettings:
     logit_mean: float = 0.0  # logit_normal: logit(t) ~ N(logit_mean, logit_std^2)
     logit_std: float = 1.0
     shift: float = 1.0  # training and sampling; see shift_for_num_tokens for a resolution-aware value
+    # Training: shift each sample's t by shift_for_num_tokens(its token count) instead of ``shift``
+    # (FLUX's resolution-dependent shift; dfm's forward step draws one sample at a time).
+    dynamic_shift: bool = False
     sigma_min: float = 0.0  # noise std left at t = 0
     c_noise_scale: float = 1.0  # c_noise = c_noise_scale * t; 1000 for nets built for DDPM-style steps
     sampler: str = "euler"
@@ -107,8 +110,12 @@ class FlowPipeline(DiffusionPipeline):
 
     # --- training pieces -------------------------------------------------------------------------
 
-    def draw_level(self, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        return self.draw_t(num_samples, generator)
+    def draw_level(
+        self, num_samples: int, generator: torch.Generator | None = None, tokens: float | None = None
+    ) -> torch.Tensor:
+        """With ``dynamic_shift``, t is shifted for ``tokens`` per sample (FLUX's resolution-dependent shift)."""
+        dynamic = self.settings.dynamic_shift and tokens is not None
+        return self.draw_t(num_samples, generator, shift=shift_for_num_tokens(tokens) if dynamic else None)
 
     def model_input(
         self, x0: torch.Tensor, noise: torch.Tensor, level: torch.Tensor, sample_ids: torch.Tensor
