@@ -22,6 +22,7 @@ LrDecayStyle = Literal["constant", "cosine", "linear"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Fp8Format = Literal["e4m3", "hybrid"]
 PackingBalance = Literal["cost", "tokens"]
+ShardingStrategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
 
 @dataclass
@@ -187,6 +188,10 @@ class DDPConfig:
     overlap_param_gather: bool = False
     grad_reduce_in_fp32: bool = True
     average_in_collective: bool = False
+    # Fully sharded data parallel (Megatron-Bridge key names); docs/parallelism.md.
+    use_megatron_fsdp: bool = False
+    data_parallel_sharding_strategy: ShardingStrategy = "no_shard"
+    use_torch_fsdp2: bool = False
 
 
 @dataclass

@@ -13,6 +13,7 @@ from dfm.config.errors import ConfigError
 from dfm.config.ranges import check_ranges
 from dfm.diffusion.flow import FlowSettings
 from dfm.parallel.layout import ParallelLayout
+from dfm.parallel.rules import check_data_parallel_sharding
 
 
 def validate_config(cfg: ConfigContainer, world_size: int | None = None) -> None:
@@ -62,6 +63,7 @@ def _check_parallel_layout(cfg: ConfigContainer, world_size: int | None) -> None
     """The layout's own rules, the model's under it (dfm/parallel/rules.py), and the batch it splits."""
     layout = ParallelLayout.from_config(cfg.model, world_size)
     layout.check_model(cfg.model, cfg.dataset.seq_length)
+    check_data_parallel_sharding(cfg.ddp, layout)
     if world_size is not None and cfg.train.global_batch_size is not None:
         micro_batches_per_step(cfg.train, layout)
 

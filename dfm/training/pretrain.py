@@ -30,6 +30,7 @@ from dfm.training.ema import build_ema
 from dfm.training.faults import NonFiniteGuard, PreemptionSignal, grads_are_finite
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.full_weights import finish_param_gather
+from dfm.training.memory import log_memory
 from dfm.training.metrics_log import MetricsLog
 from dfm.training.setup import build_model, build_optimizer, num_microbatches, schedule_model_and_data
 from dfm.training.throughput import device_peak_flops, mfu
@@ -174,6 +175,7 @@ def run(cfg: ConfigContainer, layout: ParallelLayout, mock: bool, device: torch.
     torch.distributed.barrier()  # unfinished saves are set aside before any rank looks for checkpoints
     model, tconfig = build_model(cfg, layout, device)
     optimizer, scheduler = build_optimizer(cfg, model, tconfig)
+    log_memory(cfg, layout, model, optimizer)
     data_iter = RecordingIterator(build_train_loader(cfg, layout, mock))
     ema = build_ema(model, cfg.optimizer.ema_decay)
     start = 0
