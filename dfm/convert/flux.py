@@ -16,6 +16,7 @@ from torch import Tensor
 
 from dfm.config.container import ConfigContainer, ModelConfig
 from dfm.convert.cli import Family
+from dfm.convert.pretrained import converted_model
 from dfm.convert.rules import Rule, fused_qkv, rename
 
 PATCH = 2  # FLUX packs 2x2 latent patches into a token
@@ -233,19 +234,13 @@ def verify(folder: str, cfg: ConfigContainer, weights: dict[str, Tensor]) -> flo
     """Max abs diff of dfm vs diffusers on ``verification_pack`` (fp32, one process)."""
     import diffusers
 
-    from dfm.convert.pretrained import fill_weights, single_process_world
     from dfm.inference.checkpoint_loading import single_process_config
-    from dfm.models.build import build_model
 
     reference = diffusers.FluxTransformer2DModel.from_pretrained(str(Path(folder)), torch_dtype=torch.float32)
     model_cfg = single_process_config(cfg).model
     batch, t, guidance = verification_pack(model_cfg)
-    with single_process_world(cfg.rng.seed):
-        model, _ = build_model(model_cfg, "fp32")
-        fill_weights(model, weights, "the converted weights")
-        model.eval()
-        with torch.no_grad():
-            packed = model(batch.latents, t, batch, guidance)
+    with converted_model(model_cfg, weights, cfg.rng.seed) as model:
+        packed = model(batch.latents, t, batch, guidance)
     references = diffusers_outputs(reference, batch, t, guidance, model_cfg.in_channels)
     return max(per_sample_max_abs_diff(packed, references, batch))
 

@@ -50,6 +50,16 @@ def fill_weights(model: torch.nn.Module, weights: dict[str, Tensor], source: str
         param.copy_(weights[name])
 
 
+@contextlib.contextmanager
+def converted_model(model_cfg, weights: dict[str, Tensor], seed: int) -> Iterator[torch.nn.Module]:
+    """The unsharded fp32 model of ``model_cfg`` holding ``weights``, in eval mode, without autograd."""
+    with single_process_world(seed):
+        model, _ = build_model(model_cfg, "fp32")
+        fill_weights(model, {name: w.float() for name, w in weights.items()}, "the converted weights")
+        with torch.no_grad():
+            yield model.eval()
+
+
 def save_pretrained_checkpoint(cfg: ConfigContainer, weights: dict[str, Tensor], path: str | Path) -> Path:
     """A weights-only dfm checkpoint under root ``path`` (loads at any layout); returns its directory.
 

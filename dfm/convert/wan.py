@@ -14,14 +14,13 @@ from torch import Tensor
 from dfm.config.container import ConfigContainer, ModelConfig
 from dfm.convert.cli import Family
 from dfm.convert.diffusers_folder import model_folder
-from dfm.convert.pretrained import fill_weights, single_process_world
+from dfm.convert.pretrained import converted_model
 from dfm.convert.rules import ConversionError, Rule, fused_kv, fused_qkv, rename
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify, unpatchify
 from dfm.data.sample import DiffusionSample
 from dfm.inference.checkpoint_loading import single_process_config
-from dfm.models.build import build_model
 
 FREQ_DIM = 256  # the timestep sinusoid width of every published Wan (dfm's TimestepEmbedder)
 QK_NORM = "rms_norm_across_heads"
@@ -214,10 +213,7 @@ def verify(folder: str, cfg: ConfigContainer, weights: dict[str, Tensor]) -> flo
     references = [
         diffusers_sample_output(transformer, s, t, single.model.max_text_len) for s, t in zip(samples, timesteps)
     ]
-    with single_process_world(cfg.rng.seed):
-        model, _ = build_model(single.model, "fp32")
-        fill_weights(model, {name: w.float() for name, w in weights.items()}, "the converted weights")
-        model.eval()
+    with converted_model(single.model, weights, cfg.rng.seed) as model:
         outputs = dfm_sample_outputs(model(batch.latents, timesteps, batch), batch, single.model)
     return max_abs_diff(outputs, references)
 

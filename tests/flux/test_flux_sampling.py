@@ -10,9 +10,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from dfm.convert.flux import diffusers_inputs, reorder_patch_features, verification_pack
-from dfm.convert.pretrained import fill_weights, single_process_world
+from dfm.convert.pretrained import converted_model
 from dfm.diffusion.flow import FlowPipeline, FlowSettings, shift_for_num_tokens
-from dfm.models.build import build_model
 from tests.flux._tiny import dfm_config_and_weights, tiny_diffusers_flux
 
 # FLUX.1-dev's scheduler_config.json.
@@ -46,9 +45,7 @@ def test_flow_sampler_follows_fluxpipeline_loop():
     channels, guidance = cfg.model.in_channels, torch.full((batch.num_samples,), GUIDANCE)
     noise = torch.randn(batch.latents.shape, generator=torch.Generator().manual_seed(5)) * batch.loss_mask[:, None]
     starts, lengths = batch.host_view().cu_seqlens_q_padded.tolist(), batch.host_sample_lengths()
-    with single_process_world(cfg.rng.seed), torch.no_grad():
-        model, _ = build_model(cfg.model, "fp32")
-        fill_weights(model, weights, "the converted weights")
+    with converted_model(cfg.model, weights, cfg.rng.seed) as model:
         for i, (start, length) in enumerate(zip(starts, lengths)):
             # One shift per sampling call: FLUX's for this sample's token count (the pack's others are ignored).
             pipeline = FlowPipeline(FlowSettings(shift=shift_for_num_tokens(length)))
