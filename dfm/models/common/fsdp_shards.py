@@ -69,9 +69,10 @@ TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 def full_tensor(param) -> Tensor:
     """A parameter as its TP-local full tensor in the model's dtype, FSDP shards gathered (collective
-    over DP), carrying the TP attributes of the model parameter; anything else as it is."""
+    over DP), carrying the TP attributes of the model parameter; anything else as it is (not detached:
+    a detached copy would lose those attributes)."""
     if not is_fsdp_shard(param):
-        return param.detach()
+        return param
     model_param = param.orig_param
     full = gather_rows(param).to(model_param.dtype)
     for name in TP_ATTRIBUTES:
