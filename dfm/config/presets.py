@@ -29,36 +29,27 @@ _VIDEO = dict(
     qk_layernorm=True,
 )
 
+# What FLUX.1 and Wan 2.1 share: 16-channel VAE latents in 1x2x2 patches, 4096-wide (T5 / UMT5) text,
+# q/k RMSNorm, flow matching.
+_FLOW_16_CHANNELS = dict(
+    patch_spatial=2, patch_temporal=1, in_channels=16, text_embed_dim=4096, qk_layernorm=True, pipeline="flow"
+)
+
 # Black Forest Labs FLUX.1 (diffusers FluxTransformer2DModel): 19 double-stream + 38 single-stream
 # blocks, 16-channel latents in 2x2 patches, T5-XXL tokens + a pooled CLIP-L vector, flow matching.
 _FLUX1 = dict(
     architecture="flux",
     num_single_layers=38,
     ffn_hidden_size=12288,
-    patch_spatial=2,
-    patch_temporal=1,
-    in_channels=16,
-    text_embed_dim=4096,
     pooled_text_dim=768,
     rope_axes_dim=[16, 56, 56],
-    qk_layernorm=True,
-    pipeline="flow",
+    **_FLOW_16_CHANNELS,
 )
 
 
 # Wan 2.1 text-to-video (Wan-AI/Wan2.1-T2V-*-Diffusers): UMT5 text (4096-d, 512 tokens), 3D RoPE on
 # interleaved pairs, q/k RMSNorm across heads; flow matching on the timestep 1000 t.
-_WAN = dict(
-    architecture="wan",
-    patch_spatial=2,
-    patch_temporal=1,
-    in_channels=16,
-    text_embed_dim=4096,
-    max_text_len=512,
-    pos_embedding="rope3d",
-    qk_layernorm=True,
-    pipeline="flow",
-)
+_WAN = dict(architecture="wan", max_text_len=512, pos_embedding="rope3d", **_FLOW_16_CHANNELS)
 
 
 def _shape(layers: int, hidden: int, heads: int, **extra) -> dict:
