@@ -7,17 +7,19 @@ from pathlib import Path
 
 from megatron.core import dist_checkpointing
 
+from dfm.checkpoint import fsdp_state
 from dfm.checkpoint.compare import model_differences
 from dfm.checkpoint.errors import CheckpointError
 from dfm.checkpoint.progress import StageProgress
 from dfm.checkpoint.select import choose_checkpoint
-from dfm.checkpoint.state import full_sharded_state_dict, layout, restore_ema, set_rng_state
+from dfm.checkpoint.state import WEIGHTS_ONLY, full_sharded_state_dict, layout, restore_ema, set_rng_state
 from dfm.config.container import ModelConfig
+from dfm.models.common.fsdp_shards import install_main_weights
 from dfm.platform.compat.checkpointing import ensure_adam_state, unshare_adam_steps
 
 logger = logging.getLogger("dfm.checkpoint")
 
-LOAD_STAGES = ["plan", "read tensors", "model + EMA", "optimizer + schedule", "RNG + data position"]
+LOAD_STAGES = ["plan", "read tensors", "model", "optimizer + EMA + schedule", "RNG + data position"]
 
 
 def load_checkpoint(
@@ -32,6 +34,11 @@ def load_checkpoint(
         return 0
     with StageProgress(f"load {directory.name}", LOAD_STAGES) as progress:
         common = dist_checkpointing.load_common_state_dict(str(directory))
+        if common.get(WEIGHTS_ONLY):
+            raise CheckpointError(
+                f"checkpoint {directory} holds model weights only (no optimizer or schedule): start a run from it "
+                f"with checkpoint.pretrained={path}; checkpoint.load resumes training checkpoints"
+            )
         if model_config is not None:
             check_same_model(common, directory, model_config)
         ensure_adam_state(optimizer)
@@ -44,12 +51,20 @@ def load_checkpoint(
         progress.advance()
         loaded = dist_checkpointing.load(state, str(directory))
         progress.advance()
+        fsdp = fsdp_state.is_fsdp(model[0])
         for index, chunk in enumerate(model):
-            chunk.module.load_state_dict(loaded[f"model{index}"], strict=True)
-        restore_ema(ema, loaded if ema_saved is not None else None, model, directory)
+            if fsdp:
+                fsdp_state.load_model(chunk, loaded[f"model{index}"])
+            else:
+                chunk.module.load_state_dict(loaded[f"model{index}"], strict=True)
         progress.advance()
-        optimizer.load_state_dict(loaded["optimizer"])
+        if fsdp:
+            fsdp_state.load_optimizer(model, optimizer, loaded["optimizer"])
+            install_main_weights(model)
+        else:
+            optimizer.load_state_dict(loaded["optimizer"])
         unshare_adam_steps(optimizer)
+        restore_ema(ema, loaded if ema_saved is not None else None, model, directory)
         scheduler.load_state_dict(loaded["scheduler"])
         progress.advance()
         if same_layout:

@@ -29,6 +29,7 @@ from dfm.checkpoint.files import (
 )
 from dfm.checkpoint.manifest import FileEntry, checkpoint_files, describe_files, verify, write_manifest
 from dfm.checkpoint.state import full_sharded_state_dict, layout
+from dfm.models.common.fsdp_shards import inner_model
 
 logger = logging.getLogger("dfm.checkpoint")
 
@@ -157,7 +158,8 @@ def estimated_checkpoint_bytes(model, ema=None) -> int:
     """Model + optimizer (+ EMA) bytes of the whole run: each rank's share summed, replicas once."""
     local = 0
     for chunk in model:
-        for param in chunk.module.parameters():
+        for param in inner_model(chunk).parameters():
+            param = getattr(param, "orig_param", param)  # Megatron-FSDP: the TP-local parameter
             per_param = param.element_size() + OPTIMIZER_BYTES_PER_PARAM
             per_param += 4 if param.dtype != torch.float32 else 0
             per_param += 4 if ema is not None else 0

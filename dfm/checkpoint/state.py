@@ -19,10 +19,14 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.transformer.utils import sharded_state_dict_default
 
+from dfm.checkpoint import fsdp_state
 from dfm.models.common.param_names import global_layer_prefix
 from dfm.parallel.layout import layout_of
 
 logger = logging.getLogger("dfm.checkpoint")
+
+# Common-state flag of a checkpoint holding model weights only (``dfm.checkpoint.weights_only``).
+WEIGHTS_ONLY = "weights_only"
 
 
 def _bump_replica_for_stage(sharded: dict[str, Any]) -> None:
@@ -94,7 +98,7 @@ def full_sharded_state_dict(
     """Everything sharded: model chunks (+ their EMA), optimizer, per-rank RNG and per-DP-rank data position."""
     state: dict[str, Any] = {}
     model_state: dict[str, Any] = {}
-    chunk_states = [model_sharded_state_dict(chunk.module) for chunk in model]
+    chunk_states = [_chunk_state(chunk, is_loading) for chunk in model]
     for index, chunk_state in enumerate(chunk_states):
         state[f"model{index}"] = chunk_state
         model_state.update({f"{index}.{k}": v for k, v in chunk_state.items()})
@@ -106,7 +110,10 @@ def full_sharded_state_dict(
         "distrib_optim_sharding_type": "fully_reshardable",
         "distrib_optim_fully_reshardable_mem_efficient": True,
     }
-    state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)
+    if fsdp_state.is_fsdp(model[0]):
+        state["optimizer"] = fsdp_state.optimizer_state(model, optimizer, chunk_states, is_loading)
+    else:
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)
     if with_rng:  # per rank: only meaningful in the same layout
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         state["rng"] = _rank_object("rng_state", rng_state(), rank, world)
@@ -119,6 +126,12 @@ def full_sharded_state_dict(
         )
         state["data"] = _rank_object("data_loader_state", loader.state_dict(), dp_rank, dp, replica)
     return state
+
+
+def _chunk_state(chunk, is_loading: bool) -> dict[str, Any]:
+    if fsdp_state.is_fsdp(chunk):
+        return fsdp_state.model_state(chunk, model_sharded_state_dict, is_loading)
+    return model_sharded_state_dict(chunk.module)
 
 
 def with_weights(model_state: dict[str, Any], weights: dict[str, torch.Tensor]) -> dict[str, Any]:

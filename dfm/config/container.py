@@ -12,7 +12,7 @@ from typing import Literal
 from dfm.diffusion.edm import EDMSettings
 from dfm.diffusion.flow import FlowSettings
 
-Architecture = Literal["dit_cross", "dit_adaln", "stdit", "moviegen"]
+Architecture = Literal["dit_cross", "dit_adaln", "stdit", "moviegen", "flux", "wan"]
 PosEmbedding = Literal["rope3d", "sincos3d", "learned3d"]
 AttentionBackend = Literal["auto", "varlen", "flex", "sdpa", "te"]
 DiffusionPipeline = Literal["edm", "flow"]
@@ -22,6 +22,7 @@ LrDecayStyle = Literal["constant", "cosine", "linear"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Fp8Format = Literal["e4m3", "hybrid"]
 PackingBalance = Literal["cost", "tokens"]
+ShardingStrategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
 
 @dataclass
@@ -69,6 +70,14 @@ class ModelConfig:
     # torch.compile the blocks' elementwise regions (norm + modulate, gated residual, MLP activation);
     # dynamic shapes, so packs of changing length reuse one graph (dfm/models/common/fused.py).
     compile: bool = False
+    # FLUX (architecture=flux): the last num_single_layers of num_layers blocks are single-stream;
+    # a pooled text vector per sample; the guidance embedder (FLUX.1-dev) and the guidance value
+    # it sees in training; per-axis (t, h, w) RoPE dims, summing to the head dim.
+    num_single_layers: int = 0
+    pooled_text_dim: int | None = None
+    guidance_embeds: bool = False
+    guidance: float = 1.0
+    rope_axes_dim: list[int] = field(default_factory=lambda: [16, 56, 56])
 
     @property
     def effective_ffn_hidden_size(self) -> int:
@@ -147,6 +156,9 @@ class CheckpointConfig:
 
     save: str | None = None
     load: str | None = None
+    # Initial model weights of a new run (a `convert import` output or any checkpoint, any layout): weights only,
+    # fresh optimizer and schedule. Ignored when `load` finds a checkpoint to resume.
+    pretrained: str | None = None
     save_interval: int | None = None
     keep_last: int | None = None  # None: keep every checkpoint
     async_save: bool = False
@@ -179,6 +191,10 @@ class DDPConfig:
     overlap_param_gather: bool = False
     grad_reduce_in_fp32: bool = True
     average_in_collective: bool = False
+    # Fully sharded data parallel (Megatron-Bridge key names); docs/parallelism.md.
+    use_megatron_fsdp: bool = False
+    data_parallel_sharding_strategy: ShardingStrategy = "no_shard"
+    use_torch_fsdp2: bool = False
 
 
 @dataclass

@@ -29,6 +29,28 @@ _VIDEO = dict(
     qk_layernorm=True,
 )
 
+# What FLUX.1 and Wan 2.1 share: 16-channel VAE latents in 1x2x2 patches, 4096-wide (T5 / UMT5) text,
+# q/k RMSNorm, flow matching.
+_FLOW_16_CHANNELS = dict(
+    patch_spatial=2, patch_temporal=1, in_channels=16, text_embed_dim=4096, qk_layernorm=True, pipeline="flow"
+)
+
+# Black Forest Labs FLUX.1 (diffusers FluxTransformer2DModel): 19 double-stream + 38 single-stream
+# blocks, 16-channel latents in 2x2 patches, T5-XXL tokens + a pooled CLIP-L vector, flow matching.
+_FLUX1 = dict(
+    architecture="flux",
+    num_single_layers=38,
+    ffn_hidden_size=12288,
+    pooled_text_dim=768,
+    rope_axes_dim=[16, 56, 56],
+    **_FLOW_16_CHANNELS,
+)
+
+
+# Wan 2.1 text-to-video (Wan-AI/Wan2.1-T2V-*-Diffusers): UMT5 text (4096-d, 512 tokens), 3D RoPE on
+# interleaved pairs, q/k RMSNorm across heads; flow matching on the timestep 1000 t.
+_WAN = dict(architecture="wan", max_text_len=512, pos_embedding="rope3d", **_FLOW_16_CHANNELS)
+
 
 def _shape(layers: int, hidden: int, heads: int, **extra) -> dict:
     return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, **extra)
@@ -59,8 +81,18 @@ PRESETS = MappingProxyType(
         "STDiT-30B": _shape(28, 6144, 48, architecture="stdit", **_VIDEO),
         # MovieGen Video (Polyak et al. 2024), 30B: Llama-style blocks, 48 x 6144, 48 heads, FFN 16384.
         "MovieGen-30B": _shape(48, 6144, 48, architecture="moviegen", ffn_hidden_size=16384, **_VIDEO),
+        # FLUX.1-dev is guidance-distilled (a guidance embedder); FLUX.1-schnell is timestep-distilled.
+        "FLUX.1-dev": _shape(57, 3072, 24, guidance_embeds=True, max_text_len=512, **_FLUX1),
+        "FLUX.1-schnell": _shape(57, 3072, 24, guidance_embeds=False, max_text_len=256, **_FLUX1),
+        "Wan2.1-T2V-1.3B": _shape(30, 1536, 12, ffn_hidden_size=8960, **_WAN),
+        "Wan2.1-T2V-14B": _shape(40, 5120, 40, ffn_hidden_size=13824, **_WAN),
     }
 )
+
+# What a preset's recipe sets beyond the model: {section: {field: value}}. Wan embeds the timestep
+# 1000 t and samples with shift 5 (Wan's generate.py default for text-to-video).
+_WAN_SETTINGS = {"flow": {"c_noise_scale": 1000.0, "shift": 5.0}}
+PRESET_SETTINGS = MappingProxyType({"Wan2.1-T2V-1.3B": _WAN_SETTINGS, "Wan2.1-T2V-14B": _WAN_SETTINGS})
 
 
 def preset_names() -> list[str]:

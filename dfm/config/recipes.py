@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 from dfm.config.container import ConfigContainer, DatasetConfig, LoggerConfig, ModelConfig, OptimizerConfig, TrainConfig
 from dfm.config.errors import ConfigError
-from dfm.config.presets import PRESETS
+from dfm.config.presets import PRESET_SETTINGS, PRESETS
 
 
 def dit_recipe() -> ConfigContainer:
@@ -44,8 +44,13 @@ def dit_tiny_recipe() -> ConfigContainer:
 
 
 def preset_recipe(name: str) -> ConfigContainer:
-    """Every default, with the model of the published preset ``name`` (dfm/config/presets.py)."""
-    return ConfigContainer(model=ModelConfig(**PRESETS[name]))
+    """Every default, with the model of the published preset ``name`` (dfm/config/presets.py) and
+    the preset's other settings."""
+    cfg = ConfigContainer(model=ModelConfig(**PRESETS[name]))
+    for section, values in PRESET_SETTINGS.get(name, {}).items():
+        for key, value in values.items():
+            setattr(getattr(cfg, section), key, value)
+    return cfg
 
 
 _RECIPES: Mapping[str, Callable[[], ConfigContainer]] = MappingProxyType(

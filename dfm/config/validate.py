@@ -6,10 +6,14 @@ that cannot work together, before any process group starts.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dfm.config.container import ConfigContainer, TrainConfig
 from dfm.config.errors import ConfigError
 from dfm.config.ranges import check_ranges
+from dfm.diffusion.flow import FlowSettings
 from dfm.parallel.layout import ParallelLayout
+from dfm.parallel.rules import check_data_parallel_sharding
 
 
 def validate_config(cfg: ConfigContainer, world_size: int | None = None) -> None:
@@ -21,6 +25,16 @@ def validate_config(cfg: ConfigContainer, world_size: int | None = None) -> None
     _check_parallel_layout(cfg, world_size)
     _check_schedule(cfg)
     _check_precision(cfg)
+    _check_flow(cfg)
+
+
+def _check_flow(cfg: ConfigContainer) -> None:
+    """The flow settings' own rules (e.g. a field contradicting flow.training_mode), checked as the
+    pipeline will build them, before any process starts."""
+    try:
+        FlowSettings(**dataclasses.asdict(cfg.flow))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _check_schedule(cfg: ConfigContainer) -> None:
@@ -49,6 +63,7 @@ def _check_parallel_layout(cfg: ConfigContainer, world_size: int | None) -> None
     """The layout's own rules, the model's under it (dfm/parallel/rules.py), and the batch it splits."""
     layout = ParallelLayout.from_config(cfg.model, world_size)
     layout.check_model(cfg.model, cfg.dataset.seq_length)
+    check_data_parallel_sharding(cfg.ddp, layout)
     if world_size is not None and cfg.train.global_batch_size is not None:
         micro_batches_per_step(cfg.train, layout)
 

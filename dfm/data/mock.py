@@ -52,6 +52,7 @@ class MockDataSettings:
     text_embed_dim: int = 64
     patch_temporal: int = 1
     patch_spatial: int = 2
+    pooled_text_dim: int | None = None  # set: each pack carries a pooled text vector per sample (FLUX)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.image_fraction <= 1.0:
@@ -103,6 +104,14 @@ def mock_sample(settings: MockDataSettings, index: int) -> DiffusionSample:
         sample_index=index,
         metadata={"caption": f"mock sample {index}", "mock": True},
     )
+
+
+def mock_pooled_text(settings: MockDataSettings, sample_index: torch.Tensor) -> torch.Tensor:
+    """[N] global indices -> [N, pooled_text_dim] pooled text vectors, each a function of (seed, index)."""
+    rows = [
+        torch.randn(settings.pooled_text_dim, generator=sample_generator(~settings.seed, int(i))) for i in sample_index
+    ]
+    return torch.stack(rows)
 
 
 def mock_sample_length(settings: MockDataSettings, index: int) -> int:
@@ -234,7 +243,10 @@ class MockPackedLoader:
         return self
 
     def __next__(self) -> PackedBatch:
-        return pack_samples(self.next_pack_samples(), self.segment_multiple, self.total_multiple)
+        batch = pack_samples(self.next_pack_samples(), self.segment_multiple, self.total_multiple)
+        if self.settings.pooled_text_dim is not None:
+            batch.pooled_text = mock_pooled_text(self.settings, batch.sample_index)
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -34,6 +34,7 @@ class PackedBatch:
     loss_mask: torch.Tensor  # [S] float, 1 on real tokens
     latent_shape: torch.Tensor  # [N, 4] long, (C, T, H, W) of each sample's latent
     sample_index: torch.Tensor  # [N] long, global sample index (seeds noise, proves layout independence)
+    pooled_text: torch.Tensor | None = None  # [N, D_pool] one pooled text vector per sample (FLUX); None: none
     # The host original of a device copy (set by .to()); None when this batch is the original.
     host: PackedBatch | None = field(default=None, repr=False, compare=False)
 
@@ -97,4 +98,5 @@ class PackedBatch:
         return PackedBatch(**self._tensors_to(device), host=self.host_view())
 
     def _tensors_to(self, device: torch.device | str) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "host"}
+        tensors = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "host"}
+        return {name: None if value is None else value.to(device) for name, value in tensors.items()}

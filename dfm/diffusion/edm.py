@@ -86,7 +86,9 @@ class EDMPipeline(DiffusionPipeline):
 
     # --- training pieces -------------------------------------------------------------------------
 
-    def draw_level(self, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    def draw_level(
+        self, num_samples: int, generator: torch.Generator | None = None, tokens: float | None = None
+    ) -> torch.Tensor:
         return self.draw_sigma(num_samples, generator)
 
     def noisy(

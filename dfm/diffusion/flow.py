@@ -11,7 +11,7 @@ from t = 1 to t = 0.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -29,6 +29,15 @@ from dfm.diffusion.pipeline import (
 from dfm.diffusion.samplers import flow_timesteps, sampler_for, shift_timesteps
 
 TIMESTEP_SAMPLINGS = ("uniform", "logit_normal")
+# Presets of the training distribution of t (before the shift), by flow.training_mode.
+TRAINING_MODES = {
+    # Logit-normal draws concentrate on the middle and, shifted, high noise, where layout and motion
+    # are learned (SD3; Wan): the noisier choice.
+    "pretrain": {"timestep_sampling": "logit_normal", "logit_mean": 0.0, "logit_std": 1.0},
+    # Every level equally often: about 2.4x more draws below t = 0.2 than logit-normal(0, 1), the
+    # low-noise end where a fine-tune's new detail lives.
+    "finetune": {"timestep_sampling": "uniform"},
+}
 
 
 @dataclass
@@ -37,11 +46,18 @@ class FlowSettings:
     logit_mean: float = 0.0  # logit_normal: logit(t) ~ N(logit_mean, logit_std^2)
     logit_std: float = 1.0
     shift: float = 1.0  # training and sampling; see shift_for_num_tokens for a resolution-aware value
+    # Training: shift each sample's t by shift_for_num_tokens(its token count) instead of ``shift``
+    # (FLUX's resolution-dependent shift; dfm's forward step draws one sample at a time).
+    dynamic_shift: bool = False
     sigma_min: float = 0.0  # noise std left at t = 0
     c_noise_scale: float = 1.0  # c_noise = c_noise_scale * t; 1000 for nets built for DDPM-style steps
     sampler: str = "euler"
+    # pretrain | finetune: the training distribution of t from TRAINING_MODES (its fields must then
+    # be left at their defaults); None: the fields as set.
+    training_mode: str | None = None
 
     def __post_init__(self) -> None:
+        self.apply_training_mode()
         if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
             raise ValueError(
                 f"unknown timestep_sampling {self.timestep_sampling!r}; valid: {', '.join(TIMESTEP_SAMPLINGS)}"
@@ -49,6 +65,21 @@ class FlowSettings:
         sampler_for(FlowPipeline.name, self.sampler)
         if self.shift <= 0 or not 0 <= self.sigma_min < 1:
             raise ValueError(f"need shift > 0 and 0 <= sigma_min < 1, got {self.shift}, {self.sigma_min}")
+
+    def apply_training_mode(self) -> None:
+        """Set the fields of ``training_mode``'s preset; refuse one the user set to something else."""
+        if self.training_mode is None:
+            return
+        if self.training_mode not in TRAINING_MODES:
+            raise ValueError(f"unknown flow.training_mode {self.training_mode!r}; valid: {', '.join(TRAINING_MODES)}")
+        defaults = {f.name: f.default for f in fields(self)}
+        for key, value in TRAINING_MODES[self.training_mode].items():
+            if getattr(self, key) not in (defaults[key], value):
+                raise ValueError(
+                    f"flow.training_mode={self.training_mode} sets flow.{key}={value!r}, but flow.{key}="
+                    f"{getattr(self, key)!r} was given: set one of them"
+                )
+            setattr(self, key, value)
 
 
 def shift_for_num_tokens(
@@ -107,8 +138,12 @@ class FlowPipeline(DiffusionPipeline):
 
     # --- training pieces -------------------------------------------------------------------------
 
-    def draw_level(self, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        return self.draw_t(num_samples, generator)
+    def draw_level(
+        self, num_samples: int, generator: torch.Generator | None = None, tokens: float | None = None
+    ) -> torch.Tensor:
+        """With ``dynamic_shift``, t is shifted for ``tokens`` per sample (FLUX's resolution-dependent shift)."""
+        dynamic = self.settings.dynamic_shift and tokens is not None
+        return self.draw_t(num_samples, generator, shift=shift_for_num_tokens(tokens) if dynamic else None)
 
     def model_input(
         self, x0: torch.Tensor, noise: torch.Tensor, level: torch.Tensor, sample_ids: torch.Tensor

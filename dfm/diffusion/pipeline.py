@@ -41,8 +41,11 @@ class DiffusionPipeline(ABC):
         return sampler_for(self.name, name or self.settings.sampler)
 
     @abstractmethod
-    def draw_level(self, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """[N] fp32 training noise levels (sigma for EDM, t for flow)."""
+    def draw_level(
+        self, num_samples: int, generator: torch.Generator | None = None, tokens: float | None = None
+    ) -> torch.Tensor:
+        """[N] fp32 training noise levels (sigma for EDM, t for flow); ``tokens``: per sample, for a
+        level distribution that depends on the sample's size."""
 
     def draw_training_noise(
         self,
@@ -53,7 +56,7 @@ class DiffusionPipeline(ABC):
         dtype: torch.dtype = torch.float32,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (noise [S, *] standard normal of ``shape``, level [N]); level first, then noise."""
-        level = self.draw_level(num_samples, generator)
+        level = self.draw_level(num_samples, generator, tokens=shape[0] / num_samples)
         gen_device = generator.device if generator is not None else None
         noise = torch.randn(tuple(shape), generator=generator, device=gen_device, dtype=dtype)
         return noise.to(device or noise.device), level.to(device or level.device)

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fps", type=int, default=16)
     p.add_argument("--num_steps", type=int, default=35)
     p.add_argument("--guidance_scale", type=float, default=7.0, help="classifier-free guidance; 1 disables it")
+    p.add_argument(
+        "--negative_prompt", default=None, help="text of the guidance's unconditional pass (Wan's); default: no text"
+    )
     p.add_argument("--sampler", default=None, help="edm: heun|euler; flow: euler|heun (default: the pipeline's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -85,7 +88,11 @@ def generate(args: argparse.Namespace, device: torch.device) -> Path:
     check_encoders_match(encoders, cfg.model)
     shape = latent_shape_for(encoders.vae, cfg.model, args.height, args.width, args.num_video_frames)
     text = encoders.text.encode([args.prompt])[0]
-    batch = generation_batch(draw_noise(shape, args.seed), text, cfg.model).to(device)
+    noise = draw_noise(shape, args.seed)
+    batch = generation_batch(noise, text, cfg.model).to(device)
+    uncond = None
+    if args.negative_prompt is not None:
+        uncond = generation_batch(noise, encoders.text.encode([args.negative_prompt])[0], cfg.model).to(device)
     logger.info("sampling a latent of shape %s (%d tokens)", shape, batch.seq_len)
     latent = sample_latent(
         model,
@@ -97,6 +104,7 @@ def generate(args: argparse.Namespace, device: torch.device) -> Path:
         args.guidance_scale,
         args.sampler,
         args.seed,
+        uncond,
     )
     video = encoders.vae.decode(latent.unsqueeze(0))[0]  # [3, T, H, W] in [-1, 1]
     path = write_media(to_uint8_frames(video), args.video_save_path, args.fps)

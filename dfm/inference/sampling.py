@@ -41,11 +41,14 @@ def sample_latents(
     guidance_scale: float,
     sampler: str | None = None,
     seed: int = 0,
+    uncond: PackedBatch | None = None,
 ) -> list[torch.Tensor]:
     """Denoise ``batch.latents`` (the starting noise of every sample in the pack) at once
     -> one clean latent [C, T', H', W'] per sample.
 
     Guidance scale 1 is the conditional prediction alone, so the unconditional pass is skipped.
+    ``uncond``: the unconditional pass's pack (a negative prompt's text, as Wan samples); None: the
+    text zeroed, as cfg dropout trains it.
     """
     guided = guidance_scale != 1.0
     solver = pipeline.sampler(sampler)
@@ -57,7 +60,7 @@ def sample_latents(
             batch.token_sample_ids(),
             steps,
             cond={"batch": batch},
-            uncond={"batch": null_text_batch(batch)} if guided else None,
+            uncond={"batch": uncond if uncond is not None else null_text_batch(batch)} if guided else None,
             guidance_scale=guidance_scale,
             generator=torch.Generator().manual_seed(seed),
             sampler=solver.name,

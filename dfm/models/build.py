@@ -12,9 +12,15 @@ from dfm.models.common.transformer_config import build_transformer_config
 from dfm.models.common.varlen_attention import varlen_available
 from dfm.models.dit.dit_model import DiTModel
 from dfm.models.dit.dit_spec import dit_layer_spec, local_modules, te_modules
+from dfm.models.flux.flux_model import FluxModel
+from dfm.models.flux.flux_spec import flux_layer_specs
+from dfm.models.wan.wan_model import WanModel
+from dfm.models.wan.wan_spec import wan_layer_spec
 from dfm.parallel.layout import ParallelLayout
 
-ARCHITECTURES = ("dit_adaln", "dit_cross", "stdit", "moviegen")
+ARCHITECTURES = ("dit_adaln", "dit_cross", "stdit", "moviegen", "flux", "wan")
+# Families with their own model class and block: architecture -> (model class, spec of modules).
+FAMILIES = {"flux": (FluxModel, flux_layer_specs), "wan": (WanModel, wan_layer_spec)}
 
 
 def transformer_engine_available() -> bool:
@@ -43,7 +49,14 @@ def layer_spec_for(model_cfg, layout: ParallelLayout):
             f"stdit with {layout.key('cp')} > 1 runs on the local attention backends, not te: "
             "set model.attention_backend=flex or sdpa"
         )
+    if backend == "te" and model_cfg.architecture == "flux":
+        # FLUX's joint attention builds its own segments for the local kernels (joint_attention.py).
+        if model_cfg.attention_backend == "te":
+            raise NotImplementedError("flux runs on the local attention backends: set model.attention_backend=auto")
+        backend = "varlen" if varlen_available() else "flex"
     modules = te_modules() if backend == "te" else local_modules(backend)
+    if model_cfg.architecture in FAMILIES:
+        return FAMILIES[model_cfg.architecture][1](modules)
     return dit_layer_spec(model_cfg.architecture, modules, model_cfg.qk_layernorm, model_cfg.num_moe_experts)
 
 
@@ -55,7 +68,8 @@ def build_model(model_cfg, precision: str, vp_stage: int | None = None, layout: 
     tconfig = build_transformer_config(model_cfg, layout, precision)
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    model = DiTModel(
+    model_class = FAMILIES[model_cfg.architecture][0] if model_cfg.architecture in FAMILIES else DiTModel
+    model = model_class(
         tconfig, layer_spec_for(model_cfg, layout), model_cfg, pre_process=pre, post_process=post, vp_stage=vp_stage
     )
     return model, tconfig

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore")
     names = list(PRESETS) if args.all else [args.preset]
     for name, count in preset_parameter_counts(names).items():
-        print(f"{name:14s} {PRESETS[name]['architecture']:10s} {count:>16,d}  ({count / 1e9:.3f} B)")
+        print(f"{name:16s} {PRESETS[name]['architecture']:10s} {count:>16,d}  ({count / 1e9:.3f} B)")
 
 
 if __name__ == "__main__":

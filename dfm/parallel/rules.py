@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from dfm.errors import ConfigError
 
 if TYPE_CHECKING:
-    from dfm.config.container import ModelConfig
+    from dfm.config.container import DDPConfig, ModelConfig
     from dfm.parallel.layout import ParallelLayout
 
 
@@ -142,3 +142,54 @@ def _check_context_parallel(layout: ParallelLayout, model: ModelConfig, seq_leng
 def _field(layout: ParallelLayout, name: str) -> str:
     """The size's ModelConfig field name: its key without the 'model.' section."""
     return layout.key(name).removeprefix("model.")
+
+
+TORCH_FSDP2_REFUSED = (
+    "ddp.use_torch_fsdp2=true is not supported: megatron-core 0.16.1's TorchFullyShardedDataParallel stops at "
+    "the first step on every device (finalize_model_grads calls finish_grad_sync(force_all_reduce=...), which "
+    "its base class does not take), its DDP config has no such key, and its DTensor weights do not fit "
+    "megatron's checkpoint and optimizer paths; use ddp.use_megatron_fsdp=true "
+    "ddp.data_parallel_sharding_strategy=optim_grads_params (docs/parallelism.md)"
+)
+
+
+def check_data_parallel_sharding(ddp: DDPConfig, layout: ParallelLayout) -> None:
+    """Fully sharded data parallel: Megatron-FSDP only, without pipeline stages."""
+    if ddp.use_torch_fsdp2:
+        raise ConfigError(TORCH_FSDP2_REFUSED)
+    if not ddp.use_megatron_fsdp:
+        if ddp.data_parallel_sharding_strategy != "no_shard":
+            raise ConfigError(
+                f"ddp.data_parallel_sharding_strategy={ddp.data_parallel_sharding_strategy!r} shards only under "
+                "Megatron-FSDP: set ddp.use_megatron_fsdp=true (or ddp.use_distributed_optimizer=true to shard "
+                "the optimizer state alone)"
+            )
+        return
+    _check_sharded_gradient_groups(ddp, layout)
+    if layout.pp > 1:
+        raise ConfigError(
+            f"ddp.use_megatron_fsdp=true with {layout.key('pp')} ({layout.pp}) is not supported: FSDP here "
+            f"shards over data parallel and combines with TP, SP, CP and EP; set {layout.key('pp')}=1 or "
+            "ddp.use_megatron_fsdp=false (the distributed optimizer works with pipeline stages)"
+        )
+
+
+def _check_sharded_gradient_groups(ddp: DDPConfig, layout: ParallelLayout) -> None:
+    """megatron-core 0.16.1's Megatron-FSDP reduce-scatters a gradient bucket it does not shard (a
+    group of one rank) onto itself and then adds the result to the same memory: those gradients
+    come out doubled (measured: MovieGen's experts at EP = DP x CP = 2). Every gradient group
+    must therefore span >= 2 ranks: DP x CP for dense weights, DP x CP / EP for experts."""
+    shards = layout.dp * layout.cp
+    if shards < 2:
+        raise ConfigError(
+            f"ddp.use_megatron_fsdp=true needs data-parallel x context-parallel size >= 2, got {shards} "
+            f"({layout.world_size} ranks): megatron-core 0.16.1 doubles the gradients of a group of one rank; "
+            "launch more ranks or set ddp.use_megatron_fsdp=false"
+        )
+    if layout.ep > 1 and shards // layout.ep < 2:
+        raise ConfigError(
+            f"ddp.use_megatron_fsdp=true with {layout.key('ep')} ({layout.ep}) = data-parallel x "
+            f"context-parallel size ({shards}) leaves each expert on one rank, and megatron-core 0.16.1's "
+            "Megatron-FSDP doubles the gradients of such a one-rank group: use "
+            f"{layout.key('ep')} <= {shards // 2}, or the distributed optimizer (ddp.use_megatron_fsdp=false)"
+        )

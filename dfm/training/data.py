@@ -32,6 +32,7 @@ def build_mock_loader(cfg: ConfigContainer, layout: ParallelLayout) -> MockPacke
         text_embed_dim=m.text_embed_dim,
         patch_temporal=m.patch_temporal,
         patch_spatial=m.patch_spatial,
+        pooled_text_dim=m.pooled_text_dim,
     )
     dp_rank, dp_size = data_parallel_info()
     segment, total = layout.padding_multiples()

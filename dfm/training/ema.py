@@ -13,8 +13,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from megatron.core.utils import to_local_if_dtensor
 
 from dfm.checkpoint.state import with_weights
+from dfm.models.common.fsdp_shards import (
+    gather_rows,
+    install_main_weights,
+    is_fsdp_shard,
+    named_parameters,
+    rows_of_this_rank,
+)
 
 
 class WeightEMA:
@@ -29,31 +37,31 @@ class WeightEMA:
 
     def reset(self, model: list) -> None:
         """Start the average at the model's current weights."""
-        self.shadow = [
-            {name: p.detach().float().clone() for name, p in chunk.module.named_parameters()} for chunk in model
-        ]
+        self.shards = [dict(named_parameters(chunk)) for chunk in model]  # Megatron-FSDP: rows per DP rank
+        self.shadow = [{name: _local(p).float().clone() for name, p in shards.items()} for shards in self.shards]
 
     @torch.no_grad()
     def update(self, model: list) -> None:
         for shadow, chunk in zip(self.shadow, model):
-            for name, param in chunk.module.named_parameters():
-                shadow[name].lerp_(param.detach().float(), 1.0 - self.decay)
+            for name, param in named_parameters(chunk):
+                shadow[name].lerp_(_local(param).float(), 1.0 - self.decay)
 
     def sharded_state_dict(self, model_states: list[dict[str, Any]]) -> dict[str, Any]:
         """The model chunks' sharded state dicts with the EMA tensors in place of the weights."""
         return {
-            f"ema{i}": with_weights(state, shadow) for i, (shadow, state) in enumerate(zip(self.shadow, model_states))
+            f"ema{i}": with_weights(state, {name: full_tensor_of(shards[name], t) for name, t in shadow.items()})
+            for i, (shadow, shards, state) in enumerate(zip(self.shadow, self.shards, model_states))
         }
 
     def load(self, loaded: dict[str, Any]) -> None:
-        for index, shadow in enumerate(self.shadow):
+        for index, (shadow, shards) in enumerate(zip(self.shadow, self.shards)):
             for name, tensor in loaded[f"ema{index}"].items():
-                shadow[name].copy_(tensor)
+                shadow[name].copy_(local_rows_of(shards[name], tensor).reshape(shadow[name].shape))
 
     @contextlib.contextmanager
     def swapped_in(self, model: list) -> Iterator[None]:
         """Run the model with the EMA weights inside the block; the trained weights come back after."""
-        saved = [{n: p.detach().clone() for n, p in chunk.module.named_parameters()} for chunk in model]
+        saved = [{n: _local(p).clone() for n, p in named_parameters(chunk)} for chunk in model]
         copy_into(model, self.shadow)
         try:
             yield
@@ -64,8 +72,23 @@ class WeightEMA:
 @torch.no_grad()
 def copy_into(model: list, weights: list[dict[str, torch.Tensor]]) -> None:
     for chunk, chunk_weights in zip(model, weights):
-        for name, param in chunk.module.named_parameters():
-            param.copy_(chunk_weights[name])
+        for name, param in named_parameters(chunk):
+            _local(param).copy_(chunk_weights[name])
+    install_main_weights(model)
+
+
+def full_tensor_of(param, local: torch.Tensor) -> torch.Tensor:
+    """``local`` sharded like ``param``: its TP-local full tensor (gathered over DP under Megatron-FSDP)."""
+    return gather_rows(param, local) if is_fsdp_shard(param) else local
+
+
+def local_rows_of(param, full: torch.Tensor) -> torch.Tensor:
+    return rows_of_this_rank(param, full) if is_fsdp_shard(param) else full
+
+
+def _local(param) -> torch.Tensor:
+    """The tensor this rank holds: under Megatron-FSDP its rows of the main weights (ema is sharded alike)."""
+    return to_local_if_dtensor(param).detach()
 
 
 def build_ema(model: list, decay) -> WeightEMA | None:

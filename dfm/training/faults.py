@@ -42,10 +42,19 @@ def grads_are_finite(model: list[Any], losses: list[torch.Tensor], device: torch
     """
     checks = [torch.isfinite(loss).all() for loss in losses]
     for chunk in model:
-        checks += [torch.isfinite(buffer.grad_data).all() for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+        checks += [torch.isfinite(grads).all() for grads in grad_buffers(chunk)]
     flag = (~torch.stack(checks)).any().float().reshape(1) if checks else torch.zeros(1, device=device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return flag.item() == 0.0
+
+
+def grad_buffers(chunk) -> list[torch.Tensor]:
+    """The gradients of a DDP chunk (its flat buffers) or of a Megatron-FSDP chunk: this rank's rows
+    of each parameter's gradient, not FSDP's flat buffers, whose padding is never written."""
+    if chunk.ddp_config.use_megatron_fsdp:
+        shards = chunk.param_and_grad_buffer.optimizer_named_parameters
+        return [shard.grad.to_local() for _, shard in shards if shard.grad is not None]
+    return [buffer.grad_data for buffer in chunk.buffers + chunk.expert_parallel_buffers]
 
 
 class NonFiniteGuard:

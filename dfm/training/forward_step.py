@@ -48,7 +48,10 @@ class DiffusionForwardStep:
     def prepare(self, batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
         noise, level, dropped = draw_pack_noise(self.pipeline, batch, self.seed, self.iteration, self.cfg_dropout_prob)
         context = null_dropped_context(batch.context, batch.cu_seqlens_kv_padded, dropped)
-        batch = dataclasses.replace(batch, context=context).to(self.device)
+        pooled = batch.pooled_text
+        if pooled is not None:  # the pooled text vector (FLUX) is dropped with its sample's text
+            pooled = torch.where(dropped[:, None], torch.zeros_like(pooled), pooled)
+        batch = dataclasses.replace(batch, context=context, pooled_text=pooled).to(self.device)
         return batch, noise.to(self.device), level.to(self.device)
 
     def __call__(self, data_iterator, model):

@@ -14,25 +14,29 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from dfm.models.common.fsdp_shards import full_tensor, inner_model, named_parameters
 from dfm.models.common.init import gather_full
 
 
 def finish_param_gather(model_chunks) -> None:
     """With the distributed optimizer and overlapped param gather, the updated shards reach the
-    other DP ranks only in the next forward; force that all-gather now."""
+    other DP ranks only in the next forward; force that all-gather now. (Megatron-FSDP chunks are
+    read from their main-weight shards, which the step has updated.)"""
     for chunk in model_chunks:
         ddp_config = getattr(chunk, "ddp_config", None)
-        if ddp_config is not None and ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather:
+        if ddp_config is None or ddp_config.use_megatron_fsdp:
+            continue
+        if ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather:
             chunk.start_param_sync(force_sync=True)
 
 
 def local_full_tensors(model_chunks) -> dict[str, Tensor]:
-    """This rank's parameters, TP shards gathered, under global names (collective over TP)."""
+    """This rank's parameters, FSDP and TP shards gathered, under global names (collective over DP, TP)."""
     tensors = {}
     for chunk in model_chunks:
-        module = getattr(chunk, "module", chunk)  # unwrap DDP
-        for name, param in module.named_parameters():
-            tensors[module.global_param_name(name)] = gather_full(param).cpu().clone()
+        module = inner_model(chunk)
+        for name, param in named_parameters(chunk):
+            tensors[module.global_param_name(name)] = gather_full(full_tensor(param)).cpu().clone()
     return tensors
 
 

@@ -17,6 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from dfm.checkpoint.files import set_aside_partial_saves
 from dfm.checkpoint.load import load_checkpoint
 from dfm.checkpoint.save import save_checkpoint, warn_if_little_room
+from dfm.checkpoint.weights_only import load_pretrained
 from dfm.config.container import ConfigContainer
 from dfm.config.loader import config_to_dict, format_config, save_config_yaml
 from dfm.diffusion.pipeline import pipeline_from_config
@@ -29,6 +30,7 @@ from dfm.training.ema import build_ema
 from dfm.training.faults import NonFiniteGuard, PreemptionSignal, grads_are_finite
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.full_weights import finish_param_gather
+from dfm.training.memory import log_memory
 from dfm.training.metrics_log import MetricsLog
 from dfm.training.setup import build_model, build_optimizer, num_microbatches, schedule_model_and_data
 from dfm.training.throughput import device_peak_flops, mfu
@@ -173,15 +175,26 @@ def run(cfg: ConfigContainer, layout: ParallelLayout, mock: bool, device: torch.
     torch.distributed.barrier()  # unfinished saves are set aside before any rank looks for checkpoints
     model, tconfig = build_model(cfg, layout, device)
     optimizer, scheduler = build_optimizer(cfg, model, tconfig)
+    log_memory(cfg, layout, model, optimizer)
     data_iter = RecordingIterator(build_train_loader(cfg, layout, mock))
     ema = build_ema(model, cfg.optimizer.ema_decay)
     start = 0
     if cfg.checkpoint.load:
         start = load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, data_iter, ema, cfg.model)
+    if start == 0 and cfg.checkpoint.pretrained:
+        start_from_pretrained(cfg, model, optimizer, ema)
     warn_if_little_room(cfg.checkpoint.save, model, ema)
     forward_step = DiffusionForwardStep(pipeline_from_config(cfg), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
     loop = TrainLoop(cfg, layout, model, optimizer, scheduler, data_iter, forward_step, device, mock, ema)
     loop.run(start)
+
+
+def start_from_pretrained(cfg: ConfigContainer, model, optimizer, ema) -> None:
+    """Initial weights from ``checkpoint.pretrained``; the optimizer's main copies and EMA follow them."""
+    load_pretrained(cfg.checkpoint.pretrained, model, cfg.model)
+    optimizer.reload_model_params()
+    if ema is not None:
+        ema.reset(model)
 
 
 class TrainLoop:

@@ -30,7 +30,8 @@ def num_microbatches(cfg: ConfigContainer, layout: ParallelLayout) -> int:
 
 
 def build_model(cfg: ConfigContainer, layout: ParallelLayout, device: torch.device) -> tuple[list[Any], Any]:
-    """DDP-wrapped model chunks on ``device`` and the megatron TransformerConfig they share."""
+    """Wrapped model chunks on ``device`` (DDP, or Megatron-FSDP with ``ddp.use_megatron_fsdp``) and
+    the megatron TransformerConfig they share."""
     chunks, tconfig = [], None
     for index in range(layout.chunks_per_stage):
         vp_stage = index if layout.chunks_per_stage > 1 else None
@@ -38,13 +39,9 @@ def build_model(cfg: ConfigContainer, layout: ParallelLayout, device: torch.devi
         # bf16/fp16 runs: the plain nn.Linear embedders and final layer too (as megatron's Float16Module
         # does), so no fp32 activation meets a low-precision weight; fp32 runs are unchanged.
         chunks.append(chunk.to(device=device, dtype=tconfig.params_dtype))
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=cfg.ddp.grad_reduce_in_fp32,
-        overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,
-        overlap_param_gather=cfg.ddp.overlap_param_gather,
-        use_distributed_optimizer=cfg.ddp.use_distributed_optimizer,
-        average_in_collective=cfg.ddp.average_in_collective,
-    )
+    ddp_config = megatron_ddp_config(cfg, device)
+    if cfg.ddp.use_megatron_fsdp:
+        return [fully_sharded(chunk, tconfig, ddp_config, device, i > 0) for i, chunk in enumerate(chunks)], tconfig
     wrapped = [
         DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
@@ -52,6 +49,44 @@ def build_model(cfg: ConfigContainer, layout: ParallelLayout, device: torch.devi
     for chunk in wrapped:
         chunk.broadcast_params()
     return wrapped, tconfig
+
+
+def megatron_ddp_config(cfg: ConfigContainer, device: torch.device) -> DistributedDataParallelConfig:
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.ddp.grad_reduce_in_fp32,
+        overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,
+        overlap_param_gather=cfg.ddp.overlap_param_gather,
+        use_distributed_optimizer=uses_distributed_optimizer(cfg),
+        average_in_collective=cfg.ddp.average_in_collective,
+        use_megatron_fsdp=cfg.ddp.use_megatron_fsdp,
+        data_parallel_sharding_strategy=cfg.ddp.data_parallel_sharding_strategy,
+        # Scaling fused into the reduction is NCCL's PREMUL_SUM, which gloo lacks.
+        gradient_reduce_div_fusion=device.type == "cuda",
+    )
+
+
+def uses_distributed_optimizer(cfg: ConfigContainer) -> bool:
+    """Megatron-FSDP steps through megatron's distributed optimizer (over its DTensor shards)."""
+    return cfg.ddp.use_distributed_optimizer or cfg.ddp.use_megatron_fsdp
+
+
+def fully_sharded(chunk, tconfig, ddp_config, device: torch.device, disable_bucketing: bool):
+    """One chunk under Megatron-FSDP. With parameters sharded, each transformer block is one unit
+    whose weights are gathered just before it runs and freed after."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    shards_params = ddp_config.data_parallel_sharding_strategy == "optim_grads_params"
+    units = sorted({type(layer) for layer in chunk.layers}, key=lambda cls: cls.__name__) if shards_params else []
+    # No broadcast_params(): megatron's broadcasts a DTensor, which c10d rejects; the layout-independent
+    # init (dfm.models.common.init) already gives every DP rank the same weights.
+    return FullyShardedDataParallel(
+        config=tconfig,
+        ddp_config=ddp_config,
+        module=chunk,
+        fsdp_unit_modules=units,
+        disable_bucketing=disable_bucketing,
+        device=device,
+    )
 
 
 def schedule_model_and_data(model: list[Any], data_iter) -> dict[str, Any]:
@@ -78,7 +113,7 @@ def build_optimizer(cfg: ConfigContainer, model: list[Any], tconfig) -> tuple[An
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         params_dtype=tconfig.params_dtype,
-        use_distributed_optimizer=cfg.ddp.use_distributed_optimizer,
+        use_distributed_optimizer=uses_distributed_optimizer(cfg),
     )
     optimizer = get_megatron_optimizer(opt_config, model)
     s = cfg.scheduler

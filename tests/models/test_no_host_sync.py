@@ -74,7 +74,11 @@ class DeviceTensor(torch.Tensor):
 
 def on_fake_device(batch: PackedBatch) -> PackedBatch:
     """The pack as ``.to(device)`` returns it: device tensors, the host original kept."""
-    tensors = {name: value.clone().as_subclass(DeviceTensor) for name, value in vars(batch).items() if name != "host"}
+    tensors = {
+        name: value.clone().as_subclass(DeviceTensor)
+        for name, value in vars(batch).items()
+        if name != "host" and value is not None
+    }
     return PackedBatch(**tensors, host=batch.host_view())
 
 

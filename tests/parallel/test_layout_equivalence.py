@@ -44,6 +44,7 @@ DIST_OPT = "ddp.use_distributed_optimizer=true"
 # Virtual pipeline: 4 layers in 2 chunks per stage (megatron's interleaved 1F1B schedule), with the
 # 4 accumulated micro-batches so both stages also run its steady state, not only warm-up/cool-down.
 VPP = ["model.num_layers=4", PP2, "model.virtual_pipeline_model_parallel_size=2", *ACCUMULATE]
+FLUX_TINY = "../../flux/conf/flux_tiny"  # conf paths are relative to the DiT recipe's conf/
 CASES = [
     ("dit_tiny", [TP2, SP], []),
     ("dit_tiny", [PP2], []),
@@ -67,6 +68,9 @@ CASES = [
     ("stdit_tiny", [TP2, SP, PP2], []),
     ("moviegen_tiny", [TP2, SP, "model.context_parallel_size=2"], []),
     ("dit_tiny", VPP, ["model.num_layers=4", *ACCUMULATE]),
+    (FLUX_TINY, [TP2, SP], []),
+    # Wan: q/k RMSNorm across the heads that TP splits (all-reduced sum of squares), its affine norm2 under SP.
+    ("wan_tiny", [TP2, SP], []),
 ]
 
 
@@ -85,7 +89,7 @@ def world_size(layout: list[str]) -> int:
 
 
 def train(tmp: Path, config: str, nproc: int, overrides: list[str]) -> Run:
-    log_dir = tmp / f"{config}-{nproc}-{abs(hash(tuple(overrides)))}"
+    log_dir = tmp / f"{Path(config).name}-{nproc}-{abs(hash(tuple(overrides)))}"
     conf = RECIPE_DIR / "conf" / f"{config}.yaml"
     weights = log_dir / "full_weights.pt"
     args = ["train.train_iters=3", f"logger.log_dir={log_dir}", *overrides]

@@ -1,11 +1,25 @@
-"""T5 text encoder: captions -> unpadded embeddings [L_i, D]."""
+"""T5 text encoder: captions -> unpadded embeddings [L_i, D].
+
+T5 v1.1 (``T5EncoderModel``) or UMT5 (``UMT5EncoderModel``, Wan's umt5-xxl), by the folder's
+config; a diffusers pipeline folder (Wan2.1-T2V-*-Diffusers) is read from its tokenizer/ and text_encoder/.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, T5EncoderModel
+from transformers import AutoConfig, AutoTokenizer, T5EncoderModel, UMT5EncoderModel
+
+ENCODER_CLASSES = {"t5": T5EncoderModel, "umt5": UMT5EncoderModel}
+
+
+def encoder_folders(source: str) -> tuple[str, str]:
+    """(tokenizer, model) sources: a diffusers pipeline folder keeps them in tokenizer/ and text_encoder/."""
+    root = Path(source)
+    if (root / "text_encoder").is_dir() and (root / "tokenizer").is_dir():
+        return str(root / "tokenizer"), str(root / "text_encoder")
+    return source, source
 
 
 class T5TextEncoder:
@@ -27,8 +41,15 @@ class T5TextEncoder:
         """Load from a local folder (tokenizer + model saved together) or a hub name via ``cache_dir``."""
         source = str(name_or_dir)
         cache = str(cache_dir) if cache_dir is not None else None
-        tokenizer = AutoTokenizer.from_pretrained(source, cache_dir=cache)
-        model = T5EncoderModel.from_pretrained(source, cache_dir=cache, torch_dtype=dtype).to(device)
+        tokenizer_source, model_source = encoder_folders(source)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, cache_dir=cache)
+        model_type = AutoConfig.from_pretrained(model_source, cache_dir=cache).model_type
+        if model_type not in ENCODER_CLASSES:
+            raise ValueError(
+                f"{model_source}: text encoder type {model_type!r}; supported: {', '.join(ENCODER_CLASSES)}"
+            )
+        model_class = ENCODER_CLASSES[model_type]
+        model = model_class.from_pretrained(model_source, cache_dir=cache, torch_dtype=dtype).to(device)
         return cls(tokenizer, model, name=source, max_length=max_length)
 
     @property

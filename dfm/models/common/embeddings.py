@@ -44,8 +44,11 @@ def split_head_dim_3d(head_dim: int) -> tuple[int, int, int]:
     return head_dim - 2 * spatial, spatial, spatial
 
 
-def rope_3d_freqs(pos_ids: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
-    """pos_ids [S, 3] -> rotation angles [S, 1, 1, head_dim] for megatron's rotate-half RoPE.
+def rope_3d_freqs(
+    pos_ids: torch.Tensor, head_dim: int, theta: float = 10000.0, interleaved: bool = False
+) -> torch.Tensor:
+    """pos_ids [S, 3] -> rotation angles [S, 1, 1, head_dim] for megatron's RoPE: rotate-half, or
+    on channel pairs (2i, 2i+1) when ``interleaved`` (megatron's ``rotary_interleaved``; Wan's layout).
 
     Each axis rotates its own slice of channel pairs by (position x frequency), so
     q.k depends only on the (dt, dh, dw) offset between tokens.
@@ -57,7 +60,8 @@ def rope_3d_freqs(pos_ids: torch.Tensor, head_dim: int, theta: float = 10000.0) 
         inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=pos_ids.device) / dim)
         angles.append(pos_ids[:, axis].float()[:, None] * inv_freq[None])
     half = torch.cat(angles, dim=-1)  # [S, head_dim / 2]
-    return torch.cat([half, half], dim=-1)[:, None, None, :]
+    full = half.repeat_interleave(2, dim=-1) if interleaved else torch.cat([half, half], dim=-1)
+    return full[:, None, None, :]
 
 
 def sincos_3d(pos_ids: torch.Tensor, hidden_size: int) -> torch.Tensor:

@@ -35,7 +35,10 @@ def build_transformer_config(model, layout: ParallelLayout, precision: str = "fp
         gated_linear_unit=llama_style,
         activation_func=activation(gated=llama_style, compile=model.compile),
         add_bias_linear=not llama_style,
-        qk_layernorm=model.qk_layernorm,
+        # megatron sums the grads of q/k norms over TP, as if they were per head and replicated: Wan's
+        # are across heads and TP-sharded (dfm/models/wan/norms.py), so its spec adds them instead.
+        qk_layernorm=model.qk_layernorm and model.architecture != "wan",
+        rotary_interleaved=model.architecture == "wan",  # Wan rotates channel pairs (2i, 2i+1)
         init_method_std=model.init_method_std,
         params_dtype=dtype,
         pipeline_dtype=dtype,

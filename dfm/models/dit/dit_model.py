@@ -226,7 +226,9 @@ class DiTModel(MegatronModule):
                 context = tensor_parallel.scatter_to_sequence_parallel_region(context)
             inputs.context, inputs.cross_attention = context, packed_seq_params(batch, True, split)
         if self.model_cfg.pos_embedding == "rope3d":
-            inputs.rotary_pos_emb = rope_3d_freqs(split.local(batch.pos_ids), self.config.kv_channels)
+            inputs.rotary_pos_emb = rope_3d_freqs(
+                split.local(batch.pos_ids), self.config.kv_channels, interleaved=self.config.rotary_interleaved
+            )
         return inputs
 
     def self_attention_params(self, batch: PackedBatch, split: SequenceSplit | None = None):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dfm.models.flux.flops import flux_forward_flops
+
 TIMESTEP_FREQUENCY_DIM = 256  # dfm.models.common.embeddings.TimestepEmbedder
 
 
@@ -57,7 +59,11 @@ def dit_forward_flops(
     model_cfg, video_lens: Sequence[int], text_lens: Sequence[int], frames: Sequence[int] | None = None
 ) -> float:
     """Forward FLOPs of one pack. ``frames``: per-sample token-grid T (ST-DiT needs it; default 1)."""
+    if model_cfg.architecture == "flux":
+        return flux_forward_flops(model_cfg, video_lens, text_lens)
     frames = frames if frames is not None else [1] * len(video_lens)
+    if model_cfg.architecture == "wan":  # Wan attends to each sample's text padded to max_text_len
+        text_lens = [model_cfg.max_text_len] * len(video_lens)
     return sum(
         model_cfg.num_layers * layer_flops(model_cfg, n, m, t) + embedding_flops(model_cfg, n, m)
         for n, m, t in zip(video_lens, text_lens, frames)

@@ -9,6 +9,8 @@ every other module stay untouched.
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -135,3 +137,27 @@ def cpu_torch_view(original: Any, **overrides: Any) -> Overlay:
         raise TargetChanged(f"the module's global 'torch' is {original!r}, not the torch module")
     factories = {name: _cpu_factory(getattr(torch, name)) for name in _FACTORIES}
     return Overlay(torch, cuda=CpuCudaNamespace(), **factories, **overrides)
+
+
+@contextlib.contextmanager
+def tensor_method_replaced(name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    """``torch.Tensor.<name>`` is ``make(original)`` for the ``with`` block."""
+    original = getattr(torch.Tensor, name)
+    setattr(torch.Tensor, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(torch.Tensor, name, original)
+
+
+def running_inside(context: Callable[[], Any], original):
+    """``original`` (a function or a classmethod) wrapped to run inside ``context()``."""
+    if isinstance(original, classmethod):
+        return classmethod(running_inside(context, original.__func__))
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        with context():
+            return original(*args, **kwargs)
+
+    return wrapped

@@ -8,17 +8,10 @@ matters to them, so during their calls CPU tensors report the CUDA name of their
 
 from __future__ import annotations
 
-import contextlib
-import functools
-
-import torch
+from dfm.platform.compat.devices import running_inside, tensor_method_replaced
 
 
-@contextlib.contextmanager
-def cuda_type_names():
-    """Let ``Tensor.type()`` report CPU tensors under their CUDA names for the ``with`` block."""
-    original = torch.Tensor.type
-
+def _cuda_named_type(original):
     def type_with_cuda_name(tensor, dtype=None, non_blocking=False, **kwargs):
         if dtype is not None:
             return original(tensor, dtype, non_blocking, **kwargs)
@@ -27,21 +20,14 @@ def cuda_type_names():
             return "torch.cuda." + name[len("torch.") :]
         return name
 
-    torch.Tensor.type = type_with_cuda_name
-    try:
-        yield
-    finally:
-        torch.Tensor.type = original
+    return type_with_cuda_name
+
+
+def cuda_type_names():
+    """Let ``Tensor.type()`` report CPU tensors under their CUDA names for the ``with`` block."""
+    return tensor_method_replaced("type", _cuda_named_type)
 
 
 def with_cuda_type_names(original):
     """Wrap a function (or a classmethod) so it runs inside ``cuda_type_names()``."""
-    if isinstance(original, classmethod):
-        return classmethod(with_cuda_type_names(original.__func__))
-
-    @functools.wraps(original)
-    def wrapped(*args, **kwargs):
-        with cuda_type_names():
-            return original(*args, **kwargs)
-
-    return wrapped
+    return running_inside(cuda_type_names, original)

@@ -6,7 +6,7 @@ docs/device_layer.md ("Adding a patch"). All module paths are megatron-core 0.16
 
 from __future__ import annotations
 
-from dfm.platform.compat import checkpointing, moe, optimizer, p2p, rng
+from dfm.platform.compat import checkpointing, fsdp, moe, optimizer, p2p, rng
 from dfm.platform.compat.devices import cpu_torch_view
 from dfm.platform.compat.patch import Patch
 
@@ -288,6 +288,66 @@ PIPELINE_P2P = (
     ),
 )
 
+MEGATRON_FSDP_SRC = "megatron.core.distributed.fsdp.src.megatron_fsdp"
+
+MEGATRON_FSDP = (
+    Patch(
+        name="torch-view:megatron-fsdp",
+        module=f"{MEGATRON_FSDP_SRC}.megatron_fsdp",
+        attribute="torch",
+        why="names its device torch.device(f'cuda:{current_device}') and makes side streams",
+        relies_on=('torch.device(f"cuda:{torch.cuda.current_device()}")',),
+        replace=fsdp.cpu_device_torch_view,
+        site="MegatronFSDP.__init__",
+    ),
+    Patch(
+        name="torch-view:megatron-fsdp-buffers",
+        module=f"{MEGATRON_FSDP_SRC}.param_and_grad_buffer",
+        attribute="torch",
+        why="reduce-scatter / all-gather streams and their synchronization",
+        relies_on=("with torch.cuda.stream(reduce_scatter_stream):",),
+        replace=fsdp.cpu_device_torch_view,
+        site="GradReducePipeline._bucket_group_gradient_reduce",
+    ),
+    Patch(
+        name="megatron-fsdp-uneven-check",
+        module=f"{MEGATRON_FSDP_SRC}.uneven_dtensor",
+        attribute="validate_uneven_dtensor",
+        why="copies its boundary flags to the GPU with .cuda() before all-reducing them",
+        relies_on=(").cuda()",),
+        replace=fsdp.without_cuda_copies,
+        also_bound_in=(f"{MEGATRON_FSDP_SRC}.param_and_grad_buffer",),
+    ),
+    Patch(
+        name="torch-view:megatron-fsdp-adapter",
+        module="megatron.core.distributed.fsdp.mcore_fsdp_adapter",
+        attribute="torch",
+        why="syncs the CUDA RNG state over the TP group (torch.cuda.get_rng_state / set_rng_state)",
+        relies_on=("'cuda_rng_state': torch.cuda.get_rng_state(),",),
+        replace=fsdp.cpu_device_torch_view,
+        site="_get_rng_state_dict",
+    ),
+    Patch(
+        name="megatron-fsdp-cpu-mesh",
+        module="megatron.core.distributed.fsdp.mcore_fsdp_adapter",
+        attribute="DeviceMesh",
+        why="builds its data-parallel x tensor-parallel meshes with device_type='cuda'",
+        relies_on=('device_type="cuda"', "DeviceMesh.from_group("),
+        replace=fsdp.meshes_on_cpu,
+        site="FullyShardedDataParallel._init_dist_index",
+    ),
+    Patch(
+        name="megatron-fsdp-te-linear",
+        module="megatron.core.distributed.fsdp.mcore_fsdp_adapter",
+        attribute="TELinear",
+        why="without Transformer Engine TELinear is a MagicMock, and isinstance(module, (TELinear,)) raises under TP",
+        relies_on=("isinstance(direct_module, (TELinear,))",),
+        replace=fsdp.te_linear_or_placeholder,
+        site="FullyShardedDataParallel._fix_tensor_parallel_attributes",
+        cpu_only=False,
+    ),
+)
+
 # Not about the device: megatron's checkpointing with torch's Adam (no Apex / TE), applied on CUDA too.
 CHECKPOINTING = (
     Patch(
@@ -301,4 +361,4 @@ CHECKPOINTING = (
     ),
 )
 
-PATCHES = (*TORCH_VIEWS, *RNG, *OPTIMIZER, *MOE, *PIPELINE_P2P, *CHECKPOINTING)
+PATCHES = (*TORCH_VIEWS, *RNG, *OPTIMIZER, *MOE, *PIPELINE_P2P, *MEGATRON_FSDP, *CHECKPOINTING)

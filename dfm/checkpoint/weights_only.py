@@ -1,0 +1,59 @@
+"""Checkpoints that hold model weights only: written by ``convert import``, read by ``checkpoint.pretrained``.
+
+A weights-only checkpoint has the same files, manifest and global tensor names as a training one,
+so it loads into any TP / PP / CP layout; it has no optimizer, schedule, RNG or data position.
+``checkpoint.pretrained`` reads the model part of either kind and starts a new run from it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from megatron.core import dist_checkpointing
+
+from dfm.checkpoint.collective import barrier, rank
+from dfm.checkpoint.errors import CheckpointError
+from dfm.checkpoint.files import iteration_dir, remove_partial
+from dfm.checkpoint.load import check_same_model
+from dfm.checkpoint.save import failures_named, finalize_save
+from dfm.checkpoint.select import choose_checkpoint
+from dfm.checkpoint.state import WEIGHTS_ONLY, layout, model_sharded_state_dict
+from dfm.config.container import ModelConfig
+
+logger = logging.getLogger("dfm.checkpoint")
+
+
+def save_weights_only(root: str | Path, model_chunks, config_dict: dict) -> Path:
+    """Write ``<root>/iter_0000000`` holding the (unwrapped) chunks' weights and ``config_dict``; all ranks."""
+    target = iteration_dir(root, 0)
+    if rank() == 0:
+        remove_partial(target)
+        target.mkdir(parents=True)
+    barrier()
+    state = {f"model{index}": model_sharded_state_dict(chunk) for index, chunk in enumerate(model_chunks)}
+    state.update(iteration=0, config=config_dict, layout=layout(model_chunks), has_ema=False, **{WEIGHTS_ONLY: True})
+    with failures_named(target):
+        dist_checkpointing.save(state, str(target))
+    finalize_save(str(root), 0, keep_last=None)
+    return target
+
+
+def load_pretrained(path: str | Path, model, model_config: ModelConfig | None = None) -> Path:
+    """Fill the DDP-wrapped ``model`` chunks with the model weights of the checkpoint at ``path`` (any layout).
+
+    A different architecture (width, depth, ...) is refused naming the keys; nothing else is restored.
+    """
+    directory = choose_checkpoint(path)
+    if directory is None:
+        raise CheckpointError(f"checkpoint.pretrained={path}: no complete checkpoint there")
+    common = dist_checkpointing.load_common_state_dict(str(directory))
+    if model_config is not None:
+        check_same_model(common, directory, model_config)
+    request = {f"model{index}": model_sharded_state_dict(chunk.module) for index, chunk in enumerate(model)}
+    loaded = dist_checkpointing.load(request, str(directory))
+    for index, chunk in enumerate(model):
+        chunk.module.load_state_dict(loaded[f"model{index}"], strict=True)
+    if rank() == 0:
+        logger.info("initial weights from %s (checkpoint.pretrained; optimizer and schedule start fresh)", directory)
+    return directory

@@ -1,0 +1,1 @@
+"""Published models (diffusers folders) <-> dfm checkpoints: shared rules, folders, checkpoints and CLI."""

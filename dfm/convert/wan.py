@@ -1,0 +1,228 @@
+"""Wan 2.1 text-to-video: diffusers ``WanTransformer3DModel`` <-> dfm ``model.architecture=wan``.
+
+The rule table names every tensor; the parity helpers run diffusers and dfm on the same packed
+samples (``verify`` for the CLI's ``--verify``, and the tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dfm.config.container import ConfigContainer, ModelConfig
+from dfm.convert.cli import Family
+from dfm.convert.diffusers_folder import model_folder
+from dfm.convert.pretrained import converted_model
+from dfm.convert.rules import ConversionError, Rule, fused_kv, fused_qkv, rename
+from dfm.data.packed_batch import PackedBatch
+from dfm.data.packing import pack_samples
+from dfm.data.patchify import patchify, unpatchify
+from dfm.data.sample import DiffusionSample
+from dfm.inference.checkpoint_loading import single_process_config
+
+FREQ_DIM = 256  # the timestep sinusoid width of every published Wan (dfm's TimestepEmbedder)
+QK_NORM = "rms_norm_across_heads"
+
+
+def _refuse(config: dict, key: str, expected) -> None:
+    if config.get(key, expected) != expected:
+        raise ConversionError(f"config.json {key}={config[key]!r}: dfm's Wan supports {expected!r} (Wan 2.1 T2V)")
+
+
+def model_overrides(config: dict) -> dict:
+    """diffusers config.json -> dfm model keys. Image conditioning (I2V) is refused."""
+    for key, expected in (
+        ("image_dim", None),
+        ("added_kv_proj_dim", None),
+        ("pos_embed_seq_len", None),
+        ("qk_norm", QK_NORM),
+        ("cross_attn_norm", True),
+        ("freq_dim", FREQ_DIM),
+    ):
+        _refuse(config, key, expected)
+    pt, ph, pw = config.get("patch_size", (1, 2, 2))
+    if ph != pw:
+        raise ConversionError(f"config.json patch_size={[pt, ph, pw]}: dfm needs equal spatial patch sides")
+    heads, head_dim = config.get("num_attention_heads", 40), config.get("attention_head_dim", 128)
+    in_channels = config.get("in_channels", 16)
+    return {
+        "model.num_layers": config.get("num_layers", 40),
+        "model.hidden_size": heads * head_dim,
+        "model.num_attention_heads": heads,
+        "model.ffn_hidden_size": config.get("ffn_dim", 13824),
+        "model.in_channels": in_channels,
+        "model.out_channels": config.get("out_channels") or in_channels,
+        "model.patch_temporal": pt,
+        "model.patch_spatial": ph,
+        "model.text_embed_dim": config.get("text_dim", 4096),
+        "model.layernorm_epsilon": config.get("eps", 1e-6),
+        "model.pos_embedding": "rope3d",
+        "model.qk_layernorm": True,
+        "model.pipeline": "flow",
+        "flow.c_noise_scale": 1000.0,  # Wan embeds the timestep 1000 t
+    }
+
+
+def diffusers_config(model: ModelConfig) -> dict:
+    """The config.json of an exported dfm Wan."""
+    return {
+        "patch_size": [model.patch_temporal, model.patch_spatial, model.patch_spatial],
+        "num_attention_heads": model.num_attention_heads,
+        "attention_head_dim": model.hidden_size // model.num_attention_heads,
+        "in_channels": model.in_channels,
+        "out_channels": model.out_channels or model.in_channels,
+        "text_dim": model.text_embed_dim,
+        "freq_dim": FREQ_DIM,
+        "ffn_dim": model.effective_ffn_hidden_size,
+        "num_layers": model.num_layers,
+        "cross_attn_norm": True,
+        "qk_norm": QK_NORM,
+        "eps": model.layernorm_epsilon,
+        "image_dim": None,
+        "added_kv_proj_dim": None,
+        "rope_max_seq_len": 1024,
+        "pos_embed_seq_len": None,
+    }
+
+
+def patch_embedding_rule(model: ModelConfig) -> Rule:
+    """Conv3d weight [h, c, pt, ph, pw] <-> dfm's Linear [h, pt*ph*pw*c] (token features (pt, ph, pw, c))."""
+    pt, ps, c = model.patch_temporal, model.patch_spatial, model.in_channels
+
+    def join(tensors: list[Tensor]) -> Tensor:
+        return tensors[0].permute(0, 2, 3, 4, 1).reshape(tensors[0].shape[0], -1).contiguous()
+
+    def split(tensor: Tensor) -> list[Tensor]:
+        return [tensor.reshape(tensor.shape[0], pt, ps, ps, c).permute(0, 4, 1, 2, 3).contiguous()]
+
+    return Rule("x_embedder.weight", ("patch_embedding.weight",), join=join, split=split)
+
+
+def _linear(dfm: str, diffusers: str) -> list[Rule]:
+    return [rename(f"{dfm}.{kind}", f"{diffusers}.{kind}") for kind in ("weight", "bias")]
+
+
+def block_rules(i: int, heads: int) -> list[Rule]:
+    d, b = f"layers.{i}", f"blocks.{i}"
+    qkv = [
+        fused_qkv(
+            f"{d}.self_attention.linear_qkv.{kind}", *(f"{b}.attn1.to_{x}.{kind}" for x in "qkv"), num_heads=heads
+        )
+        for kind in ("weight", "bias")
+    ]
+    kv = [
+        fused_kv(f"{d}.cross_attention.linear_kv.{kind}", *(f"{b}.attn2.to_{x}.{kind}" for x in "kv"), num_heads=heads)
+        for kind in ("weight", "bias")
+    ]
+    norms = [
+        rename(f"{d}.{attention}.{x}_layernorm.weight", f"{b}.{attn}.norm_{x}.weight")
+        for attention, attn in (("self_attention", "attn1"), ("cross_attention", "attn2"))
+        for x in "qk"
+    ]
+    return [
+        rename(f"{d}.adaln.scale_shift_table", f"{b}.scale_shift_table"),
+        *qkv,
+        *_linear(f"{d}.self_attention.linear_proj", f"{b}.attn1.to_out.0"),
+        *_linear(f"{d}.cross_attention.linear_q", f"{b}.attn2.to_q"),
+        *kv,
+        *_linear(f"{d}.cross_attention.linear_proj", f"{b}.attn2.to_out.0"),
+        *norms,
+        *_linear(f"{d}.norm2", f"{b}.norm2"),
+        *_linear(f"{d}.mlp.linear_fc1", f"{b}.ffn.net.0.proj"),
+        *_linear(f"{d}.mlp.linear_fc2", f"{b}.ffn.net.2"),
+    ]
+
+
+def rules(model: ModelConfig) -> list[Rule]:
+    """Every dfm Wan parameter and the diffusers tensors it is made of."""
+    embedder = "condition_embedder"
+    return [
+        patch_embedding_rule(model),
+        rename("x_embedder.bias", "patch_embedding.bias"),
+        *_linear("t_embedder.mlp.0", f"{embedder}.time_embedder.linear_1"),
+        *_linear("t_embedder.mlp.2", f"{embedder}.time_embedder.linear_2"),
+        *_linear("time_proj", f"{embedder}.time_proj"),
+        *_linear("text_embedder.mlp.0", f"{embedder}.text_embedder.linear_1"),
+        *_linear("text_embedder.mlp.2", f"{embedder}.text_embedder.linear_2"),
+        *(rule for i in range(model.num_layers) for rule in block_rules(i, model.num_attention_heads)),
+        rename("final_layer.scale_shift_table", "scale_shift_table"),
+        *_linear("final_layer.linear", "proj_out"),
+    ]
+
+
+# --- parity: dfm against diffusers on the same samples ------------------------------------------------
+
+# (latent (T, H, W), text tokens) of the parity samples: different shapes in one pack.
+PARITY_SHAPES = (((3, 4, 6), 5), ((1, 6, 4), 3), ((2, 4, 4), 4))
+
+
+def parity_samples(model: ModelConfig, shapes=PARITY_SHAPES, seed: int = 0) -> list[DiffusionSample]:
+    """Random latents and text (fewer tokens than model.max_text_len) of the given shapes."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for index, ((t, h, w), text_len) in enumerate(shapes):
+        thw = (t * model.patch_temporal, h * model.patch_spatial, w * model.patch_spatial)
+        latent = torch.randn((model.in_channels, *thw), generator=gen)
+        tokens, pos_ids = patchify(latent, model.patch_temporal, model.patch_spatial)
+        text = torch.randn((min(text_len, model.max_text_len), model.text_embed_dim), generator=gen)
+        samples.append(DiffusionSample(tokens, pos_ids, text, tuple(latent.shape), index))
+    return samples
+
+
+def parity_timesteps(num_samples: int, seed: int = 0) -> Tensor:
+    """[N] Wan timesteps (1000 t)."""
+    return 1000 * torch.rand(num_samples, generator=torch.Generator().manual_seed(seed + 1))
+
+
+def diffusers_sample_output(transformer, sample: DiffusionSample, timestep: Tensor, text_len: int) -> Tensor:
+    """diffusers on one sample alone, text zero-padded to ``text_len`` as WanPipeline does -> [C, T, H, W]."""
+    c, t, h, w = sample.latent_shape
+    pt, ps, _ = transformer.config.patch_size
+    latent = unpatchify(sample.tokens, sample.latent_shape, pt, ps)
+    text = torch.zeros(1, text_len, sample.text.shape[-1], dtype=sample.text.dtype)
+    text[0, : sample.text.shape[0]] = sample.text
+    out = transformer(latent[None], timestep.reshape(1), text, return_dict=False)[0]
+    return out[0]
+
+
+def dfm_sample_outputs(out: Tensor, batch: PackedBatch, model: ModelConfig) -> list[Tensor]:
+    """dfm's packed output [S, D] -> each sample's [C, T, H, W]."""
+    host = batch.host_view()
+    starts, lengths = host.cu_seqlens_q_padded[:-1].tolist(), host.sample_lengths.tolist()
+    return [
+        unpatchify(out[start : start + n], tuple(shape), model.patch_temporal, model.patch_spatial)
+        for start, n, shape in zip(starts, lengths, host.latent_shape.tolist())
+    ]
+
+
+def max_abs_diff(outputs: Sequence[Tensor], references: Sequence[Tensor]) -> float:
+    return max((a.float() - b.float()).abs().max().item() for a, b in zip(outputs, references))
+
+
+@torch.no_grad()
+def verify(folder: str, cfg: ConfigContainer, weights: dict[str, Tensor]) -> float:
+    """Max abs diff of dfm (these weights, one process, fp32) vs diffusers (``folder``) on random packed samples."""
+    import diffusers
+
+    transformer = diffusers.WanTransformer3DModel.from_pretrained(model_folder(folder), torch_dtype=torch.float32)
+    single = single_process_config(cfg)
+    samples = parity_samples(single.model)
+    batch, timesteps = pack_samples(samples), parity_timesteps(len(samples))
+    references = [
+        diffusers_sample_output(transformer, s, t, single.model.max_text_len) for s, t in zip(samples, timesteps)
+    ]
+    with converted_model(single.model, weights, cfg.rng.seed) as model:
+        outputs = dfm_sample_outputs(model(batch.latents, timesteps, batch), batch, single.model)
+    return max_abs_diff(outputs, references)
+
+
+WAN = Family(
+    architecture="wan",
+    diffusers_class="WanTransformer3DModel",
+    model_overrides=model_overrides,
+    diffusers_config=diffusers_config,
+    rules=rules,
+    verify=verify,
+)

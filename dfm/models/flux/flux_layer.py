@@ -1,0 +1,186 @@
+"""FLUX blocks on megatron-core modules. hidden [s_text + s_image, b, h]: the text stream's tokens
+then the image stream's (each this rank's share), split apart inside the block.
+
+Double-stream (MMDiT) block: each stream has its own adaLN, q/k/v, per-head q/k RMSNorm, output
+projection and MLP; attention is joint over each sample's [text, image] tokens.
+
+    x = x + gate_msa * Proj(JointAttn(modulate(norm(x), shift_msa, scale_msa)))    (per stream)
+    x = x + gate_mlp * MLP(modulate(norm(x), shift_mlp, scale_mlp))
+
+Single-stream block: one set of weights for both streams; attention and MLP in parallel.
+
+    y = modulate(norm(x), shift, scale)
+    x = x + gate * proj_out(cat(JointAttn(y), gelu(proj_mlp(y))))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from torch import Tensor
+
+from dfm.models.common.adaln import AdaLNModulation
+from dfm.models.common.fused import block_ops
+from dfm.models.flux.joint_attention import QKV, JointAttentionPlan, joint_attention
+from dfm.models.flux.strided import mark_strided, strided_sharded_state_dict
+
+
+@dataclass
+class FluxPackInputs:
+    """Per-pack block inputs. s_text / s_image: this rank's text / image tokens (the SP share)."""
+
+    cond: Tensor  # [N, h] timestep (+ guidance) + pooled text
+    text_sample_ids: Tensor  # [s_text] long
+    image_sample_ids: Tensor  # [s_image] long
+    attention: JointAttentionPlan
+
+    @property
+    def num_text(self) -> int:
+        return int(self.text_sample_ids.shape[0])
+
+
+@dataclass
+class FluxLayerSubmodules:
+    column_linear: type
+    row_linear: type
+    core_attention: ModuleSpec
+    qk_norm: type
+    mlp: ModuleSpec | None = None  # double block only
+
+
+def column_linear(submodules: FluxLayerSubmodules, config, input_size: int, output_size: int, **extra):
+    """A column-parallel linear with bias (output split over TP ranks)."""
+    return build_module(
+        submodules.column_linear,
+        input_size,
+        output_size,
+        config=config,
+        init_method=config.init_method,
+        bias=True,
+        gather_output=False,
+        skip_bias_add=False,
+        is_expert=False,
+        **extra,
+    )
+
+
+def row_linear(submodules: FluxLayerSubmodules, config, input_size: int, output_size: int):
+    """A row-parallel linear whose bias is returned apart (added with the gate)."""
+    return build_module(
+        submodules.row_linear,
+        input_size,
+        output_size,
+        config=config,
+        init_method=config.output_layer_init_method,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=True,
+        is_expert=False,
+    )
+
+
+class HeadProjection(MegatronModule):
+    """x [s_sp, b, h] -> this TP rank's q, k, v heads over the whole (CP-local) sequence, q and k
+    RMS-normalised per head. ``linear_qkv`` rows are megatron's fused layout: per head [q, k, v]."""
+
+    def __init__(self, config, submodules: FluxLayerSubmodules):
+        super().__init__(config=config)
+        h, hn = config.hidden_size, config.kv_channels
+        self.linear_qkv = column_linear(submodules, config, h, 3 * h)
+        self.q_layernorm = build_module(submodules.qk_norm, hidden_size=hn, config=config, eps=config.layernorm_epsilon)
+        self.k_layernorm = build_module(submodules.qk_norm, hidden_size=hn, config=config, eps=config.layernorm_epsilon)
+
+    def forward(self, x: Tensor) -> QKV:
+        qkv, _ = self.linear_qkv(x)
+        s, b, hn = qkv.shape[0], qkv.shape[1], self.config.kv_channels
+        query, key, value = qkv.view(s, b, -1, 3 * hn).split(hn, dim=-1)
+        return QKV(self.q_layernorm(query), self.k_layernorm(key), value)
+
+
+class _FluxLayer(MegatronModule):
+    """What both blocks share: the (eager or compiled) elementwise ops and affine-free LayerNorm + modulate."""
+
+    def __init__(self, config, layer_number: int):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.ops = block_ops(getattr(config, "compile_regions", False))
+
+    def norm_modulate(self, x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+        return self.ops.norm_modulate(x, shift, scale, self.config.layernorm_epsilon, False)
+
+
+class FluxDoubleLayer(_FluxLayer):
+    """MMDiT block; ``text_*`` modules serve the text stream, the others the image stream."""
+
+    def __init__(self, config, submodules: FluxLayerSubmodules, layer_number: int = 1):
+        super().__init__(config, layer_number)
+        self.adaln = AdaLNModulation(config, num_chunks=6)
+        self.text_adaln = AdaLNModulation(config, num_chunks=6)
+        self.image_heads = HeadProjection(config, submodules)
+        self.text_heads = HeadProjection(config, submodules)
+        self.core_attention = build_module(submodules.core_attention, config=config, layer_number=layer_number)
+        self.linear_proj = row_linear(submodules, config, config.hidden_size, config.hidden_size)
+        self.text_linear_proj = row_linear(submodules, config, config.hidden_size, config.hidden_size)
+        self.mlp = build_module(submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size)
+        self.text_mlp = build_module(submodules.mlp, config=config, ffn_hidden_size=config.ffn_hidden_size)
+
+    def forward(self, hidden: Tensor, inputs: FluxPackInputs) -> Tensor:
+        text, image = hidden[: inputs.num_text], hidden[inputs.num_text :]
+        text_mod = self.text_adaln(inputs.cond, inputs.text_sample_ids)
+        image_mod = self.adaln(inputs.cond, inputs.image_sample_ids)
+        text_out, image_out = joint_attention(
+            self.core_attention,
+            inputs.attention,
+            self.text_heads(self.norm_modulate(text, *text_mod[0:2])),
+            self.image_heads(self.norm_modulate(image, *image_mod[0:2])),
+        )
+        text = self.ops.gated_residual(text, text_mod[2], *self.text_linear_proj(text_out))
+        image = self.ops.gated_residual(image, image_mod[2], *self.linear_proj(image_out))
+        text = self.feed_forward(self.text_mlp, text, *text_mod[3:6])
+        image = self.feed_forward(self.mlp, image, *image_mod[3:6])
+        return torch.cat([text, image])
+
+    def feed_forward(self, mlp, x: Tensor, shift: Tensor, scale: Tensor, gate: Tensor) -> Tensor:
+        return self.ops.gated_residual(x, gate, *mlp(self.norm_modulate(x, shift, scale)))
+
+
+class FluxSingleLayer(_FluxLayer):
+    """Parallel attention + MLP block shared by both streams. ``proj_mlp`` is column-parallel with
+    stride ``mlp_ratio`` and ``proj_out`` row-parallel with stride ``mlp_ratio + 1``, so each rank's
+    [heads, MLP columns] input meets its own slice of proj_out's columns (see strided.py)."""
+
+    def __init__(self, config, submodules: FluxLayerSubmodules, layer_number: int = 1):
+        super().__init__(config, layer_number)
+        h, ffn = config.hidden_size, config.ffn_hidden_size
+        if ffn % h:
+            raise ValueError(f"the single-stream FLUX block needs ffn_hidden_size ({ffn}) a multiple of hidden ({h})")
+        ratio = ffn // h
+        self.adaln = AdaLNModulation(config, num_chunks=3)
+        self.heads = HeadProjection(config, submodules)
+        self.core_attention = build_module(submodules.core_attention, config=config, layer_number=layer_number)
+        self.proj_mlp = column_linear(submodules, config, h, ffn, stride=ratio)
+        self.proj_out = row_linear(submodules, config, h + ffn, h)
+        mark_strided(self.proj_mlp.weight, 0, ratio)
+        mark_strided(self.proj_out.weight, 1, ratio + 1)
+
+    def forward(self, hidden: Tensor, inputs: FluxPackInputs) -> Tensor:
+        streams = [
+            (hidden[: inputs.num_text], inputs.text_sample_ids),
+            (hidden[inputs.num_text :], inputs.image_sample_ids),
+        ]
+        modulations = [self.adaln(inputs.cond, ids) for _, ids in streams]
+        normed = [self.norm_modulate(x, shift, scale) for (x, _), (shift, scale, _) in zip(streams, modulations)]
+        attention = joint_attention(self.core_attention, inputs.attention, *(self.heads(x) for x in normed))
+        outputs = []
+        for (x, _), (_, _, gate), y, attn in zip(streams, modulations, normed, attention):
+            mlp, _ = self.proj_mlp(y)
+            out, bias = self.proj_out(torch.cat([attn, self.config.activation_func(mlp)], dim=-1))
+            outputs.append(self.ops.gated_residual(x, gate, out, bias))
+        return torch.cat(outputs)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        return strided_sharded_state_dict(self, state, prefix)

@@ -1,0 +1,118 @@
+"""FLUX's joint attention over THD packs: each sample attends over [its text tokens, its image tokens].
+
+The streams arrive apart (text [S_kv] whole on every CP rank, image [s] this CP rank's share), so
+one plan per pack says how to assemble per-sample joint segments and take them apart again:
+
+* queries: every text row and every local image row, grouped by sample ([text_i, image_i]); a
+  sample's rows form one segment (padding rows included, their output zeroed after);
+* keys / values: the real text rows and the real rows of the whole image (all-gathered over CP),
+  per sample [text_i, image_i].
+
+Under CP the text stream is computed whole by every CP rank, as DiT's cross-attention text is: each
+rank's gradients hold its own queries' share, summed over CP with the data-parallel reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from torch import Tensor
+
+from dfm.data.packed_batch import PackedBatch
+from dfm.models.common.packed_attention import PackedSegments
+from dfm.models.flux.rope import apply_interleaved_rope, rope_cos_sin
+from dfm.parallel.sequence_split import SequenceSplit
+
+
+@dataclass
+class QKV:
+    """One stream's projected heads, each [s, b, np, hn]."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+
+
+@dataclass
+class JointAttentionPlan:
+    """Index plan of one pack (built once, read by every block)."""
+
+    params: PackedSegments  # joint segments: q side all rows, kv side real rows
+    q_order: Tensor  # [S_kv + s] long: cat(text, local image) rows -> joint query order
+    q_inverse: Tensor  # [S_kv + s] long: the inverse permutation
+    kv_order: Tensor  # [real joint tokens] long: rows of cat(text, whole image) -> joint key order
+    q_valid: Tensor  # [S_kv + s, 1, 1] in cat order: 1 on real tokens, 0 on padding
+    split: SequenceSplit  # this CP rank's share of the image tokens
+    rope: tuple[Tensor, Tensor]  # (cos, sin) [s, 1, 1, hn] of the local image tokens
+    num_text: int  # S_kv
+
+
+def _cumulative(lengths: list[int], device) -> Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def _joint_segments(q_lengths: list[int], kv_lengths: list[int], device) -> PackedSegments:
+    def segments(on) -> PackedSeqParams:
+        cu_q, cu_kv = _cumulative(q_lengths, on), _cumulative(kv_lengths, on)
+        return PackedSeqParams(
+            qkv_format="sbhd",
+            cu_seqlens_q=cu_q,
+            cu_seqlens_q_padded=cu_q,
+            cu_seqlens_kv=cu_kv,
+            cu_seqlens_kv_padded=cu_kv,
+            max_seqlen_q=max(q_lengths),
+            max_seqlen_kv=max(kv_lengths),
+        )
+
+    joint = PackedSegments(**vars(segments(device)))
+    joint.host = segments("cpu")
+    return joint
+
+
+def joint_attention_plan(batch: PackedBatch, split: SequenceSplit, axes_dim: list[int]) -> JointAttentionPlan:
+    """The plan for ``batch`` on this CP rank (host index math, one copy to the device)."""
+    host, device = batch.host_view(), batch.latents.device
+    text_pad, image_pad = host.cu_seqlens_kv_padded.tolist(), host.cu_seqlens_q_padded.tolist()
+    text_len, image_len = host.text_lengths.tolist(), host.sample_lengths.tolist()
+    local = (split.cu_local_host if split.size > 1 else host.cu_seqlens_q_padded).tolist()
+    num_text = text_pad[-1]
+    q_rows, kv_rows, q_lengths, kv_lengths, text_valid = [], [], [], [], []
+    for i in range(host.num_samples):
+        text = torch.arange(text_pad[i], text_pad[i + 1])
+        q_rows += [text, num_text + torch.arange(local[i], local[i + 1])]
+        q_lengths.append(len(text) + local[i + 1] - local[i])
+        kv_rows += [text[: text_len[i]], num_text + torch.arange(image_pad[i], image_pad[i] + image_len[i])]
+        kv_lengths.append(text_len[i] + image_len[i])
+        text_valid.append(torch.arange(len(text)) < text_len[i])
+    q_order = torch.cat(q_rows)
+    image_valid = split.local(host.loss_mask != 0)
+    q_valid = torch.cat([*text_valid, image_valid]).float()[:, None, None]
+    cos, sin = rope_cos_sin(split.local(host.pos_ids), axes_dim)
+    return JointAttentionPlan(
+        params=_joint_segments(q_lengths, kv_lengths, device),
+        q_order=q_order.to(device),
+        q_inverse=torch.argsort(q_order).to(device),
+        kv_order=torch.cat(kv_rows).to(device),
+        q_valid=q_valid.to(device),
+        split=split,
+        rope=(cos.to(device), sin.to(device)),
+        num_text=num_text,
+    )
+
+
+def joint_attention(core_attention, plan: JointAttentionPlan, text: QKV, image: QKV) -> tuple[Tensor, Tensor]:
+    """text heads [S_kv, b, np, hn], image heads [s, b, np, hn] -> outputs [S_kv, b, np*hn], [s, b, np*hn].
+
+    RoPE rotates the image queries and keys (text ids are zero: no rotation)."""
+    cos, sin = plan.rope
+    image_query = apply_interleaved_rope(image.query, cos, sin)
+    image_key = plan.split.gather(apply_interleaved_rope(image.key, cos, sin), grad_is_partial=True)
+    image_value = plan.split.gather(image.value, grad_is_partial=True)
+    query = torch.cat([text.query, image_query])[plan.q_order]
+    key = torch.cat([text.key, image_key])[plan.kv_order]
+    value = torch.cat([text.value, image_value])[plan.kv_order]
+    out = core_attention(query, key, value, attention_mask=None, packed_seq_params=plan.params)
+    out = out[plan.q_inverse] * plan.q_valid.to(out.dtype)
+    return out[: plan.num_text], out[plan.num_text :]

@@ -1,0 +1,31 @@
+"""FLUX's rotary embedding: per-axis frequencies over (t, h, w) ids, channel pairs interleaved.
+
+Channels (2i, 2i + 1) of a head form one rotated pair (diffusers' ``apply_rotary_emb`` with
+``use_real_unbind_dim=-1``), not halves as in megatron's default. Text tokens have ids (0, 0, 0),
+i.e. no rotation, so only image tokens are rotated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rope_cos_sin(pos_ids: Tensor, axes_dim: list[int], theta: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """pos_ids [s, 3] -> (cos, sin) [s, 1, 1, sum(axes_dim)] fp32, each pair's angle repeated twice.
+
+    Angles are taken in float64 then rounded, as diffusers does, so positions far from 0 keep
+    their precision."""
+    angles = []
+    for axis, dim in enumerate(axes_dim):
+        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=pos_ids.device) / dim)
+        angles.append(pos_ids[:, axis].float().double()[:, None] * inv_freq[None])
+    angle = torch.cat(angles, dim=-1).repeat_interleave(2, dim=-1)[:, None, None, :]
+    return angle.cos().float(), angle.sin().float()
+
+
+def apply_interleaved_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [s, b, np, hn] rotated pairwise: (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin); fp32 math."""
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)

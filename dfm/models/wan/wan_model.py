@@ -1,0 +1,59 @@
+"""Wan 2.1 (text-to-video) on megatron-core: the packed DiT model (dfm/models/dit/dit_model.py)
+with Wan's conditioning, blocks and head. The oracle is diffusers' ``WanTransformer3DModel``
+(tests/wan prove equal outputs and gradients).
+
+* patch embedding: a Linear on dfm's patchified tokens, features (pt, ph, pw, c) (Wan's Conv3d
+  with kernel = stride = patch);
+* conditioning: sinusoidal timestep (cos, sin) -> MLP = temb [N, h]; one shared
+  ``time_proj(silu(temb))`` [N, 6h] modulates every block (plus each block's table);
+* text: each sample's text zero-padded to ``model.max_text_len`` (text_padding.py), then the
+  GELU-tanh text MLP;
+* 3D RoPE on interleaved channel pairs (megatron's ``rotary_interleaved``), from each token's
+  own (t, h, w) patch coordinates;
+* head: affine-free norm modulated by its table + temb, then the linear to patch features.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dfm.data.packed_batch import PackedBatch
+from dfm.models.common.init import zero_init
+from dfm.models.common.pack_inputs import PackInputs
+from dfm.models.dit.dit_model import DiTModel, _mark_replicated_across_stages
+from dfm.models.wan.text_padding import pad_text_per_sample
+from dfm.models.wan.wan_head import WanHead
+from dfm.models.wan.wan_layer import NUM_BLOCK_MODULATIONS
+from dfm.parallel.sequence_split import SequenceSplit
+
+
+class WanModel(DiTModel):
+    """Packed Wan: (x_in [S, D], c_noise [N] = 1000 t, batch) -> velocity [S, D] (last stage)."""
+
+    def __init__(self, config, layer_spec, model_cfg, pre_process=True, post_process=True, vp_stage=None):
+        if model_cfg.pos_embedding != "rope3d" or model_cfg.num_classes:
+            raise ValueError("model.architecture=wan needs model.pos_embedding=rope3d and no model.num_classes")
+        if config.sequence_parallel and model_cfg.max_text_len % config.tensor_model_parallel_size:
+            raise ValueError(
+                f"model.max_text_len={model_cfg.max_text_len} must be a multiple of "
+                f"model.tensor_model_parallel_size={config.tensor_model_parallel_size} under sequence parallelism"
+            )
+        super().__init__(config, layer_spec, model_cfg, pre_process, post_process, vp_stage)
+        h = config.hidden_size
+        self.time_proj = zero_init(nn.Linear(h, NUM_BLOCK_MODULATIONS * h))
+        _mark_replicated_across_stages(self.time_proj)
+        if post_process:
+            self.final_layer = WanHead(h, self.out_dim, config.layernorm_epsilon)
+
+    def conditioning(self, c_noise: Tensor, class_labels: Tensor | None = None) -> Tensor:
+        """[N] timesteps (1000 t) -> [N, 7, h]: temb, then time_proj(silu(temb)) as 6 rows."""
+        temb = self.t_embedder(c_noise)
+        blocks = self.time_proj(F.silu(temb)).unflatten(1, (NUM_BLOCK_MODULATIONS, -1))
+        return torch.cat([temb.unsqueeze(1), blocks], dim=1)
+
+    def pack_inputs(
+        self, batch: PackedBatch, split: SequenceSplit, cond: Tensor, token_ids: Tensor | None = None
+    ) -> PackInputs:
+        return super().pack_inputs(pad_text_per_sample(batch, self.model_cfg.max_text_len), split, cond, token_ids)

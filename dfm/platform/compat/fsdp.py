@@ -1,0 +1,75 @@
+"""Megatron-FSDP (``megatron.core.distributed.fsdp``) on CPU/gloo.
+
+Megatron-FSDP builds its device meshes with a ``device_type="cuda"`` literal, names its device
+``torch.device(f"cuda:{torch.cuda.current_device()}")`` and checks uneven DTensor shards with a
+``.cuda()`` copy. On a CPU-only machine each of these becomes "the CPU" for its call only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dfm.platform.compat.devices import cpu_if_cuda, cpu_torch_view, running_inside, tensor_method_replaced
+from dfm.platform.compat.patch import TargetChanged
+
+
+def cpu_device(*args, **kwargs) -> torch.device:
+    """``torch.device`` where every CUDA spelling (``"cuda"``, ``"cuda:cpu"``, ``("cuda", 0)``) is the CPU."""
+    if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+        return torch.device("cpu")
+    return cpu_if_cuda(torch.device(*args, **kwargs))
+
+
+def cpu_device_torch_view(original: Any):
+    """The CPU view of torch (``devices.cpu_torch_view``) whose ``torch.device`` maps CUDA names to
+    the CPU too: ``f"cuda:{torch.cuda.current_device()}"`` reads ``"cuda:cpu"`` there."""
+    return cpu_torch_view(original, device=cpu_device)
+
+
+class CpuDeviceMesh:
+    """Stands for ``torch.distributed.DeviceMesh`` in a module that builds meshes on ``"cuda"``."""
+
+    def __init__(self, mesh_class):
+        self._mesh_class = mesh_class
+
+    def from_group(self, group, device_type, *args, **kwargs):
+        return self._mesh_class.from_group(group, "cpu", *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._mesh_class, name)
+
+
+def meshes_on_cpu(original):
+    """Replace a module's global ``DeviceMesh`` with one whose ``from_group`` builds CPU meshes."""
+    if not isinstance(original, type) or not hasattr(original, "from_group"):
+        raise TargetChanged(f"the module's global 'DeviceMesh' is {original!r}, not torch's DeviceMesh class")
+    return CpuDeviceMesh(original)
+
+
+def _stay_on_cpu(original):
+    def stay(tensor, *args, **kwargs):
+        return tensor if tensor.device.type == "cpu" else original(tensor, *args, **kwargs)
+
+    return stay
+
+
+def cuda_copies_stay_on_cpu():
+    """``Tensor.cuda()`` returns the CPU tensor itself for the ``with`` block."""
+    return tensor_method_replaced("cuda", _stay_on_cpu)
+
+
+def without_cuda_copies(original):
+    """Wrap a function so its ``.cuda()`` copies stay on the CPU."""
+    return running_inside(cuda_copies_stay_on_cpu, original)
+
+
+class MissingTELinear:
+    """What no module is: stands for Transformer Engine's TELinear when TE is not installed."""
+
+
+def te_linear_or_placeholder(original):
+    """Without Transformer Engine megatron's ``TELinear`` is built on a MagicMock and is no class,
+    so ``isinstance(module, (TELinear,))`` raises; a placeholder class answers False instead."""
+    return original if isinstance(original, type) else MissingTELinear

@@ -1,0 +1,15 @@
+"""FLUX.1 weights between a diffusers folder (FluxTransformer2DModel) and a dfm checkpoint.
+
+    python convert_flux.py import --diffusers FLUX.1-dev/transformer --output ckpt/flux-dev --recipe FLUX.1-dev --verify
+    python convert_flux.py export --checkpoint ckpt/run --output flux-finetuned
+
+Train from an import with ``checkpoint.pretrained=ckpt/flux-dev`` (any parallel layout).
+"""
+
+import sys
+
+from dfm.convert.cli import main
+from dfm.convert.flux import FLUX
+
+if __name__ == "__main__":
+    sys.exit(main(FLUX))

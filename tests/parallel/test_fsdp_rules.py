@@ -1,0 +1,35 @@
+"""Megatron-FSDP's start-up checks (dfm/parallel/rules.py): each refusal names the key to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from dfm.config.errors import ConfigError
+from dfm.config.loader import build_config
+from tests.training.entry import RECIPE_DIR
+
+FSDP = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
+MOVIEGEN = str(RECIPE_DIR / "conf" / "moviegen_tiny.yaml")
+DIT = str(RECIPE_DIR / "conf" / "dit_tiny.yaml")
+
+
+@pytest.mark.parametrize(
+    "config,overrides,world,key",
+    [
+        (DIT, ["ddp.use_torch_fsdp2=true"], 2, "ddp.use_torch_fsdp2"),
+        (DIT, ["ddp.data_parallel_sharding_strategy=optim"], 2, "ddp.use_megatron_fsdp=true"),
+        (DIT, [*FSDP, "model.pipeline_model_parallel_size=2"], 4, "model.pipeline_model_parallel_size"),
+        (DIT, FSDP, 1, "data-parallel x context-parallel size >= 2"),
+        (MOVIEGEN, [*FSDP, "model.expert_model_parallel_size=2"], 2, "model.expert_model_parallel_size"),
+    ],
+)
+def test_refused_naming_the_key(config, overrides, world, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        build_config(None, config, overrides, world_size=world)
+
+
+def test_the_tested_layouts_and_the_28b_recipe_are_accepted():
+    build_config(None, MOVIEGEN, [*FSDP, "model.expert_model_parallel_size=2", "train.global_batch_size=4"], 4)
+    build_config(None, DIT, [*FSDP, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true"], 4)
+    cfg = build_config(None, str(RECIPE_DIR / "conf" / "dit_28b_64k.yaml"), [], world_size=64)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.ddp.use_megatron_fsdp) == (48, 6144, True)

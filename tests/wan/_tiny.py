@@ -1,0 +1,76 @@
+"""A tiny random diffusers Wan 2.1 T2V transformer and its dfm config, built by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+from dfm.config.container import ModelConfig
+from dfm.convert.wan import model_overrides
+
+TEXT_LEN = 8  # text padded per sample, as WanPipeline pads to 512
+TINY = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=4,
+    attention_head_dim=12,
+    in_channels=4,
+    out_channels=4,
+    text_dim=24,
+    freq_dim=256,
+    ffn_dim=64,
+    num_layers=2,
+)
+
+
+def tiny_diffusers_wan(seed: int = 0, std: float = 0.1):
+    """WanTransformer3DModel with every parameter N(0, std^2) (zero or one inits would hide bugs), fp32."""
+    import diffusers
+
+    torch.manual_seed(seed)
+    transformer = diffusers.WanTransformer3DModel(**TINY).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(transformer.named_parameters()):
+            param.copy_(torch.randn(param.shape, generator=gen) * std)
+    return transformer
+
+
+def tiny_model_config(**overrides) -> ModelConfig:
+    fields = {
+        key.split(".", 1)[1]: value for key, value in model_overrides(dict(TINY)).items() if key.startswith("model.")
+    }
+    return ModelConfig(
+        **{**fields, "architecture": "wan", "max_text_len": TEXT_LEN, "attention_backend": "sdpa", **overrides}
+    )
+
+
+def tiny_wan_pipeline_folder(root) -> None:
+    """What data preparation reads of a Wan2.1-T2V-*-Diffusers folder, tiny and random: tokenizer/ and
+    text_encoder/ (UMT5, 24-d like TINY's text_dim), vae/ (AutoencoderKLWan, 4 latent channels)."""
+    from pathlib import Path
+
+    from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+
+    from dfm.data.encoders.tiny import build_tiny_wan_vae
+
+    root = Path(root)
+    torch.manual_seed(0)
+    config = UMT5Config(vocab_size=384, d_model=TINY["text_dim"], d_kv=6, d_ff=32, num_layers=2, num_heads=4)
+    UMT5EncoderModel(config).save_pretrained(root / "text_encoder")
+    ByT5Tokenizer().save_pretrained(root / "tokenizer")
+    build_tiny_wan_vae(root / "vae", 0, TINY["in_channels"])
+
+
+def write_tiny_videos(folder) -> None:
+    """Two captioned clips of 5 frames (1 + 4k for the Wan VAE), 32 x 48, with sidecar captions."""
+    import json
+    from pathlib import Path
+
+    import imageio.v3 as iio
+
+    folder = Path(folder)
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    for name, caption in (("bars", "stripes sliding to the left"), ("dots", "a dot moving up")):
+        frames = (torch.rand(5, 32, 48, 3, generator=gen) * 255).to(torch.uint8).numpy()
+        iio.imwrite(folder / f"{name}.mp4", frames, fps=8)
+        (folder / f"{name}.json").write_text(json.dumps({"caption": caption}))

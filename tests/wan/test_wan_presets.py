@@ -1,0 +1,18 @@
+"""The Wan 2.1 presets have exactly the parameters of diffusers' models with the published configs
+(Wan-AI/Wan2.1-T2V-1.3B-Diffusers and -14B-Diffusers), and their recipes train as Wan does."""
+
+from dfm.config.recipes import get_recipe
+from dfm.models.presets_cli import preset_parameter_counts
+
+PUBLISHED = {"Wan2.1-T2V-1.3B": 1_418_996_800, "Wan2.1-T2V-14B": 14_288_491_584}
+
+
+def test_wan_presets_have_the_published_parameter_counts():
+    assert preset_parameter_counts(list(PUBLISHED)) == PUBLISHED
+
+
+def test_wan_recipes_use_wans_timestep_and_shift():
+    for name in PUBLISHED:
+        cfg = get_recipe(name)
+        assert (cfg.model.architecture, cfg.model.pipeline, cfg.model.max_text_len) == ("wan", "flow", 512)
+        assert (cfg.flow.c_noise_scale, cfg.flow.shift) == (1000.0, 5.0)
