@@ -23,7 +23,6 @@ ARCHITECTURE_KEYS = (
     "patch_temporal",
     "text_embed_dim",
     "qk_layernorm",
-    "pooled_text",
     "pos_embedding",
     "num_classes",
     "num_moe_experts",

@@ -41,9 +41,6 @@ class ModelConfig:
     text_embed_dim: int = 4096
     max_text_len: int = 512
     qk_layernorm: bool = False
-    # Add the caption's mean text feature to the timestep conditioning (adaLN), as SD3 / Flux add a pooled
-    # text vector, besides cross-attention: every block then sees the whole caption at once.
-    pooled_text: bool = False
     layernorm_epsilon: float = 1e-6
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0

@@ -38,7 +38,6 @@ def by_name(name: str, shape: list[int]) -> torch.Tensor:
         ("dit_cross", dict(pos_embedding="learned3d")),
         ("dit_adaln", {}),
         ("stdit", {}),
-        ("moviegen", dict(pooled_text=True)),
         ("moviegen_moe", {}),
     ],
 )

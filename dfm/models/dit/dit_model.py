@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from torch import Tensor, nn
 
 from dfm.data.packed_batch import PackedBatch
-from dfm.models.common.adaln import AdaLNNorm, modulate, rows_to_tokens, sum_rows_by_index_add
+from dfm.models.common.adaln import AdaLNNorm, modulate, rows_to_tokens
 from dfm.models.common.context_parallel import UlyssesAttention, local_query_attention
 from dfm.models.common.embeddings import (
     FactorizedLearned3DEmbedding,
@@ -63,17 +63,6 @@ class TextEmbedder(nn.Module):
 
     def forward(self, context: Tensor) -> Tensor:
         return self.mlp(context)
-
-
-def pooled_text(batch: PackedBatch) -> Tensor:
-    """context [S_kv, D_text] -> [N, D_text]: each sample's mean over its real text tokens (null text: 0)."""
-    lengths, padded = batch.text_lengths.long(), batch.padded_text_lengths.long()
-    samples = torch.arange(len(lengths), device=lengths.device)
-    owner = torch.repeat_interleave(samples, padded, output_size=batch.context.shape[0])  # [S_kv]
-    offset = torch.arange(len(owner), device=owner.device) - batch.cu_seqlens_kv_padded.long()[owner]
-    real = (offset < lengths[owner]).to(batch.context.dtype)[:, None]
-    sums = sum_rows_by_index_add(batch.context * real, owner, len(lengths))
-    return sums / lengths.clamp(min=1)[:, None].to(sums.dtype)
 
 
 def _mark_replicated_across_stages(module: nn.Module) -> None:
@@ -134,9 +123,6 @@ class DiTModel(MegatronModule):
         if self.cross:
             self.text_embedder = TextEmbedder(model_cfg.text_embed_dim, h)
             _mark_replicated_across_stages(self.text_embedder)
-        if model_cfg.pooled_text:
-            self.pooled_text_embedder = TextEmbedder(model_cfg.text_embed_dim, h)
-            _mark_replicated_across_stages(self.pooled_text_embedder)
         if model_cfg.num_classes:
             # One extra row is the null class for classifier-free guidance.
             self.class_embedder = nn.Embedding(model_cfg.num_classes + 1, h)
@@ -164,12 +150,9 @@ class DiTModel(MegatronModule):
         """Local parameter name -> its name in the whole (unpipelined, one expert rank) model."""
         return global_param_name(name, self.layer_offset, self.config.num_moe_experts)
 
-    def conditioning(self, c_noise: Tensor, class_labels: Tensor | None, batch: PackedBatch | None = None) -> Tensor:
-        """[N] noise levels (+ [N] labels; None: the null class; + the pack's pooled text when
-        ``model.pooled_text``) -> [N, h]."""
+    def conditioning(self, c_noise: Tensor, class_labels: Tensor | None) -> Tensor:
+        """[N] noise levels (+ [N] labels; None: the null class) -> [N, h]."""
         cond = self.t_embedder(c_noise)
-        if self.model_cfg.pooled_text:
-            cond = cond + self.pooled_text_embedder(pooled_text(batch).to(cond.dtype))
         if self.model_cfg.num_classes:
             if class_labels is None:
                 class_labels = torch.full_like(c_noise, self.model_cfg.num_classes, dtype=torch.long)
@@ -191,7 +174,7 @@ class DiTModel(MegatronModule):
         sp = self.config.sequence_parallel
         split = self.layout.pack_split(batch)
         token_ids = split.local(batch.token_sample_ids())
-        inputs = self.pack_inputs(batch, split, self.conditioning(c_noise, class_labels, batch), token_ids)
+        inputs = self.pack_inputs(batch, split, self.conditioning(c_noise, class_labels), token_ids)
         if self.pre_process:
             hidden = self.embed_patches(split.local(x_in), split.local(batch.pos_ids))
             if sp:
