@@ -25,9 +25,12 @@ from dfm.convert.diffusers_folder import model_folder, read_diffusers_folder, wr
 from dfm.convert.pretrained import read_full_weights, save_pretrained_checkpoint
 from dfm.convert.rules import ConversionError, Rule, to_dfm, to_diffusers
 from dfm.errors import ConfigError
+from dfm.parallel.layout import ParallelLayout
 
 logger = logging.getLogger("dfm.convert")
 
+# The converters' TP and PP size flags, named as their config keys.
+RECORDED_SIZES = tuple(ParallelLayout.key(name).removeprefix("model.") for name in ("tp", "pp"))
 VERIFY_LINE = "max abs diff vs diffusers: {:.3g}"
 
 
@@ -94,7 +97,7 @@ def parser_for(family: Family) -> argparse.ArgumentParser:
     imp.add_argument("--output", required=True, help="checkpoint root to write")
     imp.add_argument("--recipe", help="base recipe (e.g. the published model's); the diffusers config sets the model")
     imp.add_argument("--verify", action="store_true", help="run diffusers and dfm on random packed inputs")
-    for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+    for size in RECORDED_SIZES:
         # dfm checkpoints reshard on load: the sizes are only recorded in the saved config.
         imp.add_argument(f"--{size}", type=int, help="recorded in the checkpoint's config; any layout loads it")
     imp.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. mixed_precision.precision=bf16")
@@ -110,9 +113,7 @@ def main(family: Family, argv: Sequence[str] | None = None) -> int:
     args = parser_for(family).parse_args(argv)
     if args.command == "import":
         args.overrides = list(args.overrides) + [
-            f"model.{size}={getattr(args, size)}"
-            for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-            if getattr(args, size)
+            f"model.{size}={getattr(args, size)}" for size in RECORDED_SIZES if getattr(args, size)
         ]
     try:
         (import_model if args.command == "import" else export_model)(family, args)

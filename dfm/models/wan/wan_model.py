@@ -26,6 +26,7 @@ from dfm.models.dit.dit_model import DiTModel, _mark_replicated_across_stages
 from dfm.models.wan.text_padding import pad_text_per_sample
 from dfm.models.wan.wan_head import WanHead
 from dfm.models.wan.wan_layer import NUM_BLOCK_MODULATIONS
+from dfm.parallel.layout import layout_of
 from dfm.parallel.sequence_split import SequenceSplit
 
 
@@ -35,10 +36,11 @@ class WanModel(DiTModel):
     def __init__(self, config, layer_spec, model_cfg, pre_process=True, post_process=True, vp_stage=None):
         if model_cfg.pos_embedding != "rope3d" or model_cfg.num_classes:
             raise ValueError("model.architecture=wan needs model.pos_embedding=rope3d and no model.num_classes")
-        if config.sequence_parallel and model_cfg.max_text_len % config.tensor_model_parallel_size:
+        layout = layout_of(config)
+        if layout.sp and model_cfg.max_text_len % layout.tp:
             raise ValueError(
                 f"model.max_text_len={model_cfg.max_text_len} must be a multiple of "
-                f"model.tensor_model_parallel_size={config.tensor_model_parallel_size} under sequence parallelism"
+                f"{layout.key('tp')}={layout.tp} under sequence parallelism"
             )
         super().__init__(config, layer_spec, model_cfg, pre_process, post_process, vp_stage)
         h = config.hidden_size
