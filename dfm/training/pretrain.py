@@ -25,6 +25,7 @@ from dfm.models.dit.flops import dit_training_flops
 from dfm.parallel.layout import ParallelLayout, launched_world_size
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.platform.parent_watch import checkpoint_writer_queue_dies_with_us, die_with_launcher
+from dfm.platform.process_exit import skip_final_gc_at_exit
 from dfm.training.data import build_train_loader, build_val_iterator
 from dfm.training.ema import build_ema
 from dfm.training.faults import NonFiniteGuard, PreemptionSignal, grads_are_finite
@@ -143,6 +144,7 @@ def train_step(forward_step, data_iter, model, optimizer, scheduler, n_micro: in
 
 
 def pretrain(cfg: ConfigContainer, mock: bool) -> None:
+    skip_final_gc_at_exit()
     die_with_launcher()
     if cfg.checkpoint.save:
         checkpoint_writer_queue_dies_with_us()

@@ -9,7 +9,7 @@ import torch
 from dfm.config.recipes import get_recipe
 from dfm.convert.pretrained import read_full_weights, save_pretrained_checkpoint, single_process_world
 from dfm.models.build import build_model
-from tests.parallel.test_layout_equivalence import WEIGHTS_ENTRY
+from tests.parallel.equivalence import WEIGHTS_ENTRY
 from tests.training.entry import run_entry
 
 

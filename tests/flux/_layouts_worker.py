@@ -19,6 +19,7 @@ from dfm.models.build import build_model
 from dfm.models.common.init import mark_tensor_parallel_weights, take_shard
 from dfm.parallel import ParallelLayout
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
+from dfm.platform.process_exit import skip_final_gc_at_exit
 
 LAYOUTS = {"tp2_sp": dict(tp=2, sp=True), "cp2": dict(cp=2), "pp2": dict(pp=2)}
 
@@ -64,4 +65,5 @@ def main(case: Path, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    skip_final_gc_at_exit()
     main(Path(sys.argv[1]), Path(sys.argv[2]))

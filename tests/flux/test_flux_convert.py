@@ -14,7 +14,7 @@ from dfm.convert.cli import main
 from dfm.convert.flux import FLUX, flux_rules
 from dfm.convert.rules import to_diffusers
 from tests.flux._tiny import dfm_config_and_weights, tiny_diffusers_flux
-from tests.parallel.test_layout_equivalence import WEIGHTS_ENTRY
+from tests.parallel.equivalence import WEIGHTS_ENTRY
 from tests.training.entry import run_entry
 
 FLUX_TINY = (

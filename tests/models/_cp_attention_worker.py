@@ -21,6 +21,7 @@ from dfm.models.common.packed_attention import (
 )
 from dfm.parallel import ParallelLayout
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
+from dfm.platform.process_exit import skip_final_gc_at_exit
 
 HEADS, HEAD_DIM = 4, 8
 SCALE = HEAD_DIM**-0.5
@@ -147,4 +148,5 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    skip_final_gc_at_exit()
     main(Path(sys.argv[1]))

@@ -11,7 +11,8 @@ import pytest
 
 from dfm.config import ConfigError, ModelConfig, build_config
 from dfm.parallel import ParallelLayout
-from tests.parallel.test_layout_equivalence import CASES, world_size
+from tests.parallel.equivalence import world_size
+from tests.parallel.test_layout_equivalence import CASES
 from tests.training.entry import RECIPE_DIR
 
 DFM = Path(__file__).resolve().parents[2] / "dfm"

@@ -1,50 +1,28 @@
 """Every model family, several parallel layouts, through the real entry point: the same losses,
 gradient norms and updated weights as the single-process run from the same seed and data
-(3 optimizer steps).
-
-Each run dumps every parameter gathered to its full tensor under its global name
-(``_weights_entry.py``: TP shards concatenated, pipeline stages and expert-parallel ranks
-merged, replicas checked bitwise equal), and the test compares all of them with the
-single-process run's. A layout runs on tp x pp x cp processes, or on 2 (data parallel) when
-that product is 1.
-
-Tolerances:
-* losses rel 1e-4, grad norms rel 1e-3: float sums in a different order.
-* weights atol 1e-6 (lr 1e-3, 3 Adam steps: updates ~3e-3 on weights up to ~0.3). Dense layouts
-  agree far inside it (TP=2+SP: max |diff| 7e-9); a layout bug moves weights by ~lr (a missing
-  SP gradient reduction in adaLN was found this way: 1.5e-3).
-* MoE with EP=2 x DP=2 agrees to ~1e-8 since the mock loader forms packs over the global
-  stream (dfm/data/mock.py): the load-balancing loss is computed per pack, so DP=2 must train
-  on the same packs as one process with 2 micro-batches, not only on the same samples.
-"""
+(tests/parallel/equivalence.py: how runs are compared, and the tolerances)."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
-import torch
 
-from tests.training.entry import RECIPE_DIR, read_metrics, run_entry
-
-WEIGHTS_ENTRY = Path(__file__).resolve().parent / "_weights_entry.py"
-
-WEIGHT_ATOL = 1e-6
-DP_DATA = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=2"]  # same samples for DP=1 and DP=2
-# Gradient accumulation: 2 micro-batches per DP rank and step (4 on the single process).
-ACCUMULATE = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=4"]
-TP2, PP2, SP = (
-    "model.tensor_model_parallel_size=2",
-    "model.pipeline_model_parallel_size=2",
-    "model.sequence_parallel=true",
+from tests.parallel.equivalence import (
+    ACCUMULATE,
+    CP2,
+    DIST_OPT,
+    DP_DATA,
+    EP2,
+    FLUX_TINY,
+    PP2,
+    SP,
+    TP2,
+    VPP,
+    assert_same_metrics,
+    assert_same_weights,
+    train,
+    world_size,
 )
-DIST_OPT = "ddp.use_distributed_optimizer=true"
-# Virtual pipeline: 4 layers in 2 chunks per stage (megatron's interleaved 1F1B schedule), with the
-# 4 accumulated micro-batches so both stages also run its steady state, not only warm-up/cool-down.
-VPP = ["model.num_layers=4", PP2, "model.virtual_pipeline_model_parallel_size=2", *ACCUMULATE]
-FLUX_TINY = "../../flux/conf/flux_tiny"  # conf paths are relative to the DiT recipe's conf/
+
 CASES = [
     ("dit_tiny", [TP2, SP], []),
     ("dit_tiny", [PP2], []),
@@ -55,78 +33,23 @@ CASES = [
     ("stdit_tiny", [PP2], []),
     ("moviegen_tiny", [TP2, SP], []),
     ("moviegen_tiny", [PP2], []),
-    ("moviegen_tiny", ["model.expert_model_parallel_size=2", DIST_OPT, *DP_DATA], DP_DATA),
+    ("moviegen_tiny", [EP2, DIST_OPT, *DP_DATA], DP_DATA),
     ("moviegen_tiny", [TP2, SP, PP2], []),
-    ("dit_tiny", ["model.context_parallel_size=2"], []),
-    ("stdit_tiny", ["model.context_parallel_size=2"], []),
-    ("moviegen_tiny", ["model.context_parallel_size=2"], []),
-    ("dit_tiny", [TP2, SP, "model.context_parallel_size=2"], []),
+    ("dit_tiny", [CP2], []),
+    ("stdit_tiny", [CP2], []),
+    ("moviegen_tiny", [CP2], []),
+    ("dit_tiny", [TP2, SP, CP2], []),
     ("stdit_tiny", [TP2, SP], []),
-    ("stdit_tiny", [TP2, SP, "model.context_parallel_size=2"], []),
+    ("stdit_tiny", [TP2, SP, CP2], []),
     # Every family gets every dimension and both named combinations (TP x CP, PP x TP).
     ("stdit_tiny", [DIST_OPT, *DP_DATA], DP_DATA),
     ("stdit_tiny", [TP2, SP, PP2], []),
-    ("moviegen_tiny", [TP2, SP, "model.context_parallel_size=2"], []),
+    ("moviegen_tiny", [TP2, SP, CP2], []),
     ("dit_tiny", VPP, ["model.num_layers=4", *ACCUMULATE]),
     (FLUX_TINY, [TP2, SP], []),
     # Wan: q/k RMSNorm across the heads that TP splits (all-reduced sum of squares), its affine norm2 under SP.
     ("wan_tiny", [TP2, SP], []),
 ]
-
-
-@dataclass
-class Run:
-    metrics: list[dict]
-    weights: dict[str, torch.Tensor]
-
-
-def world_size(layout: list[str]) -> int:
-    sizes = dict(item.split("=", 1) for item in layout)
-    model_parallel = math.prod(
-        int(sizes.get(f"model.{kind}_parallel_size", 1)) for kind in ("tensor_model", "pipeline_model", "context")
-    )
-    return model_parallel if model_parallel > 1 else 2
-
-
-def train(tmp: Path, config: str, nproc: int, overrides: list[str]) -> Run:
-    log_dir = tmp / f"{Path(config).name}-{nproc}-{abs(hash(tuple(overrides)))}"
-    conf = RECIPE_DIR / "conf" / f"{config}.yaml"
-    weights = log_dir / "full_weights.pt"
-    args = ["train.train_iters=3", f"logger.log_dir={log_dir}", *overrides]
-    result = run_entry(nproc, args, entry=WEIGHTS_ENTRY, env={"DFM_TEST_FULL_WEIGHTS": str(weights)}, config=conf)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return Run(read_metrics(log_dir), torch.load(weights))
-
-
-@pytest.fixture(scope="module")
-def reference_runs(tmp_path_factory):
-    tmp, cache = tmp_path_factory.mktemp("reference"), {}
-
-    def reference(config: str, overrides: list[str]) -> Run:
-        key = (config, tuple(overrides))
-        if key not in cache:
-            cache[key] = train(tmp, config, 1, overrides)
-        return cache[key]
-
-    return reference
-
-
-def assert_same_metrics(expected: list[dict], actual: list[dict]) -> None:
-    assert [r["iteration"] for r in actual] == [1, 2, 3]
-    for ref, got in zip(expected, actual):
-        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (ref["iteration"], ref["loss"], got["loss"])
-        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-3), (
-            ref["iteration"],
-            ref["grad_norm"],
-            got["grad_norm"],
-        )
-
-
-def assert_same_weights(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
-    assert sorted(actual) == sorted(expected)
-    for name, ref in expected.items():
-        assert actual[name].shape == ref.shape, (name, actual[name].shape, ref.shape)
-        torch.testing.assert_close(actual[name], ref, rtol=0, atol=WEIGHT_ATOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("config,layout,reference_overrides", CASES, ids=lambda v: v if isinstance(v, str) else None)

@@ -16,6 +16,8 @@ import traceback
 
 import torch
 
+from dfm.platform.process_exit import skip_final_gc_at_exit
+
 SEED = 1234
 VOCAB, SEQ, MICRO_BATCH, HIDDEN, HEADS = 64, 16, 2, 32, 4
 TRAIN_STEPS = 4
@@ -469,4 +471,5 @@ def main():
 
 
 if __name__ == "__main__":
+    skip_final_gc_at_exit()
     main()

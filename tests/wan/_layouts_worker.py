@@ -27,6 +27,7 @@ from dfm.models.build import build_model_chunk
 from dfm.models.common.init import take_shard
 from dfm.parallel import ParallelLayout
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
+from dfm.platform.process_exit import skip_final_gc_at_exit
 from tests.wan._tiny import TEXT_LEN, tiny_diffusers_wan, tiny_model_config
 
 LAYOUTS = {
@@ -117,4 +118,5 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    skip_final_gc_at_exit()
     main(Path(sys.argv[1]))

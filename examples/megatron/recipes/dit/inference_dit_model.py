@@ -8,6 +8,8 @@
 import sys
 
 from dfm.inference.generate import main
+from dfm.platform.process_exit import skip_final_gc_at_exit
 
 if __name__ == "__main__":  # dist_checkpointing may start worker processes: keep this guard
+    skip_final_gc_at_exit()
     main(sys.argv[1:])

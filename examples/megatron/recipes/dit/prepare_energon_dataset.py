@@ -21,6 +21,7 @@ import torch
 from dfm.data.prepare.buckets import RESOLUTION_PRESETS
 from dfm.data.prepare.captions import CAPTION_FORMATS
 from dfm.data.prepare.pipeline import DEFAULT_T5, DEFAULT_VAE, PrepareSettings, prepare_dataset, settings_from_env
+from dfm.platform.process_exit import skip_final_gc_at_exit
 
 
 def add_encoding_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,4 +101,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    skip_final_gc_at_exit()
     sys.exit(main())

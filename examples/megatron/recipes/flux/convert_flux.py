@@ -10,6 +10,8 @@ import sys
 
 from dfm.convert.cli import main
 from dfm.convert.flux import FLUX
+from dfm.platform.process_exit import skip_final_gc_at_exit
 
 if __name__ == "__main__":
+    skip_final_gc_at_exit()
     sys.exit(main(FLUX))

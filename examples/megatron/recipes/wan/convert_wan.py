@@ -9,6 +9,8 @@ import sys
 
 from dfm.convert.cli import main
 from dfm.convert.wan import WAN
+from dfm.platform.process_exit import skip_final_gc_at_exit
 
 if __name__ == "__main__":
+    skip_final_gc_at_exit()
     sys.exit(main(WAN))

@@ -26,6 +26,7 @@ from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_direc
 from dfm.inference.encoders import Encoders, EncoderSources, check_encoders_match, load_encoders
 from dfm.inference.generation_batch import draw_noise, generation_pack, null_text_batch
 from dfm.inference.sampling import sample_latents
+from dfm.platform.process_exit import skip_final_gc_at_exit
 from digits.classifier import DigitClassifier, train_digit_classifier
 from digits.clip_scores import judge_clips, motion_accuracy
 from digits.clips import ClipSpec, all_captions, clip_caption
@@ -216,4 +217,5 @@ def main(argv: Sequence[str] | None = None) -> list[DigitScores]:
 
 
 if __name__ == "__main__":  # dist_checkpointing may start worker processes: keep this guard
+    skip_final_gc_at_exit()
     main()
