@@ -28,6 +28,9 @@ class EncoderSources:
     clip: str | None = None
 
 
+NEEDS_CLIP = "a FLUX model needs CLIP's pooled prompt vector: pass --clip (a CLIP folder or the FLUX.1 folder)"
+
+
 @dataclass
 class Encoders:
     text: T5TextEncoder
@@ -87,7 +90,7 @@ def check_encoders_match(encoders: Encoders, model_cfg) -> None:
             f"trained with model.in_channels={model_cfg.in_channels}"
         )
     if uses_pooled_text(model_cfg) and encoders.pooled is None:
-        raise ValueError("a FLUX model needs CLIP's pooled prompt vector: pass --clip (the FLUX.1 folder)")
+        raise ValueError(NEEDS_CLIP)
     if encoders.pooled is not None and encoders.pooled.embed_dim != model_cfg.pooled_text_dim:
         raise ValueError(
             f"CLIP {encoders.pooled.name} pools to {encoders.pooled.embed_dim} but the model was trained with "

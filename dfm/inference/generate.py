@@ -26,7 +26,14 @@ from dfm.data.prepare.pipeline import DEFAULT_T5, DEFAULT_VAE
 from dfm.diffusion.flow import shift_for_num_tokens
 from dfm.diffusion.pipeline import DiffusionPipeline, pipeline_from_config
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
-from dfm.inference.encoders import EncoderSources, check_encoders_match, load_encoders, tiny_random_encoders
+from dfm.inference.encoders import (
+    NEEDS_CLIP,
+    EncoderSources,
+    check_encoders_match,
+    load_encoders,
+    tiny_random_encoders,
+    uses_pooled_text,
+)
 from dfm.inference.generation_batch import draw_noise, generation_batch, latent_shape_for
 from dfm.inference.media import check_output_path, to_uint8_frames, write_media
 from dfm.inference.sampling import sample_latent
@@ -84,6 +91,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def encoders_for(args: argparse.Namespace, model_cfg, device: torch.device, scratch: Path):
     if args.tiny_random_encoders:
         return tiny_random_encoders(model_cfg, scratch / "tiny_encoders", model_cfg.max_text_len, device, args.seed)
+    if uses_pooled_text(model_cfg) and args.clip is None:  # before the (large) encoders load
+        raise ValueError(NEEDS_CLIP)
     sources = EncoderSources(
         t5=args.t5,
         t5_cache_dir=args.t5_cache_dir,

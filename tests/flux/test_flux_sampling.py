@@ -6,7 +6,9 @@ FLUX VAE decodes them (its shift and scaling factors) to the pipeline's image.""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from argparse import Namespace
+from pathlib import Path
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
@@ -69,20 +71,32 @@ def run_pipeline(pipeline: FluxPipeline, noise: torch.Tensor) -> tuple[torch.Ten
     return latents, image
 
 
+def flux_pipeline_folder(tmp_path) -> Path:
+    """The tiny encoders laid out as a FLUX.1-dev folder (CLIP in text_encoder/ + tokenizer/, T5 in
+    text_encoder_2/ + tokenizer_2/, vae/): what the docs' --t5 / --clip / --vae FLUX.1-dev read."""
+    paths = build_tiny_random_encoders(
+        tmp_path / "tiny",
+        text_dim=TINY["joint_attention_dim"],
+        latent_channels=TINY["in_channels"] // 4,
+        pooled_dim=TINY["pooled_projection_dim"],
+    )
+    root = tmp_path / "FLUX.1-tiny"
+    layout = {"text_encoder": paths.clip_dir, "tokenizer": paths.clip_dir, "vae": paths.flux_vae_dir}
+    layout |= {"text_encoder_2": paths.t5_dir, "tokenizer_2": paths.t5_dir}
+    for name, folder in layout.items():
+        shutil.copytree(folder, root / name)
+    return root
+
+
 def test_dfm_sampling_equals_fluxpipeline(tmp_path):
     reference = tiny_diffusers_flux()
     cfg, weights = dfm_config_and_weights(reference)
     model_cfg = dataclasses.replace(cfg.model, max_text_len=TEXT_LEN)
     cfg = dataclasses.replace(cfg, model=model_cfg, flow=dataclasses.replace(cfg.flow, dynamic_shift=True))
     cfg, _ = with_embedded_guidance(cfg, GUIDANCE)
-    paths = build_tiny_random_encoders(
-        tmp_path,
-        text_dim=TINY["joint_attention_dim"],
-        latent_channels=model_cfg.in_channels,
-        pooled_dim=TINY["pooled_projection_dim"],
-    )
-    sources = EncoderSources(t5=str(paths.t5_dir), vae=str(paths.flux_vae_dir), vae_subfolder=None)
-    encoders = load_encoders(dataclasses.replace(sources, clip=str(paths.clip_dir)), TEXT_LEN, torch.device("cpu"))
+    root = str(flux_pipeline_folder(tmp_path))
+    encoders = load_encoders(EncoderSources(t5=root, vae=root, clip=root), TEXT_LEN, torch.device("cpu"))
+    assert type(encoders.text.model).__name__ == "T5EncoderModel" and encoders.vae.kind == "kl"
     noise = draw_noise(latent_shape_for(encoders.vae, cfg.model, HEIGHT, WIDTH, 1), seed=3)
     args = Namespace(num_steps=STEPS, guidance_scale=GUIDANCE, sampler=None, seed=0, negative_prompt=None)
     with converted_model(cfg.model, weights, cfg.rng.seed) as model:

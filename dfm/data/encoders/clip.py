@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, CLIPTextModel
 
-from dfm.data.encoders.t5 import pipeline_encoder_folders
+from dfm.data.encoders.pipeline_folder import pipeline_encoder_folders
 
 CLIP_MODEL_TYPES = ("clip_text_model",)
 

@@ -11,29 +11,14 @@ attention mask) and ``full_length`` (FLUX.1's, as FluxPipeline: every caption pa
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, T5EncoderModel, UMT5EncoderModel
 
+from dfm.data.encoders.pipeline_folder import pipeline_encoder_folders
+
 ENCODER_CLASSES = {"t5": T5EncoderModel, "umt5": UMT5EncoderModel}
-
-
-# (tokenizer, text encoder) subfolders of a diffusers pipeline folder, in the order they are tried.
-PIPELINE_SUBFOLDERS = (("tokenizer", "text_encoder"), ("tokenizer_2", "text_encoder_2"))
-
-
-def pipeline_encoder_folders(source: str, model_types: tuple[str, ...]) -> tuple[str, str]:
-    """(tokenizer, model) sources: in a diffusers pipeline folder, the first subfolder pair whose text
-    encoder is one of ``model_types``; else ``source`` itself for both."""
-    root = Path(source)
-    for tokenizer, encoder in PIPELINE_SUBFOLDERS:
-        config = root / encoder / "config.json"
-        if (root / tokenizer).is_dir() and config.is_file():
-            if json.loads(config.read_text()).get("model_type") in model_types:
-                return str(root / tokenizer), str(root / encoder)
-    return source, source
 
 
 class T5TextEncoder:

@@ -112,10 +112,8 @@ def tiny_vae_choice(paths: TinyEncoderPaths, settings: PrepareSettings) -> tuple
     return paths.wan_vae_dir, "wan"
 
 
-def load_flux_clip(clip_source: str | Path | None, vae: VideoVAE, device: str) -> CLIPPooledEncoder:
+def load_flux_clip(clip_source: str | Path, vae: VideoVAE, device: str) -> CLIPPooledEncoder:
     """FLUX's CLIP, after checking the VAE is FLUX's kind (an AutoencoderKL)."""
-    if clip_source is None:
-        raise ValueError("--encoders flux needs --clip: a CLIP text encoder folder or the FLUX.1 pipeline folder")
     if vae.kind != "kl":
         raise ValueError(f"--encoders flux needs FLUX's AutoencoderKL; --vae {vae.name} is a {vae.kind!r} VAE")
     return CLIPPooledEncoder.from_pretrained(clip_source, device=device)
@@ -135,6 +133,8 @@ def load_encoders(settings: PrepareSettings) -> Encoders:
         (vae_source, kind), t5_source, subfolder = tiny_vae_choice(paths, settings), paths.t5_dir, None
         clip_source = paths.clip_dir
     flux = settings.encoders == "flux"
+    if flux and clip_source is None:  # before any model loads
+        raise ValueError("--encoders flux needs --clip: a CLIP text encoder folder or the FLUX.1 pipeline folder")
     text = T5TextEncoder.from_pretrained_or_cache(
         t5_source, settings.t5_cache_dir, max_length=settings.max_text_len, device=settings.device, full_length=flux
     )
