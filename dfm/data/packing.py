@@ -32,6 +32,17 @@ def _scatter_segments(parts: Sequence[torch.Tensor], offsets: torch.Tensor, tota
     return out
 
 
+def stack_pooled_text(samples: Sequence[DiffusionSample]) -> torch.Tensor | None:
+    """[N, D_pool] when the samples carry pooled text vectors, None when none does."""
+    pooled = [s.pooled_text for s in samples]
+    if all(p is None for p in pooled):
+        return None
+    if any(p is None for p in pooled):
+        missing = [s.metadata.get("key", s.sample_index) for s in samples if s.pooled_text is None]
+        raise ValueError(f"samples {missing} have no pooled text vector while others in their pack do")
+    return torch.stack(pooled).float()
+
+
 def pack_samples(samples: Sequence[DiffusionSample], segment_multiple: int = 1, total_multiple: int = 1) -> PackedBatch:
     """Pack samples along the sequence.
 
@@ -59,4 +70,5 @@ def pack_samples(samples: Sequence[DiffusionSample], segment_multiple: int = 1, 
         loss_mask=_scatter_segments(ones, q_offsets, total_q),
         latent_shape=torch.tensor([list(s.latent_shape) for s in samples], dtype=torch.long),
         sample_index=torch.tensor([s.sample_index for s in samples], dtype=torch.long),
+        pooled_text=stack_pooled_text(samples),
     )

@@ -16,6 +16,7 @@ class DiffusionSample:
     latent_shape: tuple[int, int, int, int]  # (C, T, H, W) of the latent before patchify
     sample_index: int  # global index in the data stream
     metadata: dict[str, Any] = field(default_factory=dict)
+    pooled_text: torch.Tensor | None = None  # [D_pool] pooled text vector (FLUX); None: none
 
     @property
     def seq_len_q(self) -> int:

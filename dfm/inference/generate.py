@@ -2,11 +2,17 @@
 
     python inference_dit_model.py --checkpoint_path CKPT --prompt "..." [--num_video_frames 17] \
         [--height 256 --width 256] [--num_steps 35 --guidance_scale 7 --sampler heun] [--video_save_path out.mp4]
+
+FLUX.1 (as FluxPipeline): ``--t5 FLUX.1-dev --clip FLUX.1-dev --vae FLUX.1-dev``; the prompt's T5 text at
+full length and CLIP's pooled vector condition the model, ``--guidance_scale`` is the guidance-distilled
+model's guidance input (no classifier-free pass), the flow shift follows the token count
+(``flow.dynamic_shift``) and the latents are decoded with the VAE's shift and scaling factors.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import tempfile
 from collections.abc import Sequence
@@ -14,10 +20,20 @@ from pathlib import Path
 
 import torch
 
+from dfm.config.container import ConfigContainer
+from dfm.data.packed_batch import PackedBatch
 from dfm.data.prepare.pipeline import DEFAULT_T5, DEFAULT_VAE
-from dfm.diffusion.pipeline import pipeline_from_config
+from dfm.diffusion.flow import shift_for_num_tokens
+from dfm.diffusion.pipeline import DiffusionPipeline, pipeline_from_config
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
-from dfm.inference.encoders import EncoderSources, check_encoders_match, load_encoders, tiny_random_encoders
+from dfm.inference.encoders import (
+    NEEDS_CLIP,
+    EncoderSources,
+    check_encoders_match,
+    load_encoders,
+    tiny_random_encoders,
+    uses_pooled_text,
+)
 from dfm.inference.generation_batch import draw_noise, generation_batch, latent_shape_for
 from dfm.inference.media import check_output_path, to_uint8_frames, write_media
 from dfm.inference.sampling import sample_latent
@@ -34,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_video_frames", type=int, default=1, help="1: an image; else 1 + 4k for the Wan VAE")
     p.add_argument("--fps", type=int, default=16)
     p.add_argument("--num_steps", type=int, default=35)
-    p.add_argument("--guidance_scale", type=float, default=7.0, help="classifier-free guidance; 1 disables it")
+    p.add_argument(
+        "--guidance_scale",
+        type=float,
+        default=7.0,
+        help="classifier-free guidance (1 disables it); FLUX: the distilled model's guidance input (e.g. 3.5)",
+    )
     p.add_argument(
         "--negative_prompt", default=None, help="text of the guidance's unconditional pass (Wan's); default: no text"
     )
@@ -50,8 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vae_subfolder", default="vae", help="'' for a folder that is the VAE itself")
     p.add_argument("--vae_kind", choices=["auto", "wan", "kl"], default="auto")
     p.add_argument("--vae_cache_dir")
+    p.add_argument("--clip", help="FLUX: CLIP text encoder folder or the FLUX.1 pipeline folder (pooled prompt)")
     p.add_argument(
-        "--tiny_random_encoders", action="store_true", help="tiny random T5 + VAE shaped to the checkpoint (tests)"
+        "--tiny_random_encoders",
+        action="store_true",
+        help="tiny random T5 (+ CLIP) + VAE shaped to the checkpoint (tests)",
     )
     return p
 
@@ -67,6 +91,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def encoders_for(args: argparse.Namespace, model_cfg, device: torch.device, scratch: Path):
     if args.tiny_random_encoders:
         return tiny_random_encoders(model_cfg, scratch / "tiny_encoders", model_cfg.max_text_len, device, args.seed)
+    if uses_pooled_text(model_cfg) and args.clip is None:  # before the (large) encoders load
+        raise ValueError(NEEDS_CLIP)
     sources = EncoderSources(
         t5=args.t5,
         t5_cache_dir=args.t5_cache_dir,
@@ -74,38 +100,76 @@ def encoders_for(args: argparse.Namespace, model_cfg, device: torch.device, scra
         vae_subfolder=args.vae_subfolder or None,
         vae_kind=args.vae_kind,
         vae_cache_dir=args.vae_cache_dir,
+        clip=args.clip,
     )
     return load_encoders(sources, model_cfg.max_text_len, device)
+
+
+def with_embedded_guidance(cfg: ConfigContainer, guidance_scale: float) -> tuple[ConfigContainer, float]:
+    """-> (config to sample with, classifier-free guidance scale). FLUX is guidance-distilled: the scale
+    is the model's guidance input (FLUX.1-dev; FLUX.1-schnell has none) and no unconditional pass runs."""
+    if cfg.model.architecture != "flux":
+        return cfg, guidance_scale
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, guidance=guidance_scale)), 1.0
+
+
+def sampling_pipeline(cfg: ConfigContainer, num_tokens: int) -> DiffusionPipeline:
+    """The config's pipeline; with ``flow.dynamic_shift`` its shift is the one for ``num_tokens`` (FLUX)."""
+    if cfg.model.pipeline == "flow" and cfg.flow.dynamic_shift:
+        cfg = dataclasses.replace(cfg, flow=dataclasses.replace(cfg.flow, shift=shift_for_num_tokens(num_tokens)))
+    return pipeline_from_config(cfg)
+
+
+def prompt_batch(prompt: str, noise: torch.Tensor, encoders, model_cfg) -> PackedBatch:
+    """noise [C, T', H', W'] + prompt -> a one-sample pack: the prompt's T5 text and, for FLUX, CLIP's
+    pooled vector [1, D_pool]."""
+    batch = generation_batch(noise, encoders.text.encode([prompt])[0], model_cfg)
+    if encoders.pooled is not None:
+        batch.pooled_text = encoders.pooled.encode([prompt])
+    return batch
+
+
+def sample_prompt(
+    model: torch.nn.Module,
+    cfg: ConfigContainer,
+    encoders,
+    prompt: str,
+    noise: torch.Tensor,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> torch.Tensor:
+    """The clean latent [C, T', H', W'] sampled from ``noise`` for ``prompt`` (``cfg`` from
+    ``with_embedded_guidance``; args: num_steps, guidance_scale, sampler, seed, negative_prompt)."""
+    _, guidance_scale = with_embedded_guidance(cfg, args.guidance_scale)
+    batch = prompt_batch(prompt, noise, encoders, cfg.model).to(device)
+    uncond = None
+    if args.negative_prompt is not None:
+        uncond = prompt_batch(args.negative_prompt, noise, encoders, cfg.model).to(device)
+    logger.info("sampling a latent of shape %s (%d tokens)", tuple(noise.shape), batch.seq_len)
+    return sample_latent(
+        model,
+        sampling_pipeline(cfg, batch.seq_len),
+        cfg.model.pipeline,
+        batch,
+        cfg.model,
+        args.num_steps,
+        guidance_scale,
+        args.sampler,
+        args.seed,
+        uncond,
+    )
 
 
 def generate(args: argparse.Namespace, device: torch.device) -> Path:
     """Checkpoint + prompt -> written file. Needs ``initialize_distributed()`` done (TP = PP = 1)."""
     directory = checkpoint_directory(args.checkpoint_path)
-    cfg = single_process_config(checkpoint_config(directory))
+    cfg, _ = with_embedded_guidance(single_process_config(checkpoint_config(directory)), args.guidance_scale)
     model = load_model(cfg, directory, device, use_ema=not args.no_ema)
     with tempfile.TemporaryDirectory(prefix="dfm_inference_") as scratch:
         encoders = encoders_for(args, cfg.model, device, Path(scratch))
     check_encoders_match(encoders, cfg.model)
     shape = latent_shape_for(encoders.vae, cfg.model, args.height, args.width, args.num_video_frames)
-    text = encoders.text.encode([args.prompt])[0]
-    noise = draw_noise(shape, args.seed)
-    batch = generation_batch(noise, text, cfg.model).to(device)
-    uncond = None
-    if args.negative_prompt is not None:
-        uncond = generation_batch(noise, encoders.text.encode([args.negative_prompt])[0], cfg.model).to(device)
-    logger.info("sampling a latent of shape %s (%d tokens)", shape, batch.seq_len)
-    latent = sample_latent(
-        model,
-        pipeline_from_config(cfg),
-        cfg.model.pipeline,
-        batch,
-        cfg.model,
-        args.num_steps,
-        args.guidance_scale,
-        args.sampler,
-        args.seed,
-        uncond,
-    )
+    latent = sample_prompt(model, cfg, encoders, args.prompt, draw_noise(shape, args.seed), args, device)
     video = encoders.vae.decode(latent.unsqueeze(0))[0]  # [3, T, H, W] in [-1, 1]
     path = write_media(to_uint8_frames(video), args.video_save_path, args.fps)
     logger.info("wrote %s", path)

@@ -69,6 +69,7 @@ def energon_settings(cfg: ConfigContainer, layout: ParallelLayout):
         cost=pack_cost(cfg),
         in_channels=m.in_channels,
         text_embed_dim=m.text_embed_dim,
+        pooled_text_dim=m.pooled_text_dim,
     )
     return EnergonDataSettings(
         path=d.path,

@@ -38,3 +38,40 @@ def dfm_config_and_weights(reference: diffusers.FluxTransformer2DModel):
     """(validated ConfigContainer, {global name: tensor}) of ``reference`` as the import makes them."""
     cfg = import_config(FLUX, dict(reference.config), None, [])
     return cfg, to_dfm(reference.state_dict(), flux_rules(cfg.model))
+
+
+# Captioned images of three sizes; under --max_pixels 2048 they land in 32 x 64, 64 x 32 and 32 x 32 buckets.
+TINY_IMAGES = (("wide", (32, 64), "a red stripe"), ("tall", (64, 32), "a blue tower"), ("square", (48, 48), "dots"))
+
+
+def write_tiny_images(folder) -> None:
+    """Random-pixel png images with sidecar captions, sizes of ``TINY_IMAGES``."""
+    import json
+    from pathlib import Path
+
+    import imageio.v3 as iio
+
+    folder = Path(folder)
+    folder.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(0)
+    for name, (height, width), caption in TINY_IMAGES:
+        pixels = (torch.rand(height, width, 3, generator=generator) * 255).to(torch.uint8).numpy()
+        iio.imwrite(folder / f"{name}.png", pixels)
+        (folder / f"{name}.json").write_text(json.dumps({"caption": caption}))
+
+
+def prepare_with_flux_encoders(tmp_path, max_text_len: int):
+    """Energon shards of ``write_tiny_images`` through prepare_energon_dataset.py with the tiny FLUX
+    encoders (full-length T5, CLIP pooled vector, FLUX's VAE) and the real ``energon prepare``."""
+    import importlib.util
+
+    from tests.training.entry import RECIPE_DIR
+
+    script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
+    module = importlib.util.module_from_spec(script)
+    script.loader.exec_module(module)
+    write_tiny_images(tmp_path / "images")
+    args = ["--input_dir", str(tmp_path / "images"), "--output_dir", str(tmp_path / "shards")]
+    args += ["--caption_format", "sidecar", "--max_pixels", "2048", "--max_text_len", str(max_text_len)]
+    assert module.main([*args, "--encoders", "flux", "--tiny_random_encoders", "--run_energon_prepare"]) == 0
+    return tmp_path / "shards"

@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised T5 and VAEs, built and saved locally (tests and smoke runs; no download).
+"""Tiny, randomly initialised T5, CLIP and VAEs, built and saved locally (tests and smoke runs; no download).
 
 Each saved folder holds a ``tiny_random_encoders.json`` marker, so data preparation can record
 ``tiny_random_encoders: true`` in the shard metadata and nobody mistakes the latents for real ones.
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan
-from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+from transformers import ByT5Tokenizer, CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 MARKER_FILE = "tiny_random_encoders.json"
 
@@ -22,6 +23,13 @@ class TinyEncoderPaths:
     t5_dir: Path
     wan_vae_dir: Path  # video + image VAE (AutoencoderKLWan): spatial 8x, temporal 4x
     kl_vae_dir: Path  # image VAE (AutoencoderKL): spatial 8x
+    flux_vae_dir: Path  # the same with FLUX.1's shift_factor and scaling_factor
+    clip_dir: Path  # CLIPTextModel + CLIPTokenizer (pooled text vector)
+
+
+# FLUX.1's AutoencoderKL latent normalisation (its vae/config.json): latents = (z - shift) * scale.
+FLUX_VAE_SHIFT_FACTOR, FLUX_VAE_SCALING_FACTOR = 0.1159, 0.3611
+CLIP_MAX_LENGTH = 77
 
 
 def is_tiny_random(folder: str | Path) -> bool:
@@ -68,7 +76,39 @@ def build_tiny_wan_vae(out_dir: Path, seed: int, latent_channels: int) -> Path:
     return out_dir
 
 
-def build_tiny_kl_vae(out_dir: Path, seed: int, latent_channels: int) -> Path:
+def tiny_clip_tokenizer() -> CLIPTokenizer:
+    """CLIP's byte-level BPE over a vocabulary of the 256 byte symbols (and their end-of-word forms),
+    no merges: every character is a token. Built here, nothing downloaded."""
+    symbols = list(bytes_to_unicode().values())
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    vocab.update({s: len(vocab) + i for i, s in enumerate(symbols)})
+    vocab.update({s + "</w>": len(vocab) + i for i, s in enumerate(symbols)})
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=CLIP_MAX_LENGTH)
+
+
+def build_tiny_clip(out_dir: Path, seed: int, pooled_dim: int) -> Path:
+    """A CLIPTextModel whose pooler_output is ``pooled_dim`` wide, with its tokenizer."""
+    torch.manual_seed(seed)
+    tokenizer = tiny_clip_tokenizer()
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=pooled_dim,
+        intermediate_size=2 * pooled_dim,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=CLIP_MAX_LENGTH,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    CLIPTextModel(config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    _mark(out_dir, "CLIPTextModel", seed)
+    return out_dir
+
+
+def build_tiny_kl_vae(out_dir: Path, seed: int, latent_channels: int, **normalisation) -> Path:
+    """``normalisation``: AutoencoderKL's shift_factor / scaling_factor (default: SD's)."""
     torch.manual_seed(seed)
     model = AutoencoderKL(
         in_channels=3,
@@ -80,6 +120,7 @@ def build_tiny_kl_vae(out_dir: Path, seed: int, latent_channels: int) -> Path:
         latent_channels=latent_channels,
         norm_num_groups=4,
         sample_size=64,
+        **normalisation,
     )
     model.save_pretrained(out_dir)
     _mark(out_dir, "AutoencoderKL", seed)
@@ -87,12 +128,21 @@ def build_tiny_kl_vae(out_dir: Path, seed: int, latent_channels: int) -> Path:
 
 
 def build_tiny_random_encoders(
-    out_dir: str | Path, seed: int = 0, text_dim: int = 32, latent_channels: int = 4
+    out_dir: str | Path, seed: int = 0, text_dim: int = 32, latent_channels: int = 4, pooled_dim: int = 16
 ) -> TinyEncoderPaths:
-    """Build and save a tiny T5 (ByT5 tokenizer) and tiny Wan and KL VAEs under ``out_dir``."""
+    """Build and save a tiny T5 (ByT5 tokenizer), CLIP, and Wan, KL and FLUX VAEs under ``out_dir``."""
     out_dir = Path(out_dir)
-    paths = TinyEncoderPaths(t5_dir=out_dir / "t5", wan_vae_dir=out_dir / "vae_wan", kl_vae_dir=out_dir / "vae_kl")
+    paths = TinyEncoderPaths(
+        t5_dir=out_dir / "t5",
+        wan_vae_dir=out_dir / "vae_wan",
+        kl_vae_dir=out_dir / "vae_kl",
+        flux_vae_dir=out_dir / "vae_flux",
+        clip_dir=out_dir / "clip",
+    )
     build_tiny_t5(paths.t5_dir, seed, text_dim)
     build_tiny_wan_vae(paths.wan_vae_dir, seed, latent_channels)
     build_tiny_kl_vae(paths.kl_vae_dir, seed, latent_channels)
+    flux_factors = dict(shift_factor=FLUX_VAE_SHIFT_FACTOR, scaling_factor=FLUX_VAE_SCALING_FACTOR)
+    build_tiny_kl_vae(paths.flux_vae_dir, seed, latent_channels, **flux_factors)
+    build_tiny_clip(paths.clip_dir, seed, pooled_dim)
     return paths

@@ -1,4 +1,5 @@
-"""Cooker: energon crude webdataset samples (``.pth`` / ``.pickle`` / ``.json``) -> CookedDiffusionSample.
+"""Cooker: energon crude webdataset samples (``.pth`` / ``.pickle`` / ``.json``, and FLUX's optional
+``.pooled.pth``) -> CookedDiffusionSample.
 
 Accepts our shards and NVIDIA DFM's: a latent [C, T, H, W] or [1, C, T, H, W], text embeddings
 [L, D] or [1, L, D] as a tensor or numpy array, metadata as a dict (or undecoded JSON bytes).
@@ -14,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 from megatron.energon import Cooker, Sample, basic_sample_keys, edataclass, stateless
+
+from dfm.data.prepare.shards import POOLED_PART
 
 LATENT_PART = "pth"
 TEXT_PART = "pickle"
@@ -33,6 +36,7 @@ class CookedDiffusionSample(Sample):
     latent: torch.Tensor  # [C, T, H, W]
     text_embeddings: torch.Tensor  # [L, D], unpadded
     metadata: dict
+    pooled_text: torch.Tensor | None = None  # [D_pool] CLIP's pooled text vector (FLUX); None: no such part
 
 
 def sample_location(shard: Any, key: Any) -> str:
@@ -93,6 +97,13 @@ def read_tensor(crude: dict, part: str, dims: int, what: str) -> torch.Tensor:
     return drop_leading_unit_dim(tensor, dims, where, f"{what} '.{part}'").float()
 
 
+def read_optional_tensor(crude: dict, part: str, dims: int, what: str) -> torch.Tensor | None:
+    """The part as ``read_tensor`` reads it, or None when the sample has no such part."""
+    if part not in crude and f".{part}" not in crude:
+        return None
+    return read_tensor(crude, part, dims, what)
+
+
 @stateless
 def cook_diffusion_sample(crude: dict) -> CookedDiffusionSample:
     """One crude sample -> CookedDiffusionSample; a missing or malformed part raises naming shard and key."""
@@ -101,6 +112,7 @@ def cook_diffusion_sample(crude: dict) -> CookedDiffusionSample:
         latent=read_tensor(crude, LATENT_PART, 4, "latent"),
         text_embeddings=read_tensor(crude, TEXT_PART, 2, "text embeddings"),
         metadata=decode_metadata(crude_part(crude, METADATA_PART), describe_source(crude)),
+        pooled_text=read_optional_tensor(crude, POOLED_PART, 1, "pooled text"),
     )
 
 

@@ -43,6 +43,9 @@ class PackingSettings:
     cost: PackCost = PackCost()  # the model width's cost model (PackCost.for_width)
     in_channels: int | None = None  # latent channels the model takes; None: not checked
     text_embed_dim: int | None = None  # text embedding width the model takes; None: not checked
+    # Set (FLUX): every sample must carry a pooled text vector this wide, packed into PackedBatch.pooled_text;
+    # None: pooled vectors in the shards are ignored.
+    pooled_text_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.seq_length <= 0:
@@ -72,6 +75,7 @@ def encode_cooked_sample(
         latent_shape=tuple(int(v) for v in sample.latent.shape),
         sample_index=sample_index,
         metadata={**sample.metadata, "key": sample.__key__},
+        pooled_text=sample.pooled_text if settings.pooled_text_dim is not None else None,
     )
     # energon keeps buffered samples restorable through these keys (packing buffer state).
     encoded.__key__ = sample.__key__
@@ -93,7 +97,8 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
     def cook_crude_sample(self, sample, cooker, aux) -> CookedDiffusionSample:
         try:
             cooked = super().cook_crude_sample(sample, cooker, aux)
-            check_cooked_sample(cooked, self.settings.in_channels, self.settings.text_embed_dim)
+            s = self.settings
+            check_cooked_sample(cooked, s.in_channels, s.text_embed_dim, s.pooled_text_dim)
         except BadSampleError as error:
             self.bad_samples.reject(error)
         return cooked

@@ -20,8 +20,9 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
+from dfm.data.encoders.clip import CLIPPooledEncoder
 from dfm.data.encoders.t5 import T5TextEncoder
-from dfm.data.encoders.tiny import build_tiny_random_encoders, is_tiny_random
+from dfm.data.encoders.tiny import TinyEncoderPaths, build_tiny_random_encoders, is_tiny_random
 from dfm.data.encoders.vae import VideoVAE
 from dfm.data.prepare.buckets import ResolutionPolicy, resize_center_crop
 from dfm.data.prepare.captions import CaptionFormat, CaptionLookup
@@ -35,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_T5 = "google/t5-v1_1-xxl"
 DEFAULT_VAE = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+# Which text encoders (and text convention) a preparation uses: T5 alone, unpadded (DiT, Wan); or
+# FLUX.1's: T5 padded to max_text_len and encoded without a mask, CLIP's pooled vector, an AutoencoderKL.
+EncoderSet = Literal["t5", "flux"]
 
 
 @dataclass
@@ -56,7 +60,9 @@ class PrepareSettings:
     vae_subfolder: str | None = "vae"
     vae_kind: Literal["auto", "wan", "kl"] = "auto"
     vae_cache_dir: str | None = None
-    tiny_random_encoders: bool = False  # build tiny random T5 + VAE locally instead (tests, smoke runs)
+    encoders: EncoderSet = "t5"
+    clip_name_or_dir: str | None = None  # CLIP text encoder (encoders="flux"): a folder or a FLUX.1 pipeline folder
+    tiny_random_encoders: bool = False  # build tiny random T5 (+ CLIP) + VAE locally instead (tests, smoke runs)
     shard_maxcount: int = 1000
     rank: int = 0
     world_size: int = 1
@@ -87,6 +93,7 @@ class Encoders:
     text: T5TextEncoder
     vae: VideoVAE
     tiny_random: bool
+    pooled: CLIPPooledEncoder | None = None  # FLUX: CLIP's pooled caption vector per sample
 
 
 def settings_from_env(settings: PrepareSettings) -> PrepareSettings:
@@ -96,6 +103,22 @@ def settings_from_env(settings: PrepareSettings) -> PrepareSettings:
     return settings
 
 
+def tiny_vae_choice(paths: TinyEncoderPaths, settings: PrepareSettings) -> tuple[Path, str]:
+    """(folder, kind) of the tiny VAE: FLUX's AutoencoderKL, an AutoencoderKL (--vae_kind kl) or Wan's."""
+    if settings.encoders == "flux":
+        return paths.flux_vae_dir, "kl"
+    if settings.vae_kind == "kl":
+        return paths.kl_vae_dir, "kl"
+    return paths.wan_vae_dir, "wan"
+
+
+def load_flux_clip(clip_source: str | Path, vae: VideoVAE, device: str) -> CLIPPooledEncoder:
+    """FLUX's CLIP, after checking the VAE is FLUX's kind (an AutoencoderKL)."""
+    if vae.kind != "kl":
+        raise ValueError(f"--encoders flux needs FLUX's AutoencoderKL; --vae {vae.name} is a {vae.kind!r} VAE")
+    return CLIPPooledEncoder.from_pretrained(clip_source, device=device)
+
+
 def load_encoders(settings: PrepareSettings) -> Encoders:
     t5_source, vae_source, subfolder, kind = (
         settings.t5_name_or_dir,
@@ -103,20 +126,24 @@ def load_encoders(settings: PrepareSettings) -> Encoders:
         settings.vae_subfolder,
         settings.vae_kind,
     )
+    clip_source = settings.clip_name_or_dir
     if settings.tiny_random_encoders:
         # Per rank, so concurrent ranks never write the same files.
         paths = build_tiny_random_encoders(Path(settings.output_dir) / ".tiny_random_encoders" / f"rank{settings.rank}")
-        use_kl = settings.vae_kind == "kl"
-        t5_source, vae_source, subfolder = paths.t5_dir, paths.kl_vae_dir if use_kl else paths.wan_vae_dir, None
-        kind = "kl" if use_kl else "wan"
+        (vae_source, kind), t5_source, subfolder = tiny_vae_choice(paths, settings), paths.t5_dir, None
+        clip_source = paths.clip_dir
+    flux = settings.encoders == "flux"
+    if flux and clip_source is None:  # before any model loads
+        raise ValueError("--encoders flux needs --clip: a CLIP text encoder folder or the FLUX.1 pipeline folder")
     text = T5TextEncoder.from_pretrained_or_cache(
-        t5_source, settings.t5_cache_dir, max_length=settings.max_text_len, device=settings.device
+        t5_source, settings.t5_cache_dir, max_length=settings.max_text_len, device=settings.device, full_length=flux
     )
     vae = VideoVAE.from_pretrained_or_cache(
         vae_source, settings.vae_cache_dir, kind=kind, subfolder=subfolder, device=settings.device
     )
+    pooled = load_flux_clip(clip_source, vae, settings.device) if flux else None
     tiny = is_tiny_random(t5_source) or is_tiny_random(Path(vae_source) / (subfolder or ""))
-    return Encoders(text=text, vae=vae, tiny_random=tiny)
+    return Encoders(text=text, vae=vae, tiny_random=tiny, pooled=pooled)
 
 
 def sample_metadata(
@@ -147,6 +174,7 @@ def sample_metadata(
         "vae": encoders.vae.name,
         "vae_kind": encoders.vae.kind,
         "tiny_random_encoders": encoders.tiny_random,
+        **({"clip_encoder": encoders.pooled.name} if encoders.pooled is not None else {}),
     }
 
 
@@ -166,7 +194,8 @@ def encode_file(
     caption = captions.caption(path)
     text = encoders.text.encode([caption.text])[0]
     metadata = sample_metadata(item, settings, encoders, caption, bucket, latent, int(text.shape[0]))
-    return encode_sample_parts(key, latent, text, metadata)
+    pooled = encoders.pooled.encode([caption.text])[0] if encoders.pooled is not None else None
+    return encode_sample_parts(key, latent, text, metadata, pooled)
 
 
 def log_skipped(report: PrepareReport) -> None:

@@ -1,7 +1,8 @@
 """Writing samples to webdataset ``.tar`` shards in the DFM-compatible layout, never half-written.
 
 Per sample: ``<key>.pth`` (torch.save of the latent [C, T, H, W]), ``<key>.pickle`` (pickled float32
-numpy T5 embeddings [L, D]) and ``<key>.json`` (metadata). A shard is written as ``*.tar.partial``
+numpy T5 embeddings [L, D]), ``<key>.json`` (metadata) and, for FLUX, ``<key>.pooled.pth``
+(torch.save of CLIP's pooled text vector [D_pool]). A shard is written as ``*.tar.partial``
 and renamed to ``*.tar`` once closed; on an error the partial file is deleted.
 """
 
@@ -18,21 +19,33 @@ import torch
 import webdataset as wds
 
 PARTIAL_SUFFIX = ".partial"
+POOLED_PART = "pooled.pth"  # decoded by its extension, like the latent
 
 
-def encode_sample_parts(key: str, latent: torch.Tensor, text: torch.Tensor, metadata: dict[str, Any]) -> dict:
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(tensor.detach().cpu().contiguous(), buffer)
+    return buffer.getvalue()
+
+
+def encode_sample_parts(
+    key: str, latent: torch.Tensor, text: torch.Tensor, metadata: dict[str, Any], pooled: torch.Tensor | None = None
+) -> dict:
     if latent.dim() != 4:
         raise ValueError(f"sample {key}: latent must be [C, T, H, W], got {tuple(latent.shape)}")
     if text.dim() != 2:
         raise ValueError(f"sample {key}: text embeddings must be [L, D], got {tuple(text.shape)}")
-    buffer = io.BytesIO()
-    torch.save(latent.detach().cpu().contiguous(), buffer)
-    return {
+    if pooled is not None and pooled.dim() != 1:
+        raise ValueError(f"sample {key}: the pooled text vector must be [D], got {tuple(pooled.shape)}")
+    parts = {
         "__key__": key,
-        "pth": buffer.getvalue(),
+        "pth": tensor_bytes(latent),
         "pickle": pickle.dumps(text.detach().float().cpu().numpy()),
         "json": json.dumps(metadata).encode("utf-8"),
     }
+    if pooled is not None:
+        parts[POOLED_PART] = tensor_bytes(pooled.float())
+    return parts
 
 
 class AtomicShardWriter:

@@ -3,6 +3,11 @@
     python examples/megatron/recipes/dit/prepare_energon_dataset.py \
         --input_dir raw/ --output_dir data/ --resolution_preset 256p --run_energon_prepare
 
+FLUX.1 (T5 padded to --max_text_len as FluxPipeline encodes it, CLIP's pooled vector, FLUX's VAE), all
+from a downloaded FLUX.1-dev folder:
+
+    ... --encoders flux --t5 FLUX.1-dev --clip FLUX.1-dev --vae FLUX.1-dev --max_text_len 512
+
 Multi-process: ``torchrun --nproc_per_node 8 ... prepare_energon_dataset.py ...`` (each rank writes
 its own shards), then ``energon prepare`` once (see docs/data.md).
 
@@ -41,7 +46,14 @@ def add_encoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vae_subfolder", default="vae", help="'' for a folder that is the VAE itself")
     parser.add_argument("--vae_kind", choices=["auto", "wan", "kl"], default="auto")
     parser.add_argument("--vae_cache_dir")
-    parser.add_argument("--tiny_random_encoders", action="store_true", help="tiny random T5 + VAE (tests)")
+    parser.add_argument(
+        "--encoders",
+        choices=["t5", "flux"],
+        default="t5",
+        help="t5: unpadded T5 text (DiT, Wan); flux: FLUX.1's full-length T5, CLIP's pooled vector, its KL VAE",
+    )
+    parser.add_argument("--clip", help="CLIP text encoder folder or FLUX.1 pipeline folder (--encoders flux)")
+    parser.add_argument("--tiny_random_encoders", action="store_true", help="tiny random T5 (+ CLIP) + VAE (tests)")
     parser.add_argument("--shard_maxcount", type=int, default=1000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--run_energon_prepare", action="store_true", help="run `energon prepare` afterwards")
@@ -83,6 +95,8 @@ def settings_from_args(args: argparse.Namespace, input_dir: str | None = None) -
             vae_subfolder=args.vae_subfolder or None,
             vae_kind=args.vae_kind,
             vae_cache_dir=args.vae_cache_dir,
+            encoders=args.encoders,
+            clip_name_or_dir=args.clip,
             tiny_random_encoders=args.tiny_random_encoders,
             shard_maxcount=args.shard_maxcount,
             device=args.device,
