@@ -11,6 +11,7 @@ from tests.training.entry import RECIPE_DIR
 FSDP = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
 MOVIEGEN = str(RECIPE_DIR / "conf" / "moviegen_tiny.yaml")
 DIT = str(RECIPE_DIR / "conf" / "dit_tiny.yaml")
+WAN = str(RECIPE_DIR / "conf" / "wan_tiny.yaml")
 
 
 @pytest.mark.parametrize(
@@ -21,6 +22,7 @@ DIT = str(RECIPE_DIR / "conf" / "dit_tiny.yaml")
         (DIT, [*FSDP, "model.pipeline_model_parallel_size=2"], 4, "model.pipeline_model_parallel_size"),
         (DIT, FSDP, 1, "data-parallel x context-parallel size >= 2"),
         (MOVIEGEN, [*FSDP, "model.expert_model_parallel_size=2"], 2, "model.expert_model_parallel_size"),
+        (WAN, FSDP, 2, "ddp.data_parallel_sharding_strategy=optim"),
     ],
 )
 def test_refused_naming_the_key(config, overrides, world, key):
