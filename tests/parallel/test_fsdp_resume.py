@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.parallel.equivalence import FSDP
 from tests.training.entry import read_metrics, run_entry
 
-FSDP = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
 TP2 = ["model.tensor_model_parallel_size=2", "ddp.use_distributed_optimizer=true"]
 COMMON = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=2", "train.train_iters=4"]
 EXTRAS = ["optimizer.ema_decay=0.9", "checkpoint.async_save=true"]

@@ -6,9 +6,9 @@ import pytest
 
 from dfm.config.errors import ConfigError
 from dfm.config.loader import build_config
+from tests.parallel.equivalence import FSDP
 from tests.training.entry import RECIPE_DIR
 
-FSDP = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
 MOVIEGEN = str(RECIPE_DIR / "conf" / "moviegen_tiny.yaml")
 DIT = str(RECIPE_DIR / "conf" / "dit_tiny.yaml")
 WAN = str(RECIPE_DIR / "conf" / "wan_tiny.yaml")
