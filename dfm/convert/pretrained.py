@@ -54,7 +54,7 @@ def fill_weights(model: torch.nn.Module, weights: dict[str, Tensor], source: str
 def converted_model(model_cfg, weights: dict[str, Tensor], seed: int) -> Iterator[torch.nn.Module]:
     """The unsharded fp32 model of ``model_cfg`` holding ``weights``, in eval mode, without autograd."""
     with single_process_world(seed):
-        model, _ = build_model(model_cfg, "fp32")
+        model, _ = build_model(model_cfg, "fp32", device="cpu")  # checked on the CPU, whatever the host
         fill_weights(model, {name: w.float() for name, w in weights.items()}, "the converted weights")
         with torch.no_grad():
             yield model.eval()
@@ -67,7 +67,7 @@ def save_pretrained_checkpoint(cfg: ConfigContainer, weights: dict[str, Tensor],
     """
     built = single_process_config(cfg)
     with single_process_world(cfg.rng.seed):
-        model, _ = build_model(built.model, built.mixed_precision.precision)
+        model, _ = build_model(built.model, built.mixed_precision.precision, device="cpu")
         fill_weights(model, weights, "the converted weights")
         return save_weights_only(path, [model], config_to_dict(cfg))
 

@@ -61,7 +61,7 @@ def load_model(cfg: ConfigContainer, directory: Path, device: torch.device, use_
     The EMA weights replace the trained ones when the checkpoint has them and ``use_ema``.
     Needs megatron's parallel state initialised (``initialize_distributed()``).
     """
-    model, tconfig = build_model_chunk(cfg.model, cfg.mixed_precision.precision, cfg.rng.seed)
+    model, tconfig = build_model_chunk(cfg.model, cfg.mixed_precision.precision, cfg.rng.seed, device=device)
     model = model.to(device=device, dtype=tconfig.params_dtype)
     # Only the model part is requested: optimizer, RNG and data states stay on disk.
     request = {"model0": model_sharded_state_dict(model)}

@@ -27,22 +27,25 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def resolve_attention_backend(requested: str) -> str:
-    """'auto' -> on a GPU: TE when it imports, else torch's varlen flash kernel (every dfm mask is a
-    segment mask), else FlexAttention; on CPU: per-segment SDPA."""
+def resolve_attention_backend(requested: str, device: torch.device | str) -> str:
+    """'auto' -> for a model on a CUDA ``device``: TE when it imports, else torch's varlen flash kernel
+    (every dfm mask is a segment mask), else FlexAttention; on any other device: per-segment SDPA.
+
+    The device the model runs on decides, not the host: a model converted or checked on the CPU of a
+    GPU machine runs SDPA."""
     if requested != "auto":
         return requested
-    if torch.cuda.is_available():
+    if torch.device(device).type == "cuda":
         if transformer_engine_available():
             return "te"
-        return "varlen" if varlen_available() else "flex"
+        return "varlen" if varlen_available(device) else "flex"
     return "sdpa"
 
 
-def layer_spec_for(model_cfg, layout: ParallelLayout):
+def layer_spec_for(model_cfg, layout: ParallelLayout, device: torch.device | str = "cpu"):
     if model_cfg.architecture not in ARCHITECTURES:
         raise NotImplementedError(f"model.architecture={model_cfg.architecture!r}; valid: {ARCHITECTURES}")
-    backend = resolve_attention_backend(model_cfg.attention_backend)
+    backend = resolve_attention_backend(model_cfg.attention_backend, device)
     if backend == "te" and model_cfg.architecture == "stdit" and layout.cp > 1:
         # The all-to-all re-sharding wraps the local kernels; TE's CP splits per-sample segments only.
         raise NotImplementedError(
@@ -53,32 +56,50 @@ def layer_spec_for(model_cfg, layout: ParallelLayout):
         # FLUX's joint attention builds its own segments for the local kernels (joint_attention.py).
         if model_cfg.attention_backend == "te":
             raise NotImplementedError("flux runs on the local attention backends: set model.attention_backend=auto")
-        backend = "varlen" if varlen_available() else "flex"
+        backend = "varlen" if varlen_available(device) else "flex"
     modules = te_modules() if backend == "te" else local_modules(backend)
     if model_cfg.architecture in FAMILIES:
         return FAMILIES[model_cfg.architecture][1](modules)
     return dit_layer_spec(model_cfg.architecture, modules, model_cfg.qk_layernorm, model_cfg.num_moe_experts)
 
 
-def build_model(model_cfg, precision: str, vp_stage: int | None = None, layout: ParallelLayout | None = None):
-    """One (virtual) pipeline stage, parameters allocated but not initialised (use under
+def build_model(
+    model_cfg,
+    precision: str,
+    vp_stage: int | None = None,
+    layout: ParallelLayout | None = None,
+    device: torch.device | str = "cpu",
+):
+    """One (virtual) pipeline stage, parameters allocated on the CPU but not initialised (use under
     ``torch.device('meta')`` to count parameters without memory). ``layout`` None: the layout of
-    ``model_cfg`` on the running world."""
+    ``model_cfg`` on the running world. ``device``: where the model will run; it picks the
+    attention backend of ``auto`` (the caller moves the model there)."""
     layout = layout or ParallelLayout.from_config(model_cfg, torch.distributed.get_world_size())
     tconfig = build_transformer_config(model_cfg, layout, precision)
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model_class = FAMILIES[model_cfg.architecture][0] if model_cfg.architecture in FAMILIES else DiTModel
     model = model_class(
-        tconfig, layer_spec_for(model_cfg, layout), model_cfg, pre_process=pre, post_process=post, vp_stage=vp_stage
+        tconfig,
+        layer_spec_for(model_cfg, layout, device),
+        model_cfg,
+        pre_process=pre,
+        post_process=post,
+        vp_stage=vp_stage,
     )
     return model, tconfig
 
 
 def build_model_chunk(
-    model_cfg, precision: str, seed: int, vp_stage: int | None = None, layout: ParallelLayout | None = None
+    model_cfg,
+    precision: str,
+    seed: int,
+    vp_stage: int | None = None,
+    layout: ParallelLayout | None = None,
+    device: torch.device | str = "cpu",
 ):
-    """One (virtual) pipeline stage of the model, initialised layout-independently from ``seed``."""
-    model, tconfig = build_model(model_cfg, precision, vp_stage, layout)
+    """One (virtual) pipeline stage of the model, initialised layout-independently from ``seed``;
+    ``device`` as in :func:`build_model`."""
+    model, tconfig = build_model(model_cfg, precision, vp_stage, layout, device)
     init_params(model, seed, model.global_param_name, std=model_cfg.init_method_std)
     return model, tconfig

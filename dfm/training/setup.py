@@ -35,7 +35,9 @@ def build_model(cfg: ConfigContainer, layout: ParallelLayout, device: torch.devi
     chunks, tconfig = [], None
     for index in range(layout.chunks_per_stage):
         vp_stage = index if layout.chunks_per_stage > 1 else None
-        chunk, tconfig = build_model_chunk(cfg.model, cfg.mixed_precision.precision, cfg.rng.seed, vp_stage, layout)
+        chunk, tconfig = build_model_chunk(
+            cfg.model, cfg.mixed_precision.precision, cfg.rng.seed, vp_stage, layout, device=device
+        )
         # bf16/fp16 runs: the plain nn.Linear embedders and final layer too (as megatron's Float16Module
         # does), so no fp32 activation meets a low-precision weight; fp32 runs are unchanged.
         chunks.append(chunk.to(device=device, dtype=tconfig.params_dtype))

@@ -36,7 +36,8 @@ def tiny_diffusers_flux(seed: int = 0, std: float = 0.1, **overrides) -> diffuse
 
 def dfm_config_and_weights(reference: diffusers.FluxTransformer2DModel):
     """(validated ConfigContainer, {global name: tensor}) of ``reference`` as the import makes them."""
-    cfg = import_config(FLUX, dict(reference.config), None, [])
+    # Pinned: numerics are compared with diffusers on the CPU, whatever the host has.
+    cfg = import_config(FLUX, dict(reference.config), None, ["model.attention_backend=sdpa"])
     return cfg, to_dfm(reference.state_dict(), flux_rules(cfg.model))
 
 

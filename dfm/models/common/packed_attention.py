@@ -91,11 +91,12 @@ def document_ids(starts: list[int], lengths: list[int], total: int, device: torc
     return ids
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_flex_attention():
+@functools.lru_cache(maxsize=2)
+def _flex_attention_for(on_cuda: bool):
+    """Compiled where the tensors are on CUDA (eager flex is a slow reference there); eager on the CPU."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
+    return torch.compile(flex_attention, dynamic=True) if on_cuda else flex_attention
 
 
 def document_ids_on_device(params: PackedSeqParams, side: str, total: int, device: torch.device) -> Tensor:
@@ -154,7 +155,7 @@ def flex_document_attention(query: Tensor, key: Tensor, value: Tensor, params: P
     """Same contract as :func:`sdpa_per_segment`, one FlexAttention call with a document mask."""
     mask = document_block_mask(params, query.shape[0], key.shape[0], query.device)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-    out = _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale).permute(2, 0, 1, 3)
+    out = _flex_attention_for(q.is_cuda)(q, k, v, block_mask=mask, scale=scale).permute(2, 0, 1, 3)
     # Rows with no allowed key (padding) are undefined in flex; zero them as the reference does.
     return out * query_is_real(params, query.shape[0], query.device).to(out.dtype)
 

@@ -93,13 +93,13 @@ def torch_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale):
     return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k)
 
 
-def varlen_available() -> bool:
-    """Whether this torch has the variable-length flash kernel and a CUDA device to run it."""
+def varlen_available(device: torch.device | str) -> bool:
+    """Whether this torch has the variable-length flash kernel and ``device`` is a CUDA device to run it."""
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
     except ImportError:
         return False
-    return torch.cuda.is_available()
+    return torch.device(device).type == "cuda"
 
 
 def varlen_document_attention(
