@@ -136,3 +136,40 @@ def test_a_truncated_shard_is_named_with_its_first_lost_key(tmp_path):
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
     with pytest.raises(BadSampleError, match=rf"shard {shard}, key 0000000\d: the shard is truncated"):
         build_train_loader(loader_settings(out), 0, 1)
+
+
+@pytest.fixture(scope="module")
+def twenty_images(tmp_path_factory) -> Path:
+    raw = tmp_path_factory.mktemp("twenty")
+    rng = np.random.default_rng(1)
+    for i in range(20):
+        Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(raw / f"img_{i:02d}.png")
+    return raw
+
+
+def test_an_encoder_failure_stops_the_run_and_resume_retries_the_file(twenty_images, tmp_path, monkeypatch, capsys):
+    from test_prepare_units import load_script
+
+    from dfm.data.encoders.vae import VideoVAE
+
+    script = load_script("prepare_energon_dataset")
+    argv = ["--input_dir", str(twenty_images), "--output_dir", str(tmp_path), "--max_pixels", "256"]
+    argv += ["--tiny_random_encoders", "--vae_kind", "kl", "--max_text_len", "8", "--shard_maxcount", "3"]
+    encode, calls = VideoVAE.encode, iter(range(100))
+
+    def out_of_memory_on_the_eighth_file(self, video):
+        if next(calls) == 7:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return encode(self, video)
+
+    monkeypatch.setattr(VideoVAE, "encode", out_of_memory_on_the_eighth_file)
+    assert script.main(argv) == 1
+    assert (
+        f"{twenty_images / 'img_07.png'}: encoding failed (RuntimeError: CUDA out of memory" in capsys.readouterr().err
+    )
+    status = read_preparation_status(tmp_path)
+    assert not status.complete and not status.records[0].skipped and status.records[0].written == 6  # 2 shards
+    monkeypatch.setattr(VideoVAE, "encode", encode)  # the failure is gone
+    assert script.main([*argv, "--resume"]) == 0
+    assert shard_keys(tmp_path) == [f"{i:08d}" for i in range(20)]  # each once: nothing lost, nothing twice
+    assert read_preparation_status(tmp_path).complete

@@ -85,6 +85,48 @@ def test_bad_jsonl_line_is_named(tmp_path):
         CaptionLookup(tmp_path)
 
 
+def test_captions_come_from_caption_internvl_or_usr_first_present(tmp_path):
+    for name in ("a.png", "b.png", "c.png", "m1.png", "m2.png"):
+        (tmp_path / name).touch()
+    lines = [
+        {"file": "a.png", "internvl": "from internvl", "usr": "not this"},
+        {"file": "b.png", "usr": "from usr"},
+        {"file": "c.png", "caption": "from caption", "internvl": "not this"},
+    ]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    meta = [{"file_name": "m1.png", "internvl": "meta internvl"}, {"file_name": "m2.png", "usr": "meta usr"}]
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    lookup = CaptionLookup(tmp_path)
+    got = {n: lookup.caption(tmp_path / n).text for n in ("a.png", "b.png", "c.png", "m1.png", "m2.png")}
+    assert got == {
+        "a.png": "from internvl",
+        "b.png": "from usr",
+        "c.png": "from caption",
+        "m1.png": "meta internvl",
+        "m2.png": "meta usr",
+    }
+    (tmp_path / "meta.json").write_text(json.dumps([{"file_name": "m1.png", "text": "?"}]))
+    with pytest.raises(ValueError, match=r"meta\.json: entry .* has no caption \(expected one of .*internvl.*usr"):
+        CaptionLookup(tmp_path)
+
+
+def test_a_caption_file_that_is_not_utf8_is_named(tmp_path):
+    (tmp_path / "latin1.jsonl").write_bytes('{"file": "x.png", "caption": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.jsonl: not UTF-8 text"):
+        CaptionLookup(tmp_path)
+
+
+def test_a_folder_without_media_fails_naming_it_and_the_extensions(tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "notes.txt").write_text("no media here")
+    code = load_script("prepare_energon_dataset").main(
+        ["--input_dir", str(tmp_path / "in"), "--output_dir", str(tmp_path / "out"), "--tiny_random_encoders"]
+    )
+    err = capsys.readouterr().err
+    assert code == 1 and f"input_dir {tmp_path / 'in'} holds no media files" in err
+    assert all(ext in err for ext in (".jpg", ".png", ".webp", ".mp4", ".mov")), err
+
+
 def test_atomic_shard_writer_leaves_no_partial_shard_on_error(tmp_path):
     parts = encode_sample_parts("k0", torch.zeros(4, 1, 2, 2), torch.zeros(3, 8), {"caption": "c"})
     with pytest.raises(RuntimeError):
@@ -163,29 +205,30 @@ def test_butterfly_cli_arguments():
     assert args.dataset == "huggan/smithsonian_butterflies_subset" and args.max_samples == 10
 
 
-def test_prepare_cli_runs_end_to_end(tmp_path, example_dataset):
+def test_prepare_cli_runs_end_to_end(tmp_path, example_dataset, capsys):
     script = load_script("prepare_energon_dataset")
-    code = script.main(
-        [
-            "--input_dir",
-            str(example_dataset.raw_dir),
-            "--output_dir",
-            str(tmp_path / "out"),
-            "--caption_format",
-            "sidecar",
-            "--height",
-            "32",
-            "--width",
-            "48",
-            "--num_frames",
-            "5",
-            "--tiny_random_encoders",
-            "--vae_kind",
-            "kl",
-            "--max_text_len",
-            "32",
-        ]
-    )
-    assert code == 0
+    argv = [
+        "--input_dir",
+        str(example_dataset.raw_dir),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--caption_format",
+        "sidecar",
+        "--height",
+        "32",
+        "--width",
+        "48",
+        "--num_frames",
+        "5",
+        "--tiny_random_encoders",
+        "--vae_kind",
+        "kl",
+        "--max_text_len",
+        "32",
+    ]
+    code = script.main(argv)
+    # 1 corrupt file of 8 is more than the default --max_skip_fraction 0.05: the run fails after its report
+    assert code == 1 and "broken_photo.jpg" in capsys.readouterr().err
     report = json.loads((tmp_path / "out" / "prepare_report.rank0.json").read_text())
     assert report["written"] == len(example_dataset.captions) and len(report["skipped"]) == 1
+    assert script.main([*argv, "--resume", "--max_skip_fraction", "0.2"]) == 0  # accepted, nothing re-encoded

@@ -3,7 +3,9 @@
 Formats (all paths relative to the input folder; a bare file name also matches):
 - sidecar:   ``clip.mp4`` + ``clip.json`` holding ``{"caption": "..."}``
 - jsonl:     any ``*.jsonl`` in the input folder, one ``{"file": "clip.mp4", "caption": "..."}`` per line
-             (the file may also be named by ``file_name``, ``path``, ``video`` or ``image``)
+             (the file may also be named by ``file_name``, ``path``, ``video`` or ``image``; the text may
+             sit under ``internvl`` or ``usr`` instead, as NVIDIA AutoModel's preprocessing reads it:
+             the first of ``caption``, ``internvl``, ``usr`` present wins)
 - meta_json: ``meta.json`` holding a list of such objects, or a ``{"clip.mp4": "caption"}`` mapping
 With no format given, all three are looked up in that order. Without any, the caption is the file
 stem with underscores replaced by spaces.
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 CaptionFormat = Literal["sidecar", "jsonl", "meta_json"]
 CAPTION_FORMATS: tuple[CaptionFormat, ...] = ("sidecar", "jsonl", "meta_json")
 FILE_KEYS = ("file", "file_name", "path", "video", "image")
+CAPTION_KEYS = ("caption", "internvl", "usr")  # AutoModel's order
 META_FILE = "meta.json"
 
 
@@ -44,9 +47,18 @@ def _entry_file(entry: dict, where: str) -> str:
 
 
 def _entry_caption(entry: dict, where: str) -> str:
-    if "caption" not in entry:
-        raise ValueError(f"{where}: entry {entry} has no 'caption'")
-    return str(entry["caption"])
+    for key in CAPTION_KEYS:
+        if key in entry:
+            return str(entry[key])
+    raise ValueError(f"{where}: entry {entry} has no caption (expected one of {CAPTION_KEYS})")
+
+
+def read_text(path: Path) -> str:
+    """The UTF-8 text of a caption file; any other encoding is refused naming the file."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error}); re-encode the caption file as UTF-8") from error
 
 
 def _index_entries(entries: Iterable[dict], where: str) -> dict[str, str]:
@@ -56,7 +68,7 @@ def _index_entries(entries: Iterable[dict], where: str) -> dict[str, str]:
 def read_jsonl_captions(input_dir: Path) -> dict[str, str]:
     captions: dict[str, str] = {}
     for jsonl in sorted(input_dir.glob("*.jsonl")):
-        lines = [line for line in jsonl.read_text().splitlines() if line.strip()]
+        lines = [line for line in read_text(jsonl).splitlines() if line.strip()]
         entries = []
         for number, line in enumerate(lines, 1):
             try:
@@ -71,7 +83,10 @@ def read_meta_json_captions(input_dir: Path) -> dict[str, str]:
     meta = input_dir / META_FILE
     if not meta.is_file():
         return {}
-    content = json.loads(meta.read_text())
+    try:
+        content = json.loads(read_text(meta))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{meta}: invalid JSON ({error})") from error
     if isinstance(content, dict):
         return {str(k): str(v) for k, v in content.items()}
     if isinstance(content, list):
@@ -83,7 +98,7 @@ def read_sidecar_caption(path: Path) -> str | None:
     sidecar = path.with_suffix(".json")
     if not sidecar.is_file() or sidecar.name == META_FILE:
         return None
-    content = json.loads(sidecar.read_text())
+    content = json.loads(read_text(sidecar))
     if not isinstance(content, dict) or "caption" not in content:
         raise ValueError(f"{sidecar}: sidecar must be an object with a 'caption' field")
     return str(content["caption"])

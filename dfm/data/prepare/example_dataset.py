@@ -97,6 +97,7 @@ def build_example_dataset(root: str | Path, shard_maxcount: int = 3, run_energon
         max_text_len=64,
         shard_maxcount=shard_maxcount,
         run_energon_prepare=run_energon,
+        max_skip_fraction=0.2,  # one of its eight files is corrupt on purpose
     )
     report = prepare_dataset(settings)
     return ExampleDataset(root / "raw", root / "dataset", captions, corrupt, report)

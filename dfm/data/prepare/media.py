@@ -38,11 +38,15 @@ def is_media_file(path: Path) -> bool:
 
 
 def find_media_files(input_dir: str | Path) -> list[Path]:
-    """All images and videos under ``input_dir`` (recursive), sorted for a stable order."""
+    """All images and videos under ``input_dir`` (recursive), sorted for a stable order; none is an error."""
     input_dir = Path(input_dir)
     if not input_dir.is_dir():
         raise FileNotFoundError(f"input_dir {input_dir} is not a directory")
-    return sorted(p for p in input_dir.rglob("*") if is_media_file(p))
+    files = sorted(p for p in input_dir.rglob("*") if is_media_file(p))
+    if not files:
+        accepted = " ".join(sorted(IMAGE_EXTENSIONS | VIDEO_EXTENSIONS))
+        raise FileNotFoundError(f"input_dir {input_dir} holds no media files (searched recursively for: {accepted})")
+    return files
 
 
 def read_image(path: Path) -> MediaItem:

@@ -1,8 +1,10 @@
 """Preparation core: media folder -> encoded shards (+ optionally ``energon prepare``).
 
-Every file is read, bucketed, VAE-encoded and caption-encoded once. Files that cannot be read or
-encoded are skipped, counted, logged as warnings and listed in the report (and in
-``prepare_report.rank<R>.json``). Under torchrun each rank takes every WORLD_SIZE-th file and
+Every file is read, bucketed, VAE-encoded and caption-encoded once. Files that cannot be read
+(decoded, captioned, bucketed) are skipped, counted, logged as warnings and listed in the report (and in
+``prepare_report.rank<R>.json``); more than ``max_skip_fraction`` of a rank's files skipped fails the run
+after the report. An encoder or device error (out of memory, an encoder bug) is no property of the file:
+it stops the run naming the file, which stays not done, so ``--resume`` retries it. Under torchrun each rank takes every WORLD_SIZE-th file and
 writes its own shards (``rank<R>-NNNNNN.tar``); sample keys are global file indices, unique across ranks.
 The output folder must be fresh, or cleared (``overwrite``), or hold an interrupted preparation
 to continue (``resume``); a record per rank tells which files are done (``record.py``).
@@ -25,7 +27,7 @@ from dfm.data.encoders.t5 import T5TextEncoder
 from dfm.data.encoders.tiny import TinyEncoderPaths, build_tiny_random_encoders, is_tiny_random
 from dfm.data.encoders.vae import VideoVAE
 from dfm.data.prepare.buckets import ResolutionPolicy, resize_center_crop
-from dfm.data.prepare.captions import CaptionFormat, CaptionLookup
+from dfm.data.prepare.captions import Caption, CaptionFormat, CaptionLookup
 from dfm.data.prepare.energon_prepare import run_energon_prepare
 from dfm.data.prepare.media import MediaItem, find_media_files, read_media
 from dfm.data.prepare.output_dir import inputs_digest, open_output_dir
@@ -70,12 +72,21 @@ class PrepareSettings:
     run_energon_prepare: bool = False  # only rank 0 of a single-process run; see docs/data.md
     overwrite: bool = False  # clear a previous preparation's shards and energon index first
     resume: bool = False  # continue an interrupted preparation with the same settings
+    max_skip_fraction: float = 0.05  # more of this rank's files unreadable: the run fails (after its report)
 
     def resolution_policy(self, multiple: int) -> ResolutionPolicy:
         preset = self.resolution_preset
         if preset is None and self.max_pixels is None and self.height is None and self.width is None:
             preset = "256p"
         return ResolutionPolicy.from_args(multiple, preset, self.max_pixels, self.height, self.width)
+
+
+class PreparationError(RuntimeError):
+    """Stops a preparation: an encoder or device failure on a file, or too many unreadable files."""
+
+
+class UnreadableInput(Exception):
+    """An input file that cannot be read, decoded, captioned or bucketed: skipped and reported."""
 
 
 @dataclass
@@ -178,6 +189,19 @@ def sample_metadata(
     }
 
 
+def read_input(
+    path: Path, settings: PrepareSettings, encoders: Encoders, captions: CaptionLookup, policy: ResolutionPolicy
+) -> tuple[MediaItem, Caption, tuple[int, int]]:
+    """(media, caption, bucket) of one file; any failure here is the file's and raises UnreadableInput."""
+    try:
+        item = read_media(path, settings.num_frames, settings.frame_stride, encoders.vae.temporal_compression)
+        return item, captions.caption(path), policy.bucket(item.height, item.width)
+    except MemoryError:  # the machine's, not the file's
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever the decoders raise on a bad file
+        raise UnreadableInput(f"{type(error).__name__}: {error}") from error
+
+
 def encode_file(
     path: Path,
     key: str,
@@ -186,15 +210,20 @@ def encode_file(
     captions: CaptionLookup,
     policy: ResolutionPolicy,
 ) -> dict:
-    """One media file -> the shard parts of its sample."""
-    item = read_media(path, settings.num_frames, settings.frame_stride, encoders.vae.temporal_compression)
-    bucket = policy.bucket(item.height, item.width)
-    video = resize_center_crop(item.frames, *bucket).unsqueeze(0)
-    latent = encoders.vae.encode(video)[0].float().cpu()
-    caption = captions.caption(path)
-    text = encoders.text.encode([caption.text])[0]
+    """One media file -> the shard parts of its sample. Raises UnreadableInput (skip the file) or
+    PreparationError (an encoder failed: stop, the file is not done)."""
+    item, caption, bucket = read_input(path, settings, encoders, captions, policy)
+    try:
+        video = resize_center_crop(item.frames, *bucket).unsqueeze(0)
+        latent = encoders.vae.encode(video)[0].float().cpu()
+        text = encoders.text.encode([caption.text])[0]
+        pooled = encoders.pooled.encode([caption.text])[0] if encoders.pooled is not None else None
+    except Exception as error:
+        raise PreparationError(
+            f"{path}: encoding failed ({type(error).__name__}: {error}); the file is not marked done: "
+            "fix the cause and rerun with --resume (same arguments)"
+        ) from error
     metadata = sample_metadata(item, settings, encoders, caption, bucket, latent, int(text.shape[0]))
-    pooled = encoders.pooled.encode([caption.text])[0] if encoders.pooled is not None else None
     return encode_sample_parts(key, latent, text, metadata, pooled)
 
 
@@ -202,11 +231,20 @@ def log_skipped(report: PrepareReport) -> None:
     if not report.skipped:
         return
     listing = "\n".join(f"  {path}: {reason}" for path, reason in report.skipped)
-    logger.warning("skipped %d unreadable or unencodable files:\n%s", len(report.skipped), listing)
+    logger.warning("skipped %d unreadable files:\n%s", len(report.skipped), listing)
 
 
 # Settings that do not change which samples are written (may differ on --resume).
-RUN_ONLY_SETTINGS = ("output_dir", "rank", "world_size", "device", "run_energon_prepare", "overwrite", "resume")
+RUN_ONLY_SETTINGS = (
+    "output_dir",
+    "rank",
+    "world_size",
+    "device",
+    "run_energon_prepare",
+    "overwrite",
+    "resume",
+    "max_skip_fraction",
+)
 
 
 def record_args(settings: PrepareSettings, files: list[Path]) -> dict:
@@ -238,10 +276,10 @@ def encode_files(
         for index, path in tqdm(todo, desc=f"prepare rank {settings.rank}", position=settings.rank):
             try:
                 parts = encode_file(path, f"{index:0{key_width}d}", settings, encoders, captions, policy)
-            except Exception as error:  # noqa: BLE001 - any unreadable input is skipped and reported
-                record.skipped.append((index, str(path), f"{type(error).__name__}: {error}"))
+            except UnreadableInput as error:
+                record.skipped.append((index, str(path), str(error)))
                 record.save(out)
-                logger.warning("skipping %s: %s: %s", path, type(error).__name__, error)
+                logger.warning("skipping %s: %s", path, error)
                 continue
             writer.write(parts)  # may publish the previous shard, whose files are in_open_shard
             in_open_shard.append(index)
@@ -256,7 +294,8 @@ def prepare_dataset(settings: PrepareSettings) -> PrepareReport:
     )
     key_width = max(8, len(str(len(files))))
     done = record.done_files()
-    todo = [(i, p) for i, p in list(enumerate(files))[settings.rank :: settings.world_size] if i not in done]
+    mine = list(enumerate(files))[settings.rank :: settings.world_size]
+    todo = [(i, p) for i, p in mine if i not in done]
     if todo:
         encode_files(todo, key_width, settings, record)
     record.status = COMPLETE
@@ -270,8 +309,21 @@ def prepare_dataset(settings: PrepareSettings) -> PrepareReport:
     logger.info("rank %d: %s", settings.rank, report.summary())
     report_file = Path(settings.output_dir) / f"prepare_report.rank{settings.rank}.json"
     report_file.write_text(json.dumps(asdict(report), indent=1))
+    check_skip_fraction(report, len(mine), settings, report_file)
     if settings.run_energon_prepare:
         if settings.world_size > 1:
             raise ValueError("run energon prepare once after all ranks finish, not with world_size > 1")
         run_energon_prepare(settings.output_dir)
     return report
+
+
+def check_skip_fraction(report: PrepareReport, num_files: int, settings: PrepareSettings, report_file: Path) -> None:
+    """Fail a run that skipped more than ``max_skip_fraction`` of this rank's files."""
+    fraction = len(report.skipped) / max(num_files, 1)
+    if fraction > settings.max_skip_fraction:
+        names = ", ".join(path for path, _ in report.skipped[:5]) + (", ..." if len(report.skipped) > 5 else "")
+        raise PreparationError(
+            f"rank {settings.rank}: {len(report.skipped)} of {num_files} files skipped ({fraction:.1%} > "
+            f"--max_skip_fraction {settings.max_skip_fraction}): {names}; reasons in {report_file}. "
+            "Fix them and redo with --overwrite, or accept the loss with --resume --max_skip_fraction <higher>"
+        )

@@ -25,7 +25,14 @@ import torch
 
 from dfm.data.prepare.buckets import RESOLUTION_PRESETS
 from dfm.data.prepare.captions import CAPTION_FORMATS
-from dfm.data.prepare.pipeline import DEFAULT_T5, DEFAULT_VAE, PrepareSettings, prepare_dataset, settings_from_env
+from dfm.data.prepare.pipeline import (
+    DEFAULT_T5,
+    DEFAULT_VAE,
+    PreparationError,
+    PrepareSettings,
+    prepare_dataset,
+    settings_from_env,
+)
 from dfm.platform.process_exit import skip_final_gc_at_exit
 
 
@@ -62,6 +69,12 @@ def add_encoding_arguments(parser: argparse.ArgumentParser) -> None:
         "--overwrite", action="store_true", help="clear a previous preparation's shards and energon index first"
     )
     existing.add_argument("--resume", action="store_true", help="continue an interrupted preparation (same arguments)")
+    parser.add_argument(
+        "--max_skip_fraction",
+        type=float,
+        default=0.05,
+        help="fail (after the report) when more of a rank's files than this are unreadable",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,13 +116,18 @@ def settings_from_args(args: argparse.Namespace, input_dir: str | None = None) -
             run_energon_prepare=args.run_energon_prepare,
             overwrite=args.overwrite,
             resume=args.resume,
+            max_skip_fraction=args.max_skip_fraction,
         )
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    report = prepare_dataset(settings_from_args(build_parser().parse_args(argv)))
+    try:
+        report = prepare_dataset(settings_from_args(build_parser().parse_args(argv)))
+    except (PreparationError, FileNotFoundError) as error:  # named file and reason, no traceback needed
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(report.summary())
     return 0 if report.written > 0 else 1
 
