@@ -17,9 +17,11 @@ gathers for its forward / backward are not in these figures.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from megatron.core.utils import to_local_if_dtensor
@@ -144,7 +146,8 @@ def local_parameter_count(model) -> int:
 
 
 def log_memory(cfg, layout, model, optimizer) -> None:
-    """Start-up log (rank 0): every rank's measured bytes, and the formula for rank 0's share."""
+    """Start-up log (rank 0): every rank's measured bytes, and the formula for rank 0's share; the
+    same figures, unrounded, in ``<log_dir>/memory_per_rank.json``."""
     ddp = cfg.ddp
     name = layout_name(ddp.use_megatron_fsdp, ddp.data_parallel_sharding_strategy, ddp.use_distributed_optimizer)
     measured = measured_bytes(model, optimizer, cfg.optimizer.optimizer)
@@ -157,6 +160,7 @@ def log_memory(cfg, layout, model, optimizer) -> None:
     )
     lines = [f"rank {rank}: {held.describe()}" for rank, (held, _) in enumerate(counts)]
     formula = formula_bytes(counts[0][1], per, name, layout.dp * layout.cp)
+    write_memory_record(cfg.logger.log_dir, name, layout.dp * layout.cp, counts, per)
     logger.info(
         "memory per rank (%s, %d parameters on rank 0, sharded over %d DP x CP ranks):\n  %s\n  formula, rank 0: %s",
         name,
@@ -165,3 +169,21 @@ def log_memory(cfg, layout, model, optimizer) -> None:
         "\n  ".join(lines),
         formula.describe(),
     )
+
+
+def write_memory_record(log_dir: str | None, layout_name_: str, shards: int, counts, per: BytesPerParameter) -> None:
+    """``{"layout", "shards", "ranks": [{"parameters", "measured": {params, grads, optimizer},
+    "formula": {...}}]}``: what each rank holds next to the closed form for its parameter count."""
+    if not log_dir:
+        return
+    ranks = [
+        {
+            "parameters": count,
+            "measured": asdict(held),
+            "formula": asdict(formula_bytes(count, per, layout_name_, shards)),
+        }
+        for held, count in counts
+    ]
+    record = {"layout": layout_name_, "shards": shards, "ranks": ranks}
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    (Path(log_dir) / "memory_per_rank.json").write_text(json.dumps(record, indent=1))
