@@ -1,6 +1,6 @@
 """Packing properties: never more real tokens than seq_length, never a split sample, every sample
-accounted for, the same packs whatever the layout's padding, and >= 95 % of pack capacity
-(seq_length, real tokens) holds real tokens on a mixed-size stream with the default buffer."""
+accounted for, the same packs whatever the layout's padding, and >= 92 % of pack capacity
+(seq_length, real tokens) holds real tokens on random mixed-size streams with the default buffer."""
 
 from __future__ import annotations
 
@@ -10,14 +10,12 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from dfm.data.energon.data_module import EnergonDataSettings
+from benchmarks.packing_draws import mixed_stream_efficiency
 from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings
 from dfm.data.mock import MockDataSettings, MockPackedLoader, mock_sample
-from dfm.data.pack_selection import first_fit_decreasing, packing_efficiency
+from dfm.data.pack_selection import first_fit_decreasing
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BUFFER = EnergonDataSettings.__dataclass_fields__["packing_buffer_size"].default
 
 lengths_strategy = st.lists(st.integers(min_value=1, max_value=600), min_size=1, max_size=120)
 
@@ -75,44 +73,34 @@ def test_packs_never_exceed_the_limit_nor_split_samples(mock, cp, tp, seq_length
         assert batch.num_real_tokens() == sum(s.seq_len_q for s in pack)
 
 
-MIXED = dict(
-    image_sizes=[(32, 32), (32, 48), (48, 32), (64, 64), (48, 64)],
-    video_sizes=[(4, 32, 32), (8, 32, 48), (16, 32, 32), (4, 48, 64)],
-    in_channels=1,
-    text_embed_dim=4,  # token counts do not depend on channels; fewer keep the test fast
-)
+# The bound, from the distribution of 500 seeded random draws (python -m benchmarks.packing_draws --seed 1
+# --draws 300, and --seed 2 --draws 200 --max_image_fraction 0.3 for the mostly-video tail; 2026-11-25,
+# 2-core CPU): min 0.9368, mostly-video streams (image fraction < 0.3) mean 0.971, sd 0.012. 0.92 lies
+# 4 sd below that mean and 0.017 below the worst draw; both balances share it (their minima differ by 0.001).
+MIN_EFFICIENCY = 0.92
 
 
-# Cost balancing spends a little fill on equal FLOPs per pack: CI once drew 0.948 (the example below).
-MIN_EFFICIENCY = {"tokens": 0.95, "cost": 0.94}
-
-
-# derandomize: the same examples on every run, so CI results reproduce.
-@settings(max_examples=4, deadline=None, derandomize=True)
+# Random draws on every run (a failure prints its example and hypothesis replays it); the explicit
+# example is the worst of the 500 measured draws.
+@settings(max_examples=4, deadline=None)
 @given(
     seed=st.integers(0, 2**31),
     image_fraction=st.floats(0.2, 0.8),
     cp=st.sampled_from([1, 2]),
     balance=st.sampled_from(["cost", "tokens"]),
 )
-@example(seed=14, image_fraction=0.21875, cp=1, balance="cost")
+@example(seed=1892233001, image_fraction=0.2071996393943965, cp=2, balance="cost")
 def test_packing_efficiency_on_mixed_sizes_with_default_buffer(seed, image_fraction, cp, balance):
-    seq_length = 8192
-    mock = MockDataSettings(seed=seed, image_fraction=image_fraction, **MIXED)
-    packing = PackingSettings(seq_length=seq_length, segment_multiple=2 * cp, total_multiple=cp, balance=balance)
-    encoder = DiffusionTaskEncoder(packing)
-    stream = [mock_sample(mock, i) for i in range(3 * DEFAULT_BUFFER)]
-    batches = []
-    for start in range(0, len(stream), DEFAULT_BUFFER):  # as energon's PackingDataset feeds buffers
-        batches += [
-            encoder.pack_selected_samples(p)
-            for p in encoder.select_samples_to_pack(stream[start : start + DEFAULT_BUFFER])
-        ]
-    efficiency = packing_efficiency(batches, seq_length)
+    efficiency = mixed_stream_efficiency(seed, image_fraction, cp, balance)
     logger.warning(
-        "packing efficiency %.4f (seed %d, image fraction %.2f, cp %d)", efficiency, seed, image_fraction, cp
+        "packing efficiency %.4f (seed %d, image fraction %.2f, cp %d, %s)",
+        efficiency,
+        seed,
+        image_fraction,
+        cp,
+        balance,
     )
-    assert efficiency >= MIN_EFFICIENCY[balance]
+    assert efficiency >= MIN_EFFICIENCY
 
 
 # (segment_multiple, total_multiple) of dfm.training.data.padding_multiples for TP=1, TP=2+SP, CP=2.
