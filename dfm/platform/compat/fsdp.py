@@ -81,12 +81,13 @@ def forward_through_root_hooks(original):
     starts the backward (``_root_pre_backward``: marks every gradient "to be handled" and queues
     the final reduction).
 
-    The original bypasses the root's hooks, and megatron-core 0.16.1 also hangs that hook on the
-    root's last-registered submodule (the loop variable left over from ``named_modules()``). When
-    that submodule's output gets its gradient late in the backward (Wan's ``time_proj``: the
-    blocks' and head's gradients come first), every gradient already reduced is marked
-    unhandled again and reduced a second time at the end, together with the bucket's stale data:
-    the last-reached parameters' gradients (Wan's ``t_embedder``, ``time_proj``) came out 2x.
+    The original bypasses the root's hooks; megatron-core 0.16.1 also hangs that hook on the root's
+    last-registered submodule (the loop variable left over from ``named_modules()``), and only that
+    one fired. When that submodule's output gets its gradient late in the backward (Wan's
+    ``time_proj``, after the blocks and the head), the gradients already reduce-scattered are
+    marked unhandled again; at the end of the backward megatron zeroes their slots in the still
+    allocated bucket and reduce-scatters it again, so the slots of the parameters reached after
+    the hook (Wan's ``t_embedder``, ``time_proj``) were added twice or more (2x on gloo).
     """
     if not callable(original):
         raise TargetChanged(f"MegatronFSDP.forward is {original!r}, not a function")
