@@ -63,7 +63,7 @@ def _check_parallel_layout(cfg: ConfigContainer, world_size: int | None) -> None
     """The layout's own rules, the model's under it (dfm/parallel/rules.py), and the batch it splits."""
     layout = ParallelLayout.from_config(cfg.model, world_size)
     layout.check_model(cfg.model, cfg.dataset.seq_length)
-    check_data_parallel_sharding(cfg.ddp, layout, cfg.model)
+    check_data_parallel_sharding(cfg.ddp, layout)
     if world_size is not None and cfg.train.global_batch_size is not None:
         micro_batches_per_step(cfg.train, layout)
 

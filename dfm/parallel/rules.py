@@ -153,7 +153,7 @@ TORCH_FSDP2_REFUSED = (
 )
 
 
-def check_data_parallel_sharding(ddp: DDPConfig, layout: ParallelLayout, model: ModelConfig) -> None:
+def check_data_parallel_sharding(ddp: DDPConfig, layout: ParallelLayout) -> None:
     """Fully sharded data parallel: Megatron-FSDP only, without pipeline stages."""
     if ddp.use_torch_fsdp2:
         raise ConfigError(TORCH_FSDP2_REFUSED)
@@ -166,27 +166,11 @@ def check_data_parallel_sharding(ddp: DDPConfig, layout: ParallelLayout, model: 
             )
         return
     _check_sharded_gradient_groups(ddp, layout)
-    _check_wan_gradient_sharding(ddp, model)
     if layout.pp > 1:
         raise ConfigError(
             f"ddp.use_megatron_fsdp=true with {layout.key('pp')} ({layout.pp}) is not supported: FSDP here "
             f"shards over data parallel and combines with TP, SP, CP and EP; set {layout.key('pp')}=1 or "
             "ddp.use_megatron_fsdp=false (the distributed optimizer works with pipeline stages)"
-        )
-
-
-def _check_wan_gradient_sharding(ddp: DDPConfig, model: ModelConfig) -> None:
-    """Measured (DP=2, megatron-core 0.16.1): with gradients sharded, Wan's timestep path (t_embedder,
-    the shared time_proj) receives exactly twice the one-process gradients; the other weights, and
-    Wan with `no_shard` or `optim`, match. Cause not found yet, so the strategies that shard
-    gradients are refused for Wan rather than trained wrong."""
-    if model.architecture == "wan" and ddp.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"):
-        raise ConfigError(
-            f"ddp.data_parallel_sharding_strategy={ddp.data_parallel_sharding_strategy!r} with "
-            "model.architecture=wan: Megatron-FSDP (megatron-core 0.16.1) doubles the gradients of Wan's "
-            "timestep embedder and time_proj when gradients are sharded; use "
-            "ddp.data_parallel_sharding_strategy=optim (optimizer state sharded) or the distributed optimizer "
-            "(ddp.use_megatron_fsdp=false ddp.use_distributed_optimizer=true)"
         )
 
 

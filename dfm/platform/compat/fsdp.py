@@ -73,3 +73,28 @@ def te_linear_or_placeholder(original):
     """Without Transformer Engine megatron's ``TELinear`` is built on a MagicMock and is no class,
     so ``isinstance(module, (TELinear,))`` raises; a placeholder class answers False instead."""
     return original if isinstance(original, type) else MissingTELinear
+
+
+def forward_through_root_hooks(original):
+    """``MegatronFSDP.forward`` that calls the root module (``self.module(...)``) instead of its
+    ``forward``, so the hooks MegatronFSDP registered on the root run, above all the one that
+    starts the backward (``_root_pre_backward``: marks every gradient "to be handled" and queues
+    the final reduction).
+
+    The original bypasses the root's hooks; megatron-core 0.16.1 also hangs that hook on the root's
+    last-registered submodule (the loop variable left over from ``named_modules()``), and only that
+    one fired. When that submodule's output gets its gradient late in the backward (Wan's
+    ``time_proj``, after the blocks and the head), the gradients already reduce-scattered are
+    marked unhandled again; at the end of the backward megatron zeroes their slots in the still
+    allocated bucket and reduce-scatters it again, so the slots of the parameters reached after
+    the hook (Wan's ``t_embedder``, ``time_proj``) were added twice or more (2x on gloo).
+    """
+    if not callable(original):
+        raise TargetChanged(f"MegatronFSDP.forward is {original!r}, not a function")
+
+    def forward(self, *inputs, **kwargs):
+        self._replace_param_with_raw_if_needed()
+        with torch.autograd.profiler.record_function("CustomFSDP.forward"):
+            return self.module(*inputs, **kwargs)
+
+    return forward

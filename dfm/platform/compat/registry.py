@@ -346,6 +346,20 @@ MEGATRON_FSDP = (
         site="FullyShardedDataParallel._fix_tensor_parallel_attributes",
         cpu_only=False,
     ),
+    Patch(
+        name="megatron-fsdp-root-hooks",
+        module=f"{MEGATRON_FSDP_SRC}.megatron_fsdp",
+        attribute="MegatronFSDP.forward",
+        why="calls self.module.forward, so the root pre-backward hook fires only from the last-registered "
+        "submodule; when that one's gradient comes late, the gradients reduced before it are reduced again",
+        relies_on=(
+            "self._replace_param_with_raw_if_needed()",
+            'with torch.autograd.profiler.record_function("CustomFSDP.forward"):',
+            "output = self.module.forward(*inputs, **kwargs)",
+        ),
+        replace=fsdp.forward_through_root_hooks,
+        cpu_only=False,
+    ),
 )
 
 # Not about the device: megatron's checkpointing with torch's Adam (no Apex / TE), applied on CUDA too.
