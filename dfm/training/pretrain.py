@@ -28,7 +28,7 @@ from dfm.platform.parent_watch import checkpoint_writer_queue_dies_with_us, die_
 from dfm.platform.process_exit import skip_final_gc_at_exit
 from dfm.training.data import build_train_loader, build_val_iterator
 from dfm.training.ema import build_ema
-from dfm.training.faults import NonFiniteGuard, PreemptionSignal, grads_are_finite
+from dfm.training.faults import NonFiniteGuard, PreemptionSignal, step_checks
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.full_weights import finish_param_gather
 from dfm.training.memory import log_memory
@@ -122,8 +122,21 @@ def reduce_loss_and_tokens(losses_reduced: list[dict], device: torch.device) -> 
     return (stats[0] / stats[1].clamp(min=1)).item(), stats[2].item()
 
 
-def train_step(forward_step, data_iter, model, optimizer, scheduler, n_micro: int, device) -> tuple:
-    """One optimizer step; a non-finite loss or gradient skips the update. -> (losses, updated, grad_norm)."""
+def train_step(
+    forward_step,
+    data_iter,
+    model,
+    optimizer,
+    scheduler,
+    n_micro: int,
+    device,
+    preemption: PreemptionSignal | None = None,
+) -> tuple:
+    """One optimizer step; a non-finite loss or gradient skips the update.
+
+    -> (losses, updated, grad_norm, preempt): ``preempt`` is True on every rank once any rank got a
+    preemption signal (agreed in the same all-reduce as the finite check).
+    """
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -135,12 +148,14 @@ def train_step(forward_step, data_iter, model, optimizer, scheduler, n_micro: in
         micro_batch_size=1,
         forward_only=False,
     )
-    if not grads_are_finite(model, [item["loss_and_tokens"][0] for item in losses], device):
-        return losses, False, None
+    preemption = preemption or PreemptionSignal(enabled=False)
+    finite, preempt = step_checks(model, [item["loss_and_tokens"][0] for item in losses], preemption, device)
+    if not finite:
+        return losses, False, None, preempt
     update_ok, grad_norm, _ = optimizer.step()
     if update_ok:
         scheduler.step(increment=1)
-    return losses, update_ok, grad_norm
+    return losses, update_ok, grad_norm, preempt
 
 
 def pretrain(cfg: ConfigContainer, mock: bool) -> None:
@@ -227,7 +242,7 @@ class TrainLoop:
                 self.forward_step.iteration = iteration
                 for chunk in self.model:
                     chunk.train()
-                losses, updated, grad_norm = train_step(
+                losses, updated, grad_norm, preempt = train_step(
                     self.forward_step,
                     self.data_iter,
                     self.model,
@@ -235,6 +250,7 @@ class TrainLoop:
                     self.scheduler,
                     self.n_micro,
                     self.device,
+                    self.signal,
                 )
                 self.guard.record(updated, iteration)
                 if updated and self.ema is not None:
@@ -247,7 +263,7 @@ class TrainLoop:
                 if iteration % cfg.logger.log_interval == 0 or last:
                     self.log(iteration, losses, grad_norm, window)
                     window = LogWindow()
-                if self.signal.requested(self.device):
+                if preempt:
                     logger.info("preemption signal received: saving at iteration %d and exiting", iteration)
                     self.save(iteration)
                     return
