@@ -7,11 +7,13 @@ from typing import Any
 
 import torch
 
+from dfm.platform.parent_watch import STOP_SIGNALS
+
 
 class PreemptionSignal:
     """Records SIGTERM / SIGUSR1 (Slurm preemption); ranks agree through ``step_checks`` each step."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self, enabled: bool):
         self.received: int | None = None

@@ -163,14 +163,17 @@ def pretrain(cfg: ConfigContainer, mock: bool) -> None:
     die_with_launcher()
     if cfg.checkpoint.save:
         checkpoint_writer_queue_dies_with_us()
+    # From the start: a stop signal during start-up (or one a launcher left ignored) still saves after step one.
+    preemption = PreemptionSignal(cfg.train.exit_signal_handler)
     layout = ParallelLayout.from_config(cfg.model, launched_world_size())
     device = initialize_distributed(layout, seed=cfg.rng.seed, timeout_minutes=cfg.train.collective_timeout_minutes)
     try:
-        run(cfg, layout, mock, device)
+        run(cfg, layout, mock, device, preemption)
     except Exception:
         logger.exception("rank %d failed", torch.distributed.get_rank())
         raise
     finally:
+        preemption.restore()
         destroy_distributed()
 
 
@@ -184,7 +187,9 @@ def announce_config(cfg: ConfigContainer) -> None:
         set_aside_partial_saves(cfg.checkpoint.save)
 
 
-def run(cfg: ConfigContainer, layout: ParallelLayout, mock: bool, device: torch.device) -> None:
+def run(
+    cfg: ConfigContainer, layout: ParallelLayout, mock: bool, device: torch.device, preemption: PreemptionSignal
+) -> None:
     rank = torch.distributed.get_rank()
     finalize_defaults(cfg, layout)
     if rank == 0:
@@ -197,12 +202,12 @@ def run(cfg: ConfigContainer, layout: ParallelLayout, mock: bool, device: torch.
     ema = build_ema(model, cfg.optimizer.ema_decay)
     start = 0
     if cfg.checkpoint.load:
-        start = load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, data_iter, ema, cfg.model)
+        start = load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, data_iter, ema, cfg.model, cfg)
     if start == 0 and cfg.checkpoint.pretrained:
         start_from_pretrained(cfg, model, optimizer, ema)
     warn_if_little_room(cfg.checkpoint.save, model, ema)
     forward_step = DiffusionForwardStep(pipeline_from_config(cfg), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
-    loop = TrainLoop(cfg, layout, model, optimizer, scheduler, data_iter, forward_step, device, mock, ema)
+    loop = TrainLoop(cfg, layout, model, optimizer, scheduler, data_iter, forward_step, device, mock, ema, preemption)
     loop.run(start)
 
 
@@ -215,7 +220,20 @@ def start_from_pretrained(cfg: ConfigContainer, model, optimizer, ema) -> None:
 
 
 class TrainLoop:
-    def __init__(self, cfg, layout, model, optimizer, scheduler, data_iter, forward_step, device, mock: bool, ema=None):
+    def __init__(
+        self,
+        cfg,
+        layout,
+        model,
+        optimizer,
+        scheduler,
+        data_iter,
+        forward_step,
+        device,
+        mock: bool,
+        ema=None,
+        preemption=None,
+    ):
         self.cfg, self.layout, self.model, self.optimizer, self.scheduler = cfg, layout, model, optimizer, scheduler
         self.data_iter, self.forward_step, self.device, self.mock = data_iter, forward_step, device, mock
         self.ema = ema
@@ -233,7 +251,7 @@ class TrainLoop:
             run_config=config_to_dict(cfg),
         )
         self.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite)
-        self.signal = PreemptionSignal(cfg.train.exit_signal_handler)
+        self.signal = preemption or PreemptionSignal(enabled=False)
 
     def run(self, start: int) -> None:
         cfg, window = self.cfg, LogWindow()
@@ -264,8 +282,7 @@ class TrainLoop:
                     self.log(iteration, losses, grad_norm, window)
                     window = LogWindow()
                 if preempt:
-                    logger.info("preemption signal received: saving at iteration %d and exiting", iteration)
-                    self.save(iteration)
+                    self.save_and_stop(iteration)
                     return
                 if cfg.train.eval_interval and (iteration % cfg.train.eval_interval == 0 or last):
                     self.validate(iteration)
@@ -275,8 +292,20 @@ class TrainLoop:
         finally:
             if self.async_saves is not None:
                 self.async_saves.close()  # waits for the last save and marks it `latest`
-            self.signal.restore()
             self.metrics.close()
+
+    def save_and_stop(self, iteration: int) -> None:
+        """After a preemption signal on any rank: save this step (an in-flight async save completes first)."""
+        logger.info("preemption signal received: saving at iteration %d and exiting", iteration)
+        self.save(iteration)
+        if self.async_saves is not None:
+            self.async_saves.maybe_finalize_async_calls(blocking=True)
+        where = (
+            f"checkpoint {self.cfg.checkpoint.save}/iter_{iteration:07d}"
+            if self.cfg.checkpoint.save
+            else "no checkpoint.save"
+        )
+        logger.info("rank %d exiting after the preemption signal: %s", torch.distributed.get_rank(), where)
 
     def update_ema(self) -> None:
         finish_param_gather(self.model)  # the EMA must see this step's weights on every DP rank
