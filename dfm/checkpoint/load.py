@@ -11,9 +11,10 @@ from dfm.checkpoint import fsdp_state
 from dfm.checkpoint.compare import model_differences
 from dfm.checkpoint.errors import CheckpointError
 from dfm.checkpoint.progress import StageProgress
+from dfm.checkpoint.run_settings import compare_run_settings, data_kind, restore_schedule
 from dfm.checkpoint.select import choose_checkpoint
 from dfm.checkpoint.state import WEIGHTS_ONLY, full_sharded_state_dict, layout, restore_ema, set_rng_state
-from dfm.config.container import ModelConfig
+from dfm.config.container import ConfigContainer, ModelConfig
 from dfm.models.common.fsdp_shards import install_main_weights
 from dfm.platform.compat.checkpointing import ensure_adam_state, unshare_adam_steps
 
@@ -23,11 +24,19 @@ LOAD_STAGES = ["plan", "read tensors", "model", "optimizer + EMA + schedule", "R
 
 
 def load_checkpoint(
-    path: str, model, optimizer, scheduler, loader, ema=None, model_config: ModelConfig | None = None
+    path: str,
+    model,
+    optimizer,
+    scheduler,
+    loader,
+    ema=None,
+    model_config: ModelConfig | None = None,
+    run_config: ConfigContainer | None = None,
 ) -> int:
     """Restore everything from ``path`` (a checkpoint, or a root: its newest that verifies); -> iteration (0 if none).
 
-    With ``model_config``, a checkpoint of a different architecture is refused before any tensor is read.
+    With ``model_config``, a checkpoint of a different architecture is refused before any tensor is read;
+    with ``run_config``, changed data settings too (dfm/checkpoint/run_settings.py).
     """
     directory = choose_checkpoint(path)
     if directory is None:
@@ -41,12 +50,14 @@ def load_checkpoint(
             )
         if model_config is not None:
             check_same_model(common, directory, model_config)
+        resume = compare_run_settings(common, directory, run_config, data_kind(loader))
         ensure_adam_state(optimizer)
         same_layout = common.get("layout") == layout(model)
         same_dp = common.get("layout", {}).get("dp") == layout(model)["dp"]
         ema_saved = ema if common.get("has_ema") else None
+        keep_data = same_dp and resume.data_position
         state = full_sharded_state_dict(
-            model, optimizer, loader, is_loading=True, with_rng=same_layout, with_data=same_dp, ema=ema_saved
+            model, optimizer, loader, is_loading=True, with_rng=same_layout, with_data=keep_data, ema=ema_saved
         )
         progress.advance()
         loaded = dist_checkpointing.load(state, str(directory))
@@ -65,13 +76,13 @@ def load_checkpoint(
             optimizer.load_state_dict(loaded["optimizer"])
         unshare_adam_steps(optimizer)
         restore_ema(ema, loaded if ema_saved is not None else None, model, directory)
-        scheduler.load_state_dict(loaded["scheduler"])
+        restore_schedule(scheduler, optimizer, loaded["scheduler"], resume)
         progress.advance()
         if same_layout:
             set_rng_state(loaded["rng"])
         if "data" in loaded:
             loader.load_state_dict(loaded["data"])
-        else:
+        elif not same_dp:
             logger.warning(
                 "checkpoint %s was written with data-parallel size %s, now %s: the data position is not restored",
                 directory,

@@ -28,6 +28,7 @@ from dfm.checkpoint.files import (
     room_problem,
 )
 from dfm.checkpoint.manifest import FileEntry, checkpoint_files, describe_files, verify, write_manifest
+from dfm.checkpoint.run_settings import data_kind
 from dfm.checkpoint.state import full_sharded_state_dict, layout
 from dfm.models.common.fsdp_shards import inner_model
 
@@ -68,6 +69,7 @@ def save_checkpoint(
         config=config_dict,
         layout=layout(model),
         has_ema=ema is not None,
+        data_kind=data_kind(loader),
     )
     if async_queue is None:
         with failures_named(target):

@@ -159,6 +159,9 @@ class CheckpointConfig:
     save_interval: int | None = None
     keep_last: int | None = None  # None: keep every checkpoint
     async_save: bool = False
+    # Resume with changed data settings (batch sizes, dataset path, mock/energon, seq_length): refused unless
+    # true; then the data position starts over. dfm/checkpoint/run_settings.py.
+    allow_setting_changes: bool = False
 
 
 @dataclass

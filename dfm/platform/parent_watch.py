@@ -7,6 +7,11 @@ holding the accelerator and writing into the checkpoint directory. Two mechanism
 ``PR_SET_PDEATHSIG`` (the kernel sends SIGKILL when the parent exits) and a watchdog thread that
 polls the parent pid (other systems; and children forked from a thread other than the main
 one, since the kernel ties the death signal to the forking *thread*).
+
+The processes a worker starts ignore the stop signals (SIGTERM, SIGUSR1): torchrun forwards
+SIGTERM to each worker's process group and Slurm signals every process of a job step, and the
+checkpoint save the worker then makes needs its writers and their result queue alive. They end
+with their worker instead, by the mechanisms above.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 1.0
 LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun in every worker
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption: the worker saves, its helpers carry on
 
 _fork_state = {"parent": 0, "from_main_thread": True, "hooked": False}
 _writer_queue_managers: list = []  # referenced for the process's lifetime: dropping one stops its server
@@ -64,19 +70,34 @@ def _remember_forking_thread() -> None:
 def _child_dies_with_parent() -> None:
     # The kernel signal fires when the forking thread exits: only arm it for the main thread.
     die_with_parent(_fork_state["parent"], kernel_signal=_fork_state["from_main_thread"])
+    ignore_stop_signals()
+
+
+def ignore_stop_signals() -> None:
+    """A helper process outlives the stop signals sent to its whole job (it ends with its parent)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _helper_of(parent: int) -> None:
+    """Initializer of a spawned helper (no fork hook runs there): dies with ``parent``, ignores stop signals."""
+    die_with_parent(parent, kernel_signal=True)
+    ignore_stop_signals()
 
 
 def checkpoint_writer_queue_dies_with_us() -> None:
     """Start the queue server megatron's checkpoint writers report to, armed to die with this process.
 
     megatron creates it lazily with a *spawned* ``Manager`` (fork hooks do not run there), which
-    outlives a killed rank; creating it first, with the parent watch as initializer, closes that gap.
+    outlives a killed rank and dies from a SIGTERM to the rank's process group (the next save then
+    fails with a broken pipe); creating it first, with the parent watch and the stop signals
+    ignored, closes both gaps.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is not None:
         return
     manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=die_with_parent, initargs=(os.getpid(), True))
+    manager.start(initializer=_helper_of, initargs=(os.getpid(),))
     _writer_queue_managers.append(manager)
     filesystem_async._results_queue = manager.Queue()

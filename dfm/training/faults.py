@@ -7,11 +7,13 @@ from typing import Any
 
 import torch
 
+from dfm.platform.parent_watch import STOP_SIGNALS
+
 
 class PreemptionSignal:
-    """Records SIGTERM / SIGUSR1 (Slurm preemption); ranks agree via ``requested()`` each step."""
+    """Records SIGTERM / SIGUSR1 (Slurm preemption); ranks agree through ``step_checks`` each step."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self, enabled: bool):
         self.received: int | None = None
@@ -23,29 +25,38 @@ class PreemptionSignal:
     def _handle(self, signum, frame) -> None:
         self.received = signum
 
-    def requested(self, device: torch.device) -> bool:
-        """True on every rank if any rank got a signal (one tiny all-reduce)."""
-        flag = torch.tensor([1.0 if self.received is not None else 0.0], device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+    def local_flag(self, device: torch.device) -> torch.Tensor:
+        """1.0 if this rank got a signal, else 0.0 (shape [])."""
+        return torch.tensor(1.0 if self.received is not None else 0.0, device=device)
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
 
-def grads_are_finite(model: list[Any], losses: list[torch.Tensor], device: torch.device) -> bool:
-    """True on every rank iff every micro-batch loss and every gradient of every rank is finite.
+def step_checks(
+    model: list[Any], losses: list[torch.Tensor], preemption: PreemptionSignal, device: torch.device
+) -> tuple[bool, bool]:
+    """-> (finite, preempt), the same on every rank: every micro-batch loss and gradient of every rank
+    is finite; some rank got a preemption signal.
 
-    The checks stay on the device until one all-reduced flag is read: one sync per step, not
-    one per micro-batch and gradient buffer.
+    Both flags travel in one all-reduce and are read in one host sync per step; the finite checks
+    stay on the device until then (not one sync per micro-batch and gradient buffer).
     """
+    flags = torch.stack([local_nonfinite(model, losses, device), preemption.local_flag(device)])
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    nonfinite, preempt = flags.tolist()
+    return nonfinite == 0.0, preempt > 0.0
+
+
+def local_nonfinite(model: list[Any], losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 if a loss or gradient of this rank is not finite, else 0.0 (shape [], on the device)."""
     checks = [torch.isfinite(loss).all() for loss in losses]
     for chunk in model:
         checks += [torch.isfinite(grads).all() for grads in grad_buffers(chunk)]
-    flag = (~torch.stack(checks)).any().float().reshape(1) if checks else torch.zeros(1, device=device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return flag.item() == 0.0
+    if not checks:
+        return torch.zeros((), device=device)
+    return (~torch.stack(checks)).any().float().to(device)
 
 
 def grad_buffers(chunk) -> list[torch.Tensor]:

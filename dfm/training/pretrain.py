@@ -28,7 +28,7 @@ from dfm.platform.parent_watch import checkpoint_writer_queue_dies_with_us, die_
 from dfm.platform.process_exit import skip_final_gc_at_exit
 from dfm.training.data import build_train_loader, build_val_iterator
 from dfm.training.ema import build_ema
-from dfm.training.faults import NonFiniteGuard, PreemptionSignal, grads_are_finite
+from dfm.training.faults import NonFiniteGuard, PreemptionSignal, step_checks
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.full_weights import finish_param_gather
 from dfm.training.memory import log_memory
@@ -122,8 +122,21 @@ def reduce_loss_and_tokens(losses_reduced: list[dict], device: torch.device) -> 
     return (stats[0] / stats[1].clamp(min=1)).item(), stats[2].item()
 
 
-def train_step(forward_step, data_iter, model, optimizer, scheduler, n_micro: int, device) -> tuple:
-    """One optimizer step; a non-finite loss or gradient skips the update. -> (losses, updated, grad_norm)."""
+def train_step(
+    forward_step,
+    data_iter,
+    model,
+    optimizer,
+    scheduler,
+    n_micro: int,
+    device,
+    preemption: PreemptionSignal | None = None,
+) -> tuple:
+    """One optimizer step; a non-finite loss or gradient skips the update.
+
+    -> (losses, updated, grad_norm, preempt): ``preempt`` is True on every rank once any rank got a
+    preemption signal (agreed in the same all-reduce as the finite check).
+    """
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -135,12 +148,14 @@ def train_step(forward_step, data_iter, model, optimizer, scheduler, n_micro: in
         micro_batch_size=1,
         forward_only=False,
     )
-    if not grads_are_finite(model, [item["loss_and_tokens"][0] for item in losses], device):
-        return losses, False, None
+    preemption = preemption or PreemptionSignal(enabled=False)
+    finite, preempt = step_checks(model, [item["loss_and_tokens"][0] for item in losses], preemption, device)
+    if not finite:
+        return losses, False, None, preempt
     update_ok, grad_norm, _ = optimizer.step()
     if update_ok:
         scheduler.step(increment=1)
-    return losses, update_ok, grad_norm
+    return losses, update_ok, grad_norm, preempt
 
 
 def pretrain(cfg: ConfigContainer, mock: bool) -> None:
@@ -148,14 +163,17 @@ def pretrain(cfg: ConfigContainer, mock: bool) -> None:
     die_with_launcher()
     if cfg.checkpoint.save:
         checkpoint_writer_queue_dies_with_us()
+    # From the start: a stop signal during start-up (or one a launcher left ignored) still saves after step one.
+    preemption = PreemptionSignal(cfg.train.exit_signal_handler)
     layout = ParallelLayout.from_config(cfg.model, launched_world_size())
     device = initialize_distributed(layout, seed=cfg.rng.seed, timeout_minutes=cfg.train.collective_timeout_minutes)
     try:
-        run(cfg, layout, mock, device)
+        run(cfg, layout, mock, device, preemption)
     except Exception:
         logger.exception("rank %d failed", torch.distributed.get_rank())
         raise
     finally:
+        preemption.restore()
         destroy_distributed()
 
 
@@ -169,7 +187,9 @@ def announce_config(cfg: ConfigContainer) -> None:
         set_aside_partial_saves(cfg.checkpoint.save)
 
 
-def run(cfg: ConfigContainer, layout: ParallelLayout, mock: bool, device: torch.device) -> None:
+def run(
+    cfg: ConfigContainer, layout: ParallelLayout, mock: bool, device: torch.device, preemption: PreemptionSignal
+) -> None:
     rank = torch.distributed.get_rank()
     finalize_defaults(cfg, layout)
     if rank == 0:
@@ -182,12 +202,12 @@ def run(cfg: ConfigContainer, layout: ParallelLayout, mock: bool, device: torch.
     ema = build_ema(model, cfg.optimizer.ema_decay)
     start = 0
     if cfg.checkpoint.load:
-        start = load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, data_iter, ema, cfg.model)
+        start = load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, data_iter, ema, cfg.model, cfg)
     if start == 0 and cfg.checkpoint.pretrained:
         start_from_pretrained(cfg, model, optimizer, ema)
     warn_if_little_room(cfg.checkpoint.save, model, ema)
     forward_step = DiffusionForwardStep(pipeline_from_config(cfg), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
-    loop = TrainLoop(cfg, layout, model, optimizer, scheduler, data_iter, forward_step, device, mock, ema)
+    loop = TrainLoop(cfg, layout, model, optimizer, scheduler, data_iter, forward_step, device, mock, ema, preemption)
     loop.run(start)
 
 
@@ -200,7 +220,20 @@ def start_from_pretrained(cfg: ConfigContainer, model, optimizer, ema) -> None:
 
 
 class TrainLoop:
-    def __init__(self, cfg, layout, model, optimizer, scheduler, data_iter, forward_step, device, mock: bool, ema=None):
+    def __init__(
+        self,
+        cfg,
+        layout,
+        model,
+        optimizer,
+        scheduler,
+        data_iter,
+        forward_step,
+        device,
+        mock: bool,
+        ema=None,
+        preemption=None,
+    ):
         self.cfg, self.layout, self.model, self.optimizer, self.scheduler = cfg, layout, model, optimizer, scheduler
         self.data_iter, self.forward_step, self.device, self.mock = data_iter, forward_step, device, mock
         self.ema = ema
@@ -218,7 +251,7 @@ class TrainLoop:
             run_config=config_to_dict(cfg),
         )
         self.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite)
-        self.signal = PreemptionSignal(cfg.train.exit_signal_handler)
+        self.signal = preemption or PreemptionSignal(enabled=False)
 
     def run(self, start: int) -> None:
         cfg, window = self.cfg, LogWindow()
@@ -227,7 +260,7 @@ class TrainLoop:
                 self.forward_step.iteration = iteration
                 for chunk in self.model:
                     chunk.train()
-                losses, updated, grad_norm = train_step(
+                losses, updated, grad_norm, preempt = train_step(
                     self.forward_step,
                     self.data_iter,
                     self.model,
@@ -235,6 +268,7 @@ class TrainLoop:
                     self.scheduler,
                     self.n_micro,
                     self.device,
+                    self.signal,
                 )
                 self.guard.record(updated, iteration)
                 if updated and self.ema is not None:
@@ -247,9 +281,8 @@ class TrainLoop:
                 if iteration % cfg.logger.log_interval == 0 or last:
                     self.log(iteration, losses, grad_norm, window)
                     window = LogWindow()
-                if self.signal.requested(self.device):
-                    logger.info("preemption signal received: saving at iteration %d and exiting", iteration)
-                    self.save(iteration)
+                if preempt:
+                    self.save_and_stop(iteration)
                     return
                 if cfg.train.eval_interval and (iteration % cfg.train.eval_interval == 0 or last):
                     self.validate(iteration)
@@ -259,8 +292,20 @@ class TrainLoop:
         finally:
             if self.async_saves is not None:
                 self.async_saves.close()  # waits for the last save and marks it `latest`
-            self.signal.restore()
             self.metrics.close()
+
+    def save_and_stop(self, iteration: int) -> None:
+        """After a preemption signal on any rank: save this step (an in-flight async save completes first)."""
+        logger.info("preemption signal received: saving at iteration %d and exiting", iteration)
+        self.save(iteration)
+        if self.async_saves is not None:
+            self.async_saves.maybe_finalize_async_calls(blocking=True)
+        where = (
+            f"checkpoint {self.cfg.checkpoint.save}/iter_{iteration:07d}"
+            if self.cfg.checkpoint.save
+            else "no checkpoint.save"
+        )
+        logger.info("rank %d exiting after the preemption signal: %s", torch.distributed.get_rank(), where)
 
     def update_ema(self) -> None:
         finish_param_gather(self.model)  # the EMA must see this step's weights on every DP rank

@@ -5,9 +5,13 @@
   not complete on all ranks) or ``before_latest`` (manifest sealed, ``latest`` not moved yet).
 - ``enospc_during_save:ITER``: the save of ITER fails with ENOSPC (disk full) after writing its files.
 - ``nonfinite_loss:ITER,ITER,...``: the loss of those iterations is NaN.
+- ``slow_save:ITER:SECONDS``: the save of ITER prints ``slow save of iter_N writing`` to stderr, then
+  waits SECONDS before writing (sync saves: in the rank; async saves: in the forked writer), so that
+  a test can signal the job while that save is in flight.
 """
 
 import errno
+import functools
 import os
 import runpy
 import signal
@@ -61,6 +65,29 @@ def enospc_during_save(iteration: int) -> None:
     dist_checkpointing.save = save
 
 
+def slow_save(iteration: int, seconds: float) -> None:
+    import time
+
+    from megatron.core import dist_checkpointing
+
+    real_save = dist_checkpointing.save
+
+    def slowly(write, *args, **kwargs):
+        print(f"slow save of iter_{iteration:07d} writing", file=sys.stderr, flush=True)
+        time.sleep(seconds)
+        return write(*args, **kwargs) if write is not None else None
+
+    def save(state, directory, *args, **kwargs):
+        if not str(directory).endswith(f"iter_{iteration:07d}"):
+            return real_save(state, directory, *args, **kwargs)
+        if not kwargs.get("async_sharded_save"):
+            return slowly(real_save, state, directory, *args, **kwargs)
+        request = real_save(state, directory, *args, **kwargs)
+        return request._replace(async_fn=functools.partial(slowly, request.async_fn))
+
+    dist_checkpointing.save = save
+
+
 def nonfinite_loss(iterations: set[int]) -> None:
     from dfm.training.forward_step import DiffusionForwardStep
 
@@ -83,6 +110,9 @@ def main() -> None:
         kill_during_save(int(rank), int(iteration), *when)
     elif kind == "enospc_during_save":
         enospc_during_save(int(arg))
+    elif kind == "slow_save":
+        iteration, seconds = arg.split(":")
+        slow_save(int(iteration), float(seconds))
     elif kind == "nonfinite_loss":
         nonfinite_loss({int(i) for i in arg.split(",")})
     else:

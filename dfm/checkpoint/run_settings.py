@@ -1,0 +1,129 @@
+"""Resume compares the run settings that change what training means with the checkpoint's.
+
+- Data settings (batch sizes, packing length, mock vs energon data, the dataset path or blend, the
+  mock data's shapes): a change is refused, naming old and new, unless
+  ``checkpoint.allow_setting_changes=true``; then the change is logged and the data position starts over (the saved one belongs to other data).
+- Learning-rate and schedule settings: a change is logged and takes effect from the resumed
+  iteration on (megatron would otherwise keep the checkpoint's values, silently).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from dfm.checkpoint.errors import CheckpointError
+from dfm.config.container import ConfigContainer
+from dfm.config.loader import config_to_dict
+
+logger = logging.getLogger("dfm.checkpoint")
+
+# Common-state key of a checkpoint: "mock" or "energon", the data its position belongs to.
+DATA_KIND = "data_kind"
+DATA_KEYS = ("train.micro_batch_size", "train.global_batch_size", "dataset.seq_length")
+KIND_KEYS = {  # what defines the samples of each kind of data
+    "energon": ("dataset.path",),
+    "mock": (
+        "dataset.mock_image_fraction",
+        "dataset.mock_image_sizes",
+        "dataset.mock_video_sizes",
+        "dataset.mock_text_len_range",
+        "dataset.mock_samples_per_pack",
+    ),
+}
+SCHEDULE_KEYS = (
+    "optimizer.lr",
+    "optimizer.min_lr",
+    "optimizer.weight_decay",
+    "scheduler.lr_warmup_iters",
+    "scheduler.lr_decay_style",
+    "scheduler.lr_decay_iters",
+)
+
+
+@dataclasses.dataclass
+class ResumeSettings:
+    """What resuming restores: the data position (or not), the checkpoint's schedule (or this run's, with
+    its (lr, min_lr))."""
+
+    data_position: bool = True
+    new_lr: tuple[float, float] | None = None
+
+
+def restore_schedule(scheduler, optimizer, saved: dict, settings: ResumeSettings) -> None:
+    """The checkpoint's step count; its lr values, or this run's where they changed.
+
+    megatron keeps the checkpoint's values unless told to override, and its optimizer's parameter
+    groups carry their own ``max_lr`` / ``min_lr`` (restored with the optimizer state).
+    """
+    scheduler.override_opt_param_scheduler = settings.new_lr is not None
+    if settings.new_lr is not None:
+        for group in optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = settings.new_lr
+    scheduler.load_state_dict(saved)
+
+
+def data_kind(loader) -> str:
+    """``"mock"`` or ``"energon"``: the kind of the training loader (or the loader a wrapper holds)."""
+    from dfm.data.mock import MockPackedLoader
+
+    return "mock" if isinstance(getattr(loader, "loader", loader), MockPackedLoader) else "energon"
+
+
+def compare_run_settings(common: dict, directory: Path, cfg: ConfigContainer | None, kind: str) -> ResumeSettings:
+    """Refuse (or, with ``checkpoint.allow_setting_changes``, log) data-setting changes; log schedule changes.
+
+    ``cfg`` None (a caller without a run config): nothing is compared.
+    """
+    if cfg is None:
+        return ResumeSettings()
+    saved = common.get("config")
+    if not saved:
+        logger.warning("checkpoint %s holds no run config: its settings are not compared", directory)
+        return ResumeSettings()
+    now = config_to_dict(cfg)
+    data = differences(saved, now, DATA_KEYS)
+    saved_kind = common.get(DATA_KIND, kind)  # checkpoints before dfm recorded it: taken as unchanged
+    if saved_kind != kind:
+        data.append(f"data: checkpoint {saved_kind}, this run {kind}")
+    else:
+        data += differences(saved, now, KIND_KEYS[kind])
+    schedule = differences(saved, now, SCHEDULE_KEYS, resolved_decay_iters)
+    if data and not cfg.checkpoint.allow_setting_changes:
+        raise CheckpointError(
+            f"checkpoint {directory} was trained with other data settings: {'; '.join(data)}. Set them back "
+            "to resume exactly, or set checkpoint.allow_setting_changes=true to continue with the new ones "
+            "(the data position then starts over)"
+        )
+    for change in data:
+        logger.warning("resuming %s with a changed setting, %s: the data position starts over", directory, change)
+    for change in schedule:
+        logger.warning("resuming %s with a changed setting, %s: the new value applies from here on", directory, change)
+    new_lr = (cfg.optimizer.lr, cfg.optimizer.min_lr) if schedule else None
+    return ResumeSettings(data_position=not data, new_lr=new_lr)
+
+
+def differences(saved: dict, now: dict, keys: tuple[str, ...], resolve=None) -> list[str]:
+    """``"<key>: checkpoint <old>, this run <new>"`` for each key whose value differs."""
+    found = []
+    for key in keys:
+        old, new = value_at(saved, key), value_at(now, key)
+        if resolve is not None:
+            old, new = resolve(saved, key, old), resolve(now, key, new)
+        if old != new:
+            found.append(f"{key}: checkpoint {old!r}, this run {new!r}")
+    return found
+
+
+def value_at(config: dict[str, Any], key: str) -> Any:
+    section, _, name = key.partition(".")
+    return (config.get(section) or {}).get(name)
+
+
+def resolved_decay_iters(config: dict, key: str, value: Any) -> Any:
+    """The decay length as the schedule uses it: ``scheduler.lr_decay_iters``, else ``train.train_iters``."""
+    if key == "scheduler.lr_decay_iters" and value is None:
+        return value_at(config, "train.train_iters")
+    return value

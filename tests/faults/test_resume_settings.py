@@ -1,0 +1,88 @@
+"""Resume with changed run settings, through the real entry point (one process, the tiny model): data
+settings are refused naming old and new, or with checkpoint.allow_setting_changes=true continue
+from a fresh data position with a log line; a learning-rate change is logged and applies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import webdataset as wds
+from entry import read_metrics, run_entry
+
+from dfm.checkpoint.errors import CheckpointError
+from dfm.checkpoint.run_settings import compare_run_settings
+from dfm.config.container import ConfigContainer
+from dfm.config.loader import config_to_dict
+from dfm.data.prepare.energon_prepare import run_energon_prepare
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A checkpoint of 2 iterations on mock data."""
+    root = tmp_path_factory.mktemp("saved") / "ckpt"
+    log_dir = root.parent / "logs"
+    result = run_entry(1, ["train.train_iters=2", f"checkpoint.save={root}", f"logger.log_dir={log_dir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root
+
+
+def resume(tmp: Path, root: Path, *overrides: str, mock: bool = True):
+    args = ["train.train_iters=3", f"checkpoint.load={root}", f"logger.log_dir={tmp / 'logs'}", *overrides]
+    return run_entry(1, args, mock=mock)
+
+
+def test_changed_batch_sizes_and_packing_length_are_refused_naming_old_and_new(tmp_path, saved):
+    result = resume(tmp_path, saved, "train.micro_batch_size=2", "train.global_batch_size=4", "dataset.seq_length=512")
+    assert result.returncode != 0
+    for change in (
+        "train.micro_batch_size: checkpoint 1, this run 2",
+        "train.global_batch_size: checkpoint 2, this run 4",
+        "dataset.seq_length: checkpoint 256, this run 512",
+    ):
+        assert change in result.stderr, result.stderr[-3000:]
+    assert "checkpoint.allow_setting_changes=true" in result.stderr
+    assert not (tmp_path / "logs" / "metrics.jsonl").exists()
+
+
+def test_energon_data_after_mock_is_refused(tmp_path, saved):
+    gen = torch.Generator().manual_seed(0)
+    with wds.ShardWriter(str(tmp_path / "part-%06d.tar"), maxcount=100, verbose=0) as writer:
+        for i in range(8):
+            latent, text = torch.randn(4, 1, 8, 8, generator=gen), torch.randn(6, 32, generator=gen)
+            writer.write({"__key__": f"s{i}", "pth": latent, "pickle": text, "json": {}})
+    run_energon_prepare(tmp_path)
+    result = resume(tmp_path, saved, f"dataset.path={tmp_path}", "dataset.num_workers=0", mock=False)
+    assert result.returncode != 0
+    assert "data: checkpoint mock, this run energon" in result.stderr, result.stderr[-3000:]
+    assert "loader state has format" not in result.stderr
+
+
+def test_with_allow_setting_changes_the_run_continues_and_logs(tmp_path, saved):
+    result = resume(
+        tmp_path,
+        saved,
+        "checkpoint.allow_setting_changes=true",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=2",
+        "optimizer.lr=0.0005",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "train.micro_batch_size: checkpoint 1, this run 2: the data position starts over" in result.stderr
+    assert "optimizer.lr: checkpoint 0.001, this run 0.0005: the new value applies from here on" in result.stderr
+    records = [r for r in read_metrics(tmp_path / "logs") if "loss" in r]
+    assert [(r["iteration"], r["lr"]) for r in records] == [(3, 0.0005)]
+
+
+def test_each_data_kind_compares_the_keys_that_define_its_samples(tmp_path):
+    cfg = ConfigContainer()
+    energon, mock = {"config": config_to_dict(cfg), "data_kind": "energon"}, {"config": config_to_dict(cfg)}
+    assert compare_run_settings(energon, tmp_path, cfg, "energon").data_position
+    cfg.dataset.path = "/other"
+    with pytest.raises(CheckpointError, match="dataset.path: checkpoint None, this run '/other'"):
+        compare_run_settings(energon, tmp_path, cfg, "energon")
+    assert compare_run_settings(mock, tmp_path, cfg, "mock").data_position  # mock data ignores the path
+    cfg.dataset.mock_image_fraction = 0.25
+    with pytest.raises(CheckpointError, match="dataset.mock_image_fraction: checkpoint 0.5, this run 0.25"):
+        compare_run_settings(mock, tmp_path, cfg, "mock")
