@@ -140,9 +140,10 @@ def load_rank_object(data: IO[bytes], source: str) -> Any:
         with torch.serialization.safe_globals(numpy_types):
             return torch.load(data, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as error:
-        raise UnsafePickleError(
-            f"{source}: refused to load ({_reason(error)}; only data types are admitted)"
-        ) from error
+        reason = _reason(error)
+        if "global" not in reason.lower():  # garbled bytes, not a refused type
+            raise UnsafePickleError(f"{source}: not a readable torch file ({reason})") from error
+        raise UnsafePickleError(f"{source}: refused to load ({reason}; only data types are admitted)") from error
 
 
 def _reason(error: Exception) -> str:

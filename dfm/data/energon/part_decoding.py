@@ -21,24 +21,24 @@ TORCH_PARTS = (LATENT_PART, POOLED_PART)
 PICKLE_PARTS = (TEXT_PART,)
 
 
-def decode_torch_part(data: bytes, where: str) -> Any:
-    """A ``torch.save`` part (tensor, or numpy array) read as data; refused naming ``where``."""
+def decode_torch_part(data: bytes, where: str, part: str) -> Any:
+    """A ``torch.save`` part (tensor, or numpy array) read as data; refused naming ``where`` and ``part``."""
     try:
-        return load_rank_object(io.BytesIO(data), where)
+        return load_rank_object(io.BytesIO(data), f"part '.{part}'")
     except UnsafePickleError as error:
-        raise BadSampleError(where, str(error).removeprefix(f"{where}: ")) from error
+        raise BadSampleError(where, str(error)) from error
     except (RuntimeError, EOFError, ValueError) as error:
-        raise BadSampleError(where, f"not a readable torch file ({error})") from error
+        raise BadSampleError(where, f"part '.{part}' is not a readable torch file ({error})") from error
 
 
-def decode_pickle_part(data: bytes, where: str, allow_pickle: bool) -> Any:
+def decode_pickle_part(data: bytes, where: str, part: str, allow_pickle: bool) -> Any:
     """A ``.pickle`` part: numpy arrays and torch tensors only, unless ``allow_pickle`` (trusted data)."""
     if allow_pickle:
         return pickle.loads(data)
     try:
-        return restricted_loads(data, array_globals(), where)
+        return restricted_loads(data, array_globals(), f"part '.{part}'")
     except UnsafePickleError as error:
-        raise BadSampleError(where, str(error).removeprefix(f"{where}: ")) from error
+        raise BadSampleError(where, str(error)) from error
 
 
 def decode_parts(crude: dict, allow_pickle: bool = False) -> dict:
@@ -48,9 +48,8 @@ def decode_parts(crude: dict, allow_pickle: bool = False) -> dict:
         if not isinstance(value, (bytes, bytearray)):
             continue
         part = name.removeprefix(".")
-        where = f"{describe_source(crude)}, part '.{part}'"
         if part in TORCH_PARTS:
-            decoded[name] = decode_torch_part(bytes(value), where)
+            decoded[name] = decode_torch_part(bytes(value), describe_source(crude), part)
         elif part in PICKLE_PARTS:
-            decoded[name] = decode_pickle_part(bytes(value), where, allow_pickle)
+            decoded[name] = decode_pickle_part(bytes(value), describe_source(crude), part, allow_pickle)
     return decoded
