@@ -1,12 +1,14 @@
 """Shard parts are data, never code: a crafted ``.pickle`` or ``.pth`` (a ``__reduce__`` payload that would
 create a marker file) stops training naming shard, key and part, and nothing runs; shards written the way
 DFM's preparation writes them (tensor or numpy array in ``.pickle``, tensor in ``.pth``) decode unchanged.
+The loader position is JSON text; positions pickled by earlier versions resume exactly, read as data.
 """
 
 from __future__ import annotations
 
 import datetime
 import io
+import json
 import os
 import pickle
 import shutil
@@ -16,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_resume import energon_settings
+from test_resume import energon_settings, pack_signature
 
+from dfm.checkpoint.safe_unpickle import UnsafePickleError
 from dfm.data.energon.cooker import BadSampleError, cook_diffusion_sample
-from dfm.data.energon.data_module import build_train_loader
+from dfm.data.energon.data_module import PICKLED_STATE_FORMAT, build_train_loader
 from dfm.data.energon.part_decoding import decode_parts
 from dfm.data.prepare.shards import encode_sample_parts
 
@@ -82,3 +85,27 @@ def test_allow_pickle_opts_into_full_pickle():
     with pytest.raises(BadSampleError, match="refused to load datetime.date"):
         decode_parts(crude)
     assert decode_parts(crude, allow_pickle=True)["pickle"] == datetime.date(2026, 1, 1)
+
+
+def test_loader_position_is_json_and_pickled_positions_still_resume_as_data(synthetic_dataset, tmp_path):
+    settings = energon_settings(synthetic_dataset, num_workers=0)
+    reference = build_train_loader(settings, dp_rank=0, dp_size=1)
+    for _ in range(3):
+        next(reference)
+    state = reference.state_dict()
+    pickled = {
+        **state,
+        "format": PICKLED_STATE_FORMAT,
+        "energon_state": pickle.dumps(reference.loader.save_state_rank()),
+    }
+    json.loads(state["energon_state"])  # text, no pickle
+    expected = [pack_signature(next(reference)) for _ in range(3)]
+    for saved in (state, pickled):
+        resumed = build_train_loader(settings, dp_rank=0, dp_size=1)
+        resumed.load_state_dict(saved)
+        assert [pack_signature(next(resumed)) for _ in range(3)] == expected
+    marker = tmp_path / "code-ran"
+    crafted = {**pickled, "energon_state": pickle.dumps(Payload(marker))}
+    with pytest.raises(UnsafePickleError, match=r"the saved loader state \(v1\): refused to load posix.system"):
+        build_train_loader(settings, dp_rank=0, dp_size=1).load_state_dict(crafted)
+    assert not marker.exists()
