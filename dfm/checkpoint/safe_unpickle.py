@@ -106,7 +106,8 @@ def metadata_globals() -> dict[tuple[str, str], Any]:
         "BytesStorageMetadata",
         "_MEM_FORMAT_ENCODING",
     )
-    from_planner = ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem")
+    from_planner = ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData", "LoadPlan")
+    from_planner += ("ReadItem", "LoadItemType")
     found: dict[tuple[str, str], Any] = {
         **{(metadata.__name__, name): getattr(metadata, name) for name in from_metadata},
         **{(planner.__name__, name): getattr(planner, name) for name in from_planner},
