@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dfm.checkpoint.files import Candidate, candidates, is_checkpoint_dir, skip_reason
 from dfm.checkpoint.manifest import verify
-from dfm.checkpoint.safe_unpickle import pickled_faults
+from dfm.checkpoint.pickle_check import pickled_faults
 from dfm.checkpoint.select import candidate_of
 
 

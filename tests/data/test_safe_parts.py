@@ -20,11 +20,11 @@ import pytest
 import torch
 from test_resume import energon_settings, pack_signature
 
-from dfm.checkpoint.safe_unpickle import UnsafePickleError
 from dfm.data.energon.cooker import BadSampleError, cook_diffusion_sample
 from dfm.data.energon.data_module import PICKLED_STATE_FORMAT, build_train_loader
 from dfm.data.energon.part_decoding import decode_parts
 from dfm.data.prepare.shards import encode_sample_parts
+from dfm.safe_unpickle import UnsafePickleError
 
 
 class Payload:

@@ -20,12 +20,12 @@ from megatron.energon import (
     get_val_dataset,
 )
 
-from dfm.checkpoint.safe_unpickle import array_globals, restricted_loads
 from dfm.data.energon import loader_state
 from dfm.data.energon.bad_samples import BadSampleLog
 from dfm.data.energon.dataset_checks import check_energon_dataset
 from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings
 from dfm.data.packed_batch import PackedBatch
+from dfm.safe_unpickle import array_globals, restricted_loads
 
 STATE_FORMAT = "dfm-energon-loader/v2"  # energon's state as JSON text (loader_state.py)
 PICKLED_STATE_FORMAT = "dfm-energon-loader/v1"  # older checkpoints: pickled bytes, read as data only

@@ -2,7 +2,7 @@
 
 torch distributed checkpoint reads ``.metadata`` with ``pickle.load`` and every byte object (megatron's
 ``ShardedObject``: RNG state, data position) with ``torch.load(weights_only=False)``: a crafted checkpoint
-would run code on load. These builders route both through ``dfm.checkpoint.safe_unpickle``.
+would run code on load. These builders route both through ``dfm.safe_unpickle``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import types
 
-from dfm.checkpoint.safe_unpickle import UnsafePickleError, load_checkpoint_metadata, load_rank_object
+from dfm.safe_unpickle import UnsafePickleError, load_checkpoint_metadata, load_rank_object
 
 
 def metadata_pickle_view(original: types.ModuleType) -> types.ModuleType:

@@ -12,7 +12,6 @@ import functools
 import io
 import pickle
 from collections.abc import Mapping
-from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
@@ -156,31 +155,3 @@ def _reason(error: Exception) -> str:
 
 def restricted_loads(data: bytes, allowed: Globals, source: str) -> Any:
     return restricted_load(io.BytesIO(data), allowed, source)
-
-
-def pickled_faults(directory: Path) -> list[str]:
-    """Every pickle of a distributed checkpoint (``.metadata``, per-rank objects) read as data; -> refusals.
-
-    A manifest proves no authenticity (whoever crafts a file writes the manifest), so ``verify`` reads these too.
-    """
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    try:
-        with open(directory / ".metadata", "rb") as file:
-            metadata = load_checkpoint_metadata(file)
-    except FileNotFoundError:
-        return []  # reported as missing by the manifest check
-    except UnsafePickleError as error:
-        return [str(error)]
-    faults = []
-    for index, info in metadata.storage_data.items():
-        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-            continue
-        file = directory / info.relative_path
-        try:
-            with open(file, "rb") as handle:
-                handle.seek(info.offset)
-                load_rank_object(io.BytesIO(handle.read(info.length)), f"{file}: per-rank object '{index.fqn}'")
-        except (UnsafePickleError, OSError) as error:
-            faults.append(str(error))
-    return faults
