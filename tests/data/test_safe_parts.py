@@ -62,9 +62,12 @@ def test_a_crafted_part_stops_training_naming_shard_and_key_and_runs_nothing(syn
     assert not marker.exists()
 
 
+POOLED = torch.randn(6)  # FLUX's pooled text vector, a second '.pth' part
+
+
 def dfm_style_parts(text) -> dict:
     """A sample as DFM's preparation writes it, with ``text`` as its ``.pickle`` content."""
-    parts = encode_sample_parts("s0", torch.randn(4, 1, 4, 4), torch.zeros(3, 8), {"caption": "c"})
+    parts = encode_sample_parts("s0", torch.randn(4, 1, 4, 4), torch.zeros(3, 8), {"caption": "c"}, POOLED)
     parts["pickle"] = pickle.dumps(text)
     return {**parts, "__restore_key__": (), "__sources__": None}
 
@@ -75,7 +78,7 @@ def test_dfm_shard_parts_decode_unchanged(kind):
     stored = {"numpy": text.numpy(), "tensor": text, "batched tensor": text[None]}[kind]
     crude = dfm_style_parts(stored)
     cooked = cook_diffusion_sample(decode_parts(crude))
-    assert torch.equal(cooked.text_embeddings, text)
+    assert torch.equal(cooked.text_embeddings, text) and torch.equal(cooked.pooled_text, POOLED)
     assert torch.equal(cooked.latent, torch.load(io.BytesIO(crude["pth"]), weights_only=True))
 
 
