@@ -20,11 +20,15 @@ import pytest
 import torch
 from test_resume import energon_settings, pack_signature
 
+from dfm.config.loader import apply_overrides
+from dfm.config.recipes import get_recipe
 from dfm.data.energon.cooker import BadSampleError, cook_diffusion_sample
 from dfm.data.energon.data_module import PICKLED_STATE_FORMAT, build_train_loader
 from dfm.data.energon.part_decoding import decode_parts
 from dfm.data.prepare.shards import encode_sample_parts
+from dfm.parallel.layout import ParallelLayout
 from dfm.safe_unpickle import UnsafePickleError
+from dfm.training.data import energon_settings as training_energon_settings
 
 
 class Payload:
@@ -112,3 +116,11 @@ def test_loader_position_is_json_and_pickled_positions_still_resume_as_data(synt
     with pytest.raises(UnsafePickleError, match=r"the saved loader state \(v1\): refused to load posix.system"):
         build_train_loader(settings, dp_rank=0, dp_size=1).load_state_dict(crafted)
     assert not marker.exists()
+
+
+def test_allow_pickle_is_a_training_config_key_that_reaches_the_loader():
+    cfg = get_recipe("dit_tiny")
+    apply_overrides(cfg, ["dataset.allow_pickle=true", "dataset.path=/data/set"])
+    layout = ParallelLayout.from_config(cfg.model, 1)
+    assert training_energon_settings(cfg, layout).allow_pickle is True
+    assert get_recipe("dit_tiny").dataset.allow_pickle is False  # off unless asked for
