@@ -1,6 +1,7 @@
 """``python -m dfm.checkpoint verify DIR``: check one checkpoint or every checkpoint of a root.
 
-Prints one line per checkpoint (``ok`` or what is wrong); exits 1 if any checkpoint is damaged.
+Prints one line per checkpoint (``ok`` or what is wrong); exits 1 if any checkpoint is damaged or holds
+a pickle that names code (its metadata and per-rank objects are read as data, never run).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from dfm.checkpoint.files import Candidate, candidates, is_checkpoint_dir, skip_reason
 from dfm.checkpoint.manifest import verify
+from dfm.checkpoint.pickle_check import pickled_faults
 from dfm.checkpoint.select import candidate_of
 
 
@@ -19,7 +21,7 @@ def report(candidate: Candidate, checksums: bool) -> tuple[bool, str]:
     name = candidate.directory
     if not candidate.loadable:
         return candidate.status != "partial", f"{name}: skipped on resume: {skip_reason(candidate)}"
-    faults = verify(candidate.directory, checksums=checksums)
+    faults = verify(candidate.directory, checksums=checksums) + pickled_faults(candidate.directory)
     if faults:
         return False, f"{name}: DAMAGED: " + "; ".join(faults)
     if candidate.status == "legacy":

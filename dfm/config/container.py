@@ -137,6 +137,9 @@ class DatasetConfig:
     # work; tokens: the fullest packs. See docs/data.md.
     packing_balance: PackingBalance = "cost"
     skip_bad_samples: bool = False  # True: a malformed sample is skipped, named and counted; False: the run stops
+    # True: '.pickle' shard parts through full pickle, which runs any code a shard holds: trusted data only.
+    # False: numpy arrays and torch tensors only (docs/data.md).
+    allow_pickle: bool = False
     num_workers: int = 2
     mock_image_fraction: float = 0.5
     # Latent sizes: images [H, W], videos [T, H, W].

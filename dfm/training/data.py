@@ -79,6 +79,7 @@ def energon_settings(cfg: ConfigContainer, layout: ParallelLayout):
         seed=cfg.rng.seed,
         val_limit=cfg.train.eval_iters,
         skip_bad_samples=d.skip_bad_samples,
+        allow_pickle=d.allow_pickle,
     )
 
 

@@ -16,6 +16,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dfm.checkpoint.files import set_aside_partial_saves
 from dfm.checkpoint.load import load_checkpoint
+from dfm.checkpoint.root_lock import root_locked
 from dfm.checkpoint.save import save_checkpoint, warn_if_little_room
 from dfm.checkpoint.weights_only import load_pretrained
 from dfm.config.container import ConfigContainer
@@ -168,7 +169,8 @@ def pretrain(cfg: ConfigContainer, mock: bool) -> None:
     layout = ParallelLayout.from_config(cfg.model, launched_world_size())
     device = initialize_distributed(layout, seed=cfg.rng.seed, timeout_minutes=cfg.train.collective_timeout_minutes)
     try:
-        run(cfg, layout, mock, device, preemption)
+        with root_locked(cfg.checkpoint.save):  # one run per checkpoint root, taken before anything is written
+            run(cfg, layout, mock, device, preemption)
     except Exception:
         logger.exception("rank %d failed", torch.distributed.get_rank())
         raise

@@ -6,7 +6,6 @@ trainer: TP/CP/PP ranks of one model replica build identical loaders and see ide
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +20,15 @@ from megatron.energon import (
     get_val_dataset,
 )
 
+from dfm.data.energon import loader_state
 from dfm.data.energon.bad_samples import BadSampleLog
 from dfm.data.energon.dataset_checks import check_energon_dataset
 from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings
 from dfm.data.packed_batch import PackedBatch
+from dfm.safe_unpickle import array_globals, restricted_loads
 
-STATE_FORMAT = "dfm-energon-loader/v1"
+STATE_FORMAT = "dfm-energon-loader/v2"  # energon's state as JSON text (loader_state.py)
+PICKLED_STATE_FORMAT = "dfm-energon-loader/v1"  # older checkpoints: pickled bytes, read as data only
 
 
 @dataclass
@@ -41,6 +43,7 @@ class EnergonDataSettings:
     val_path: str | None = None  # defaults to ``path`` (its "val" split)
     val_limit: int | None = None  # max validation packs per pass
     skip_bad_samples: bool = False  # False: a broken sample stops the run with its shard and key
+    allow_pickle: bool = False  # True: '.pickle' parts through full pickle (trusted data only)
     prefetch_factor: int = 2
     extra_worker_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -71,7 +74,7 @@ def build_train_dataset(settings: EnergonDataSettings, dp_rank: int, dp_size: in
         packing_buffer_size=settings.packing_buffer_size,
         shuffle_buffer_size=settings.shuffle_buffer_size,
         max_samples_per_sequence=settings.max_samples_per_sequence,
-        task_encoder=DiffusionTaskEncoder(settings.packing, bad_samples),
+        task_encoder=DiffusionTaskEncoder(settings.packing, bad_samples, settings.allow_pickle),
     )
 
 
@@ -104,24 +107,34 @@ class EnergonTrainLoader:
         return sum(self._bad_samples_by_worker.values())
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain types only (the energon state is pickled to bytes) so it sits in any checkpoint."""
+        """Plain types only (the energon state as JSON text), so a checkpoint holds it as data."""
         return {
             "format": STATE_FORMAT,
             "dp_rank": self.dp_rank,
             "dp_size": self.dp_size,
-            "energon_state": pickle.dumps(self.loader.save_state_rank()),
+            "energon_state": loader_state.dumps(self.loader.save_state_rank()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore before the first ``next``: iteration then continues with exactly the next pack."""
-        if state.get("format") != STATE_FORMAT:
+        if state.get("format") not in (STATE_FORMAT, PICKLED_STATE_FORMAT):
             raise ValueError(f"loader state has format {state.get('format')!r}, expected {STATE_FORMAT!r}")
         for key, value in (("dp_rank", self.dp_rank), ("dp_size", self.dp_size)):
             if state[key] != value:
                 raise ValueError(f"loader state was saved with {key}={state[key]}, this loader has {key}={value}")
         if self._iterator is not None:
             raise RuntimeError("load_state_dict must be called before the loader is iterated")
-        self.loader.restore_state_rank(pickle.loads(state["energon_state"]))
+        self.loader.restore_state_rank(energon_state(state))
+
+
+def energon_state(state: dict[str, Any]) -> Any:
+    """energon's state from a saved loader state: JSON text, or (v1) a pickle admitting energon's state types only."""
+    if state["format"] == STATE_FORMAT:
+        return loader_state.loads(state["energon_state"])
+    from megatron.energon.state import FlexState
+
+    allowed = {(cls.__module__, cls.__qualname__): cls for cls in (*loader_state.state_classes().values(), FlexState)}
+    return restricted_loads(state["energon_state"], {**array_globals(), **allowed}, "the saved loader state (v1)")
 
 
 def build_train_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int) -> EnergonTrainLoader:
@@ -139,7 +152,7 @@ def build_val_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int):
         batch_size=1,
         packing_buffer_size=settings.packing_buffer_size,
         limit=settings.val_limit,
-        task_encoder=DiffusionTaskEncoder(settings.packing, bad_samples),
+        task_encoder=DiffusionTaskEncoder(settings.packing, bad_samples, settings.allow_pickle),
     )
     return get_loader(dataset, prefetch_factor=settings.prefetch_factor)
 

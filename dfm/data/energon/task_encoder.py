@@ -20,6 +20,7 @@ from megatron.energon import TaskEncoder, WorkerConfig, stateless
 
 from dfm.data.energon.bad_samples import BadSampleLog
 from dfm.data.energon.cooker import BadSampleError, CookedDiffusionSample, diffusion_cookers
+from dfm.data.energon.part_decoding import decode_parts
 from dfm.data.energon.sample_checks import check_cooked_sample
 from dfm.data.pack_cost import PackCost
 from dfm.data.pack_selection import PACKING_BALANCES, PackingBalance, select_packs
@@ -85,9 +86,15 @@ def encode_cooked_sample(
 
 class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, PackedBatch, PackedBatch]):
     cookers = diffusion_cookers()
+    # Parts arrive as raw bytes and are decoded as data by dfm (part_decoding.py): webdataset's
+    # default decoders would unpickle '.pickle' and torch.load '.pth' with code execution allowed.
+    decoder = None
 
-    def __init__(self, settings: PackingSettings, bad_samples: BadSampleLog | None = None) -> None:
+    def __init__(
+        self, settings: PackingSettings, bad_samples: BadSampleLog | None = None, allow_pickle: bool = False
+    ) -> None:
         self.settings = settings
+        self.allow_pickle = allow_pickle  # dataset.allow_pickle: full pickle for '.pickle' parts (trusted data)
         self.bad_samples = bad_samples if bad_samples is not None else BadSampleLog(skip=False)
         # Diagnostics, per worker process; not part of the loader state.
         self.skipped_too_long = 0
@@ -96,6 +103,7 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
     @stateless
     def cook_crude_sample(self, sample, cooker, aux) -> CookedDiffusionSample:
         try:
+            sample = decode_parts(sample, self.allow_pickle)
             cooked = super().cook_crude_sample(sample, cooker, aux)
             s = self.settings
             check_cooked_sample(cooked, s.in_channels, s.text_embed_dim, s.pooled_text_dim)

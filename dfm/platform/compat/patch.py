@@ -18,7 +18,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 WRITTEN_FOR_MEGATRON_CORE = "0.16.1"
+WRITTEN_FOR_TORCH = "2.13"  # the safe-loading patches target torch's distributed checkpoint
 
 
 class _Missing:
@@ -98,7 +101,8 @@ class Patch:
         on_cuda = " (or run on CUDA, where it is not applied)" if self.cpu_only else ""
         return PatchSourceMismatch(
             f"megatron-core compat patch '{self.name}' (target {self.target}): {problem}. "
-            f"The patch was written for megatron-core {WRITTEN_FOR_MEGATRON_CORE}, {__version__} is installed. "
+            f"The patch was written for megatron-core {WRITTEN_FOR_MEGATRON_CORE} (torch {WRITTEN_FOR_TORCH}), "
+            f"{__version__} (torch {torch.__version__}) is installed. "
             f"Re-read the target, then update or drop the patch and its relies_on snippets in "
             f"dfm/platform/compat/registry.py (docs/device_layer.md){on_cuda}."
         )

@@ -6,7 +6,7 @@ docs/device_layer.md ("Adding a patch"). All module paths are megatron-core 0.16
 
 from __future__ import annotations
 
-from dfm.platform.compat import checkpointing, fsdp, moe, optimizer, p2p, rng
+from dfm.platform.compat import checkpointing, fsdp, moe, optimizer, p2p, rng, safe_loading
 from dfm.platform.compat.devices import cpu_torch_view
 from dfm.platform.compat.patch import Patch
 
@@ -375,4 +375,43 @@ CHECKPOINTING = (
     ),
 )
 
-PATCHES = (*TORCH_VIEWS, *RNG, *OPTIMIZER, *MOE, *PIPELINE_P2P, *MEGATRON_FSDP, *CHECKPOINTING)
+# Not about the device: files are data, never code. torch distributed checkpoint (which megatron's
+# dist_checkpointing reads through) unpickles metadata and per-rank objects with full pickle.
+DCP = "torch.distributed.checkpoint"
+
+SAFE_LOADING = (
+    Patch(
+        name="safe-checkpoint-metadata",
+        module=f"{DCP}.filesystem",
+        attribute="pickle",
+        why="reads a checkpoint's .metadata with pickle.load: a crafted file would run code",
+        relies_on=("metadata = pickle.load(metadata_file)",),
+        replace=safe_loading.metadata_pickle_view,
+        site="FileSystemReader.read_metadata",
+        cpu_only=False,
+    ),
+    Patch(
+        name="safe-checkpoint-objects",
+        module=f"{DCP}.default_planner",
+        attribute="DefaultLoadPlanner.load_bytes",
+        why="reads per-rank objects (RNG state, data position) with torch.load(weights_only=False)",
+        relies_on=(
+            "torch.load(value, weights_only=False)",
+            "self.mappings[read_item.dest_index.fqn]",
+            "self.state_dict[read_item.dest_index.fqn] = torch.load(",
+        ),
+        replace=safe_loading.objects_as_data,
+        cpu_only=False,
+    ),
+    Patch(
+        name="safe-checkpoint-objects-named",
+        module=f"{DCP}.filesystem",
+        attribute="FileSystemReader.read_data",
+        why="knows the checkpoint directory that a refused per-rank object's message must name",
+        relies_on=("planner.load_bytes(req, read_bytes)",),
+        replace=safe_loading.refusals_name_the_directory,
+        cpu_only=False,
+    ),
+)
+
+PATCHES = (*TORCH_VIEWS, *RNG, *OPTIMIZER, *MOE, *PIPELINE_P2P, *MEGATRON_FSDP, *CHECKPOINTING, *SAFE_LOADING)

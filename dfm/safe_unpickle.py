@@ -1,0 +1,157 @@
+"""Pickles read as data: an unpickler that admits only the globals a file kind needs, never code.
+
+``pickle.load`` runs whatever a file names (``os.system`` through ``__reduce__``). Checkpoint metadata
+(torch distributed checkpoint ``.metadata``), per-rank objects (megatron ``ShardedObject``: RNG state,
+data position) and dataset ``.pickle`` parts are read here instead; anything else a file names is
+refused with ``UnsafePickleError`` naming the file (and the global it asked for).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import pickle
+from collections.abc import Mapping
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+Globals = Mapping[tuple[str, str], Any]
+
+
+class UnsafePickleError(pickle.UnpicklingError):
+    """A pickle that names something it may not: refused before anything of it ran."""
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` whose ``find_class`` answers only from ``allowed`` {(module, name): object}."""
+
+    def __init__(self, file: IO[bytes], allowed: Globals, source: str) -> None:
+        super().__init__(file)
+        self.allowed = allowed
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self.allowed[(module, name)]
+        except KeyError:
+            raise UnsafePickleError(
+                f"{self.source}: refused to load {module}.{name} (only data types are admitted; "
+                "a pickle naming anything else could run code)"
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError(f"{self.source}: refused a persistent id (not plain data)")
+
+
+def restricted_load(file: IO[bytes], allowed: Globals, source: str) -> Any:
+    """One pickle from ``file``, admitting only ``allowed`` globals; a broken pickle also names ``source``."""
+    try:
+        return RestrictedUnpickler(file, allowed, source).load()
+    except UnsafePickleError:
+        raise
+    except Exception as error:  # truncated or garbled bytes: any of pickle's many error types
+        raise UnsafePickleError(f"{source}: not a readable pickle ({type(error).__name__}: {error})") from error
+
+
+def _storage_from_bytes(data: bytes) -> Any:
+    """``torch.storage._load_from_bytes`` (how a pickled tensor stores its data) without running code."""
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _numpy_globals() -> dict[tuple[str, str], Any]:
+    """numpy arrays and scalars, as numpy 2 and numpy 1 (``numpy.core``) name them."""
+    found = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+    reconstruct, scalar = np.ndarray.__reduce__(np.zeros(1))[0], np.float32(0).__reduce__()[0]
+    for core in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        found[(core, "_reconstruct")] = reconstruct
+        found[(core, "scalar")] = scalar
+    return found
+
+
+@functools.cache
+def array_globals() -> dict[tuple[str, str], Any]:
+    """What a pickled numpy array or torch tensor (``pickle.dumps(tensor)``) names."""
+    from collections import OrderedDict
+
+    return {
+        **_numpy_globals(),
+        ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+        ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
+        ("collections", "OrderedDict"): OrderedDict,
+    }
+
+
+def _dtypes() -> dict[tuple[str, str], Any]:
+    return {("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+
+
+@functools.cache
+def metadata_globals() -> dict[tuple[str, str], Any]:
+    """Every type torch distributed checkpoint ``Metadata`` (and megatron's older variants) holds."""
+    from collections import OrderedDict
+
+    from torch.distributed.checkpoint import filesystem, metadata, planner
+    from torch.serialization import _get_layout
+
+    from_metadata = (
+        "Metadata",
+        "StorageMeta",
+        "MetadataIndex",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+    from_planner = ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData", "LoadPlan")
+    from_planner += ("ReadItem", "LoadItemType")
+    found: dict[tuple[str, str], Any] = {
+        **{(metadata.__name__, name): getattr(metadata, name) for name in from_metadata},
+        **{(planner.__name__, name): getattr(planner, name) for name in from_planner},
+        (filesystem.__name__, "_StorageInfo"): filesystem._StorageInfo,
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): _get_layout,
+        ("collections", "OrderedDict"): OrderedDict,
+        **_dtypes(),
+    }
+    # Empty placeholder classes megatron keeps so that checkpoints of older releases still load.
+    mcore = "megatron.core.dist_checkpointing.strategies.torch"
+    for name in ("MCoreMetadata", "MCoreSavePlan"):
+        found[(mcore, name)] = _MegatronPlaceholder
+    return found
+
+
+class _MegatronPlaceholder:
+    """Stands for megatron's empty ``MCoreMetadata`` / ``MCoreSavePlan`` (no import of megatron needed)."""
+
+
+def load_checkpoint_metadata(file: IO[bytes]) -> Any:
+    """A distributed checkpoint's ``.metadata`` (torch ``Metadata``) from its open file, as data only."""
+    return restricted_load(file, metadata_globals(), getattr(file, "name", "checkpoint metadata"))
+
+
+def load_rank_object(data: IO[bytes], source: str) -> Any:
+    """A per-rank object (``torch.save`` bytes of RNG state, data position, ...) with torch's weights-only
+    loader, numpy arrays admitted (numpy's RNG state is one); refused naming ``source``."""
+    numpy_types = list(dict.fromkeys(_numpy_globals().values()))
+    try:
+        with torch.serialization.safe_globals(numpy_types):
+            return torch.load(data, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as error:
+        reason = _reason(error)
+        if "global" not in reason.lower():  # garbled bytes, not a refused type
+            raise UnsafePickleError(f"{source}: not a readable torch file ({reason})") from error
+        raise UnsafePickleError(f"{source}: refused to load ({reason}; only data types are admitted)") from error
+
+
+def _reason(error: Exception) -> str:
+    """The line of torch's weights-only refusal that says what was refused (its first line is generic)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    specific = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
+    return (specific or lines or [type(error).__name__])[0]
+
+
+def restricted_loads(data: bytes, allowed: Globals, source: str) -> Any:
+    return restricted_load(io.BytesIO(data), allowed, source)
