@@ -6,9 +6,12 @@ ticks, so a reused pid is not mistaken for the holder) and the wall-clock start 
 
 - Held by a live process on this host: refused, naming host, pid and start time.
 - Held by a process on this host that is gone: stale; taken over, with a warning naming it.
-- Held by another host: refused. Whether a process elsewhere still runs cannot be told from here,
-  so such a lock is never taken over automatically; the message says to delete the file once that
-  run is known to be gone.
+- Held by an earlier incarnation of this Slurm job (same ``SLURM_JOB_ID``, lower
+  ``SLURM_RESTART_COUNT``): taken over, on any host; Slurm requeues a job only once all of its
+  earlier steps have ended, so a node that died mid-run never blocks the requeue elsewhere.
+- Held by another host otherwise: refused. Whether a process elsewhere still runs cannot be told
+  from here, so such a lock is never taken over automatically; the message says to delete the file
+  once that run is known to be gone.
 """
 
 from __future__ import annotations
@@ -45,7 +48,20 @@ def this_process() -> dict:
         "pid": os.getpid(),
         "process_start": _process_start(os.getpid()),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime()),
+        "slurm_job": os.environ.get("SLURM_JOB_ID"),
+        "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
     }
+
+
+def is_earlier_incarnation(owner: dict, me: dict) -> bool:
+    """The lock's run was this Slurm job before a requeue (which Slurm starts only after it ended)."""
+    restart = owner.get("slurm_restart")
+    return (
+        me["slurm_job"] is not None
+        and owner.get("slurm_job") == me["slurm_job"]
+        and isinstance(restart, int)
+        and restart < me["slurm_restart"]
+    )
 
 
 def describe(owner: dict) -> str:
@@ -108,13 +124,15 @@ def acquire(root: str | Path) -> tuple[Path, dict]:
             raise CheckpointError(
                 f"checkpoint.save={root}: the lock file {lock} is unreadable; if no run writes to this root, delete it"
             )
-        if owner.get("host") != me["host"]:
+        if is_earlier_incarnation(owner, me):
+            pass  # taken over below
+        elif owner.get("host") != me["host"]:
             raise CheckpointError(
                 f"checkpoint.save={root} is locked by a run on another host ({describe(owner)}, lock file {lock}). "
                 "dfm cannot tell from here whether it still runs, so it never takes such a lock over: once that "
                 f"run is gone, delete {lock}; or use another checkpoint.save"
             )
-        if is_running_here(owner):
+        elif is_running_here(owner):
             raise CheckpointError(
                 f"checkpoint.save={root} is in use by another run ({describe(owner)}, lock file {lock}): two runs "
                 "would overwrite each other's checkpoints. Wait for it to end or use another checkpoint.save"

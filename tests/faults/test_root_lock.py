@@ -83,3 +83,20 @@ def test_a_lock_from_another_host_is_refused_with_how_to_remove_it(tmp_path):
         pass
     assert "host elsewhere, pid 1, started earlier" in str(error.value) and f"delete {lock}" in str(error.value)
     assert json.loads(lock.read_text())["host"] == "elsewhere"
+
+
+def test_a_requeued_slurm_job_takes_over_its_earlier_incarnations_lock(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lock = write_lock(tmp_path, host="dead-node", pid=1, slurm_job="4242", slurm_restart=0)
+    with caplog.at_level(logging.WARNING, logger="dfm.checkpoint"), root_locked(str(tmp_path)):
+        assert json.loads(lock.read_text())["slurm_restart"] == 1
+    assert f"taking over the stale lock {lock}" in caplog.text
+
+
+def test_another_slurm_job_on_another_host_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    write_lock(tmp_path, host="elsewhere", pid=1, slurm_job="4242", slurm_restart=0)
+    with pytest.raises(CheckpointError, match="another host"), root_locked(str(tmp_path)):
+        pass
