@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 import dfm.convert.diffusers_folder as diffusers_folder
 from dfm.convert.cli import main
 from dfm.convert.diffusers_folder import WEIGHTS, write_diffusers_folder
+from dfm.convert.safetensors_stream import StreamingWriter
 from dfm.convert.wan import WAN
 from tests.wan._tiny import tiny_diffusers_wan
 
@@ -124,22 +125,33 @@ def test_other_class_and_truncated_file_are_refused_naming_the_file(source, tmp_
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_import_holds_one_rule_of_source_tensors_at_a_time(source, tmp_path, monkeypatch):
-    """Counting: the bytes of source tensors alive at once, against the model's total."""
-    model, state, _ = source
-    alive, peak = [0], [0]
+class LiveBytes:
+    """Bytes of the tensors passed to ``track`` that are still alive, and the most at any time."""
 
-    def counted(file, name):
-        tensor = real_read(file, name)
+    def __init__(self):
+        self.alive = self.peak = 0
+
+    def track(self, tensor: torch.Tensor) -> torch.Tensor:
         size = tensor.numel() * tensor.element_size()
-        alive[0] += size
-        peak[0] = max(peak[0], alive[0])
-        weakref.finalize(tensor, lambda: alive.__setitem__(0, alive[0] - size))
+        self.alive += size
+        self.peak = max(self.peak, self.alive)
+        weakref.finalize(tensor, self.release, size)
         return tensor
 
-    real_read = diffusers_folder.read_tensor
-    monkeypatch.setattr(diffusers_folder, "read_tensor", counted)
-    assert run(["import", "--diffusers", str(model), "--output", str(tmp_path / "c"), *TEXT])[0] == 0
+    def release(self, size: int) -> None:
+        self.alive -= size
+
+
+def test_import_and_export_hold_one_rule_of_tensors_at_a_time(source, tmp_path, monkeypatch):
+    """Counting: the source tensors an import reads, and the tensors an export writes, alive at once."""
+    model, state, imported = source
     total = sum(t.numel() * t.element_size() for t in state.values())
     largest_rule = 3 * max(t.numel() * t.element_size() for t in state.values())  # q, k, v of one projection
-    assert 0 < peak[0] <= largest_rule and peak[0] < total / 4, (peak[0], largest_rule, total)
+    read, written = LiveBytes(), LiveBytes()
+    real_read, real_write = diffusers_folder.read_tensor, StreamingWriter.write
+    monkeypatch.setattr(diffusers_folder, "read_tensor", lambda file, name: read.track(real_read(file, name)))
+    monkeypatch.setattr(StreamingWriter, "write", lambda self, name, t: real_write(self, name, written.track(t)))
+    assert run(["import", "--diffusers", str(model), "--output", str(tmp_path / "c"), *TEXT])[0] == 0
+    assert run(["export", "--checkpoint", str(imported), "--output", str(tmp_path / "e")])[0] == 0
+    for counted in (read, written):
+        assert 0 < counted.peak <= largest_rule and counted.peak < total / 4, (counted.peak, largest_rule, total)
