@@ -114,9 +114,7 @@ def diffusers_config_of(family: Family, model_cfg: ModelConfig) -> dict:
 def export_dtype(requested: str | None, common: dict, weights: dict[str, Tensor]) -> torch.dtype:
     """--dtype, else the dtype the import recorded, else the checkpoint's (its model precision)."""
     name = requested or common.get(IMPORTED_DTYPE)
-    if name is not None:
-        return DTYPES[name]
-    return next(iter(weights.values())).dtype
+    return DTYPES[name] if name in DTYPES else next(iter(weights.values())).dtype
 
 
 def export_model(family: Family, args: argparse.Namespace) -> Path:

@@ -51,8 +51,10 @@ class DiffusersWeights:
     def __init__(self, path: str | Path):
         folder = model_folder(path)
         if (folder / INDEX).is_file():
-            index = json.loads((folder / INDEX).read_text())
-            files = sorted(set(index["weight_map"].values()))
+            try:
+                files = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+                raise ConversionError(f"{folder / INDEX}: not a safetensors index ({error!r})") from error
         elif (folder / WEIGHTS).is_file():
             files = [WEIGHTS]
         else:
