@@ -50,7 +50,8 @@ class Family:
     model_overrides: Callable[[dict], dict]  # diffusers config.json -> {"model.<key>": value}
     diffusers_config: Callable[[ModelConfig], dict]  # the config.json an export writes
     rules: Callable[[ModelConfig], list[Rule]]
-    # (diffusers folder, cfg, () -> the dfm weights as (name, tensor) pairs) -> max abs diff of dfm vs diffusers on random packed inputs
+    # (diffusers folder, cfg, () -> the dfm weights as (name, tensor) pairs) -> max abs diff of dfm vs
+    # diffusers on random packed inputs
     verify: Callable[[str, ConfigContainer, Callable[[], Iterable[tuple[str, Tensor]]]], float]
 
 
@@ -74,6 +75,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next((name for name, value in DTYPES.items() if value == dtype), str(dtype).removeprefix("torch."))
 
 
+def warn_if_narrowed(imported: torch.dtype, precision: str) -> None:
+    if imported.itemsize > DTYPES[precision].itemsize:
+        logger.warning("%s weights stored at %s: an export will not give them back exactly", imported, precision)
+
+
 def import_model(family: Family, args: argparse.Namespace) -> Path:
     """The diffusers folder's tensors, read one rule at a time, into a checkpoint that replaces --output whole."""
     cfg = import_config(family, read_config(args.diffusers, family.diffusers_class), args.recipe, args.overrides)
@@ -87,12 +93,7 @@ def import_model(family: Family, args: argparse.Namespace) -> Path:
     target = Path(args.output)
     check_target(target, args.overwrite, weights_only_root_problem)
     imported = source.main_dtype()
-    if imported.itemsize > DTYPES[cfg.mixed_precision.precision].itemsize:
-        logger.warning(
-            "%s weights stored at %s: an export will not give them back exactly",
-            imported,
-            cfg.mixed_precision.precision,
-        )
+    warn_if_narrowed(imported, cfg.mixed_precision.precision)
     with fresh_folder(target) as staging:
         written = save_pretrained_checkpoint(cfg, weights(), staging, {IMPORTED_DTYPE: dtype_name(imported)})
     gc.collect()  # the model's cycles: its memory goes before --verify builds two more
@@ -132,9 +133,8 @@ def export_model(family: Family, args: argparse.Namespace) -> Path:
     tensors = ((name, t.to(dtype)) for name, t in convert_stream(weights.get, weights, rules, "dfm", source))
     with fresh_folder(target) as staging:
         write_diffusers_folder_streaming(staging, diffusers_config_of(family, cfg.model), plan, tensors)
-    print(
-        f"wrote {target}: {len(plan)} {dtype_name(dtype)} tensors; load it with diffusers.{family.diffusers_class}.from_pretrained"
-    )
+    loader = f"diffusers.{family.diffusers_class}.from_pretrained"
+    print(f"wrote {target}: {len(plan)} {dtype_name(dtype)} tensors; load it with {loader}")
     return target
 
 
