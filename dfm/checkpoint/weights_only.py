@@ -24,8 +24,9 @@ from dfm.config.container import ModelConfig
 logger = logging.getLogger("dfm.checkpoint")
 
 
-def save_weights_only(root: str | Path, model_chunks, config_dict: dict) -> Path:
-    """Write ``<root>/iter_0000000`` holding the (unwrapped) chunks' weights and ``config_dict``; all ranks."""
+def save_weights_only(root: str | Path, model_chunks, config_dict: dict, extra: dict | None = None) -> Path:
+    """Write ``<root>/iter_0000000`` holding the (unwrapped) chunks' weights and ``config_dict`` (+ ``extra``
+    plain values in the common state, e.g. the converter's record of the source dtype); all ranks."""
     target = iteration_dir(root, 0)
     if rank() == 0:
         remove_partial(target)
@@ -33,6 +34,7 @@ def save_weights_only(root: str | Path, model_chunks, config_dict: dict) -> Path
     barrier()
     state = {f"model{index}": model_sharded_state_dict(chunk) for index, chunk in enumerate(model_chunks)}
     state.update(iteration=0, config=config_dict, layout=layout(model_chunks), has_ema=False, **{WEIGHTS_ONLY: True})
+    state.update(extra or {})
     with failures_named(target):
         dist_checkpointing.save(state, str(target))
     finalize_save(str(root), 0, keep_last=None)

@@ -1,7 +1,11 @@
 """``convert_<family>.py import|export``: a published model's diffusers folder to a dfm checkpoint and back.
 
-    import --diffusers DIR --output CKPT [--recipe NAME] [--verify] [key=value ...]
-    export --checkpoint CKPT --output DIR [--ema]
+    import --diffusers DIR --output CKPT [--recipe NAME] [--verify] [--overwrite] [key=value ...]
+    export --checkpoint CKPT --output DIR [--ema] [--dtype bf16|fp32] [--overwrite]
+
+DIR is a model folder or a pipeline folder (its ``transformer/``). Both directions read and write one
+tensor at a time into a model built on meta, and write into a fresh folder next to the output that
+replaces it only when complete.
 
 A family (``dfm/convert/wan.py``, ``flux.py``) supplies the config translation, the rules and the
 parity check; everything else (reading, writing, checkpoints) is shared here.
@@ -10,20 +14,23 @@ parity check; everything else (reading, writing, checkpoints) is shared here.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from dfm.config.container import ConfigContainer, ModelConfig
 from dfm.config.loader import apply_overrides, set_key
 from dfm.config.recipes import get_recipe
 from dfm.config.validate import validate_config
-from dfm.convert.diffusers_folder import model_folder, read_diffusers_folder, write_diffusers_folder
-from dfm.convert.pretrained import read_full_weights, save_pretrained_checkpoint
-from dfm.convert.rules import ConversionError, Rule, to_dfm, to_diffusers
+from dfm.convert.diffusers_folder import DiffusersWeights, read_config, write_diffusers_folder_streaming
+from dfm.convert.output_folder import check_target, diffusers_folder_problem, fresh_folder, weights_only_root_problem
+from dfm.convert.pretrained import read_checkpoint_weights, save_pretrained_checkpoint
+from dfm.convert.rules import ConversionError, Rule, check_keys, convert_stream
 from dfm.errors import ConfigError
 from dfm.parallel.layout import ParallelLayout
 
@@ -43,8 +50,9 @@ class Family:
     model_overrides: Callable[[dict], dict]  # diffusers config.json -> {"model.<key>": value}
     diffusers_config: Callable[[ModelConfig], dict]  # the config.json an export writes
     rules: Callable[[ModelConfig], list[Rule]]
-    # (diffusers folder, cfg, dfm full weights) -> max abs diff of dfm vs diffusers on random packed inputs
-    verify: Callable[[str, ConfigContainer, dict[str, Tensor]], float]
+    # (diffusers folder, cfg, () -> the dfm weights as (name, tensor) pairs) -> max abs diff of dfm vs
+    # diffusers on random packed inputs
+    verify: Callable[[str, ConfigContainer, Callable[[], Iterable[tuple[str, Tensor]]]], float]
 
 
 def import_config(family: Family, diffusers_config: dict, recipe: str | None, overrides: Sequence[str]):
@@ -58,12 +66,39 @@ def import_config(family: Family, diffusers_config: dict, recipe: str | None, ov
     return cfg
 
 
+# --dtype values and the torch dtypes they name; the import records its source's under IMPORTED_DTYPE.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+IMPORTED_DTYPE = "imported_dtype"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next((name for name, value in DTYPES.items() if value == dtype), str(dtype).removeprefix("torch."))
+
+
+def warn_if_narrowed(imported: torch.dtype, precision: str) -> None:
+    if imported.itemsize > DTYPES[precision].itemsize:
+        logger.warning("%s weights stored at %s: an export will not give them back exactly", imported, precision)
+
+
 def import_model(family: Family, args: argparse.Namespace) -> Path:
-    config, state = read_diffusers_folder(args.diffusers)
-    cfg = import_config(family, config, args.recipe, args.overrides)
-    weights = to_dfm(state, family.rules(cfg.model), source=str(model_folder(args.diffusers)))
-    directory = save_pretrained_checkpoint(cfg, weights, args.output)
-    print(f"wrote {directory}: {len(weights)} tensors; train from it with checkpoint.pretrained={args.output}")
+    """The diffusers folder's tensors, read one rule at a time, into a checkpoint that replaces --output whole."""
+    cfg = import_config(family, read_config(args.diffusers, family.diffusers_class), args.recipe, args.overrides)
+    source = DiffusersWeights(args.diffusers)
+    rules = family.rules(cfg.model)
+
+    def weights():
+        return convert_stream(source.read, source.names(), rules, "diffusers", str(source.folder))
+
+    check_keys(source.names(), rules, "diffusers", str(source.folder))  # before anything is written
+    target = Path(args.output)
+    check_target(target, args.overwrite, weights_only_root_problem)
+    imported = source.main_dtype()
+    warn_if_narrowed(imported, cfg.mixed_precision.precision)
+    with fresh_folder(target) as staging:
+        written = save_pretrained_checkpoint(cfg, weights(), staging, {IMPORTED_DTYPE: dtype_name(imported)})
+    gc.collect()  # the model's cycles: its memory goes before --verify builds two more
+    directory = target / written.name
+    print(f"wrote {directory}: {len(rules)} tensors; train from it with checkpoint.pretrained={args.output}")
     if args.verify:
         print(VERIFY_LINE.format(family.verify(args.diffusers, cfg, weights)))
     return directory
@@ -77,16 +112,30 @@ def diffusers_config_of(family: Family, model_cfg: ModelConfig) -> dict:
     )
 
 
+def export_dtype(requested: str | None, common: dict, weights: dict[str, Tensor]) -> torch.dtype:
+    """--dtype, else the dtype the import recorded, else the checkpoint's (its model precision)."""
+    name = requested or common.get(IMPORTED_DTYPE)
+    return DTYPES[name] if name in DTYPES else next(iter(weights.values())).dtype
+
+
 def export_model(family: Family, args: argparse.Namespace) -> Path:
-    cfg, weights = read_full_weights(args.checkpoint, use_ema=args.ema)
+    """The checkpoint's model, split one rule at a time into a diffusers folder that replaces --output whole."""
+    target = Path(args.output)
+    check_target(target, args.overwrite, diffusers_folder_problem)
+    cfg, common, weights = read_checkpoint_weights(args.checkpoint, use_ema=args.ema)
     if cfg.model.architecture != family.architecture:
         raise ConversionError(
             f"{args.checkpoint} holds a model.architecture={cfg.model.architecture} model, not {family.architecture}"
         )
-    state = to_diffusers(weights, family.rules(cfg.model), source=str(args.checkpoint))
-    folder = write_diffusers_folder(args.output, diffusers_config_of(family, cfg.model), state)
-    print(f"wrote {folder}: {len(state)} tensors; load it with diffusers.{family.diffusers_class}.from_pretrained")
-    return folder
+    dtype, rules, source = export_dtype(args.dtype, common, weights), family.rules(cfg.model), str(args.checkpoint)
+    shapes = {name: torch.empty(tensor.shape, dtype=dtype, device="meta") for name, tensor in weights.items()}
+    plan = {name: (dtype, tuple(t.shape)) for name, t in convert_stream(shapes.get, shapes, rules, "dfm", source)}
+    tensors = ((name, t.to(dtype)) for name, t in convert_stream(weights.get, weights, rules, "dfm", source))
+    with fresh_folder(target) as staging:
+        write_diffusers_folder_streaming(staging, diffusers_config_of(family, cfg.model), plan, tensors)
+    loader = f"diffusers.{family.diffusers_class}.from_pretrained"
+    print(f"wrote {target}: {len(plan)} {dtype_name(dtype)} tensors; load it with {loader}")
+    return target
 
 
 def parser_for(family: Family) -> argparse.ArgumentParser:
@@ -97,6 +146,7 @@ def parser_for(family: Family) -> argparse.ArgumentParser:
     imp.add_argument("--output", required=True, help="checkpoint root to write")
     imp.add_argument("--recipe", help="base recipe (e.g. the published model's); the diffusers config sets the model")
     imp.add_argument("--verify", action="store_true", help="run diffusers and dfm on random packed inputs")
+    imp.add_argument("--overwrite", action="store_true", help="replace an earlier import at --output (never a run)")
     for size in RECORDED_SIZES:
         # dfm checkpoints reshard on load: the sizes are only recorded in the saved config.
         imp.add_argument(f"--{size}", type=int, help="recorded in the checkpoint's config; any layout loads it")
@@ -105,6 +155,8 @@ def parser_for(family: Family) -> argparse.ArgumentParser:
     exp.add_argument("--checkpoint", required=True, help="an iter_N directory or a root")
     exp.add_argument("--output", required=True, help="folder to write")
     exp.add_argument("--ema", action="store_true", help="export the EMA weights (when the checkpoint has them)")
+    exp.add_argument("--overwrite", action="store_true", help="replace an earlier export at --output")
+    exp.add_argument("--dtype", choices=sorted(DTYPES), help="default: the dtype the imported model had")
     return parser
 
 

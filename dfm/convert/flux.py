@@ -9,15 +9,17 @@ adaLN chunks are (shift, scale) in dfm, (scale, shift) in diffusers.
 
 from __future__ import annotations
 
-from pathlib import Path
+import gc
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
 
 from dfm.config.container import ConfigContainer, ModelConfig
 from dfm.convert.cli import Family
+from dfm.convert.diffusers_model import load_diffusers_model
 from dfm.convert.pretrained import converted_model
-from dfm.convert.rules import Rule, fused_qkv, rename
+from dfm.convert.rules import ConversionError, Rule, fused_qkv, rename
 
 PATCH = 2  # FLUX packs 2x2 latent patches into a token
 
@@ -130,10 +132,12 @@ def flux_rules(model: ModelConfig) -> list[Rule]:
 def model_overrides(config: dict) -> dict:
     """diffusers config.json -> dfm model keys."""
     if config.get("patch_size", 1) != 1:
-        raise ValueError(f"FLUX patch_size={config['patch_size']}: only 1 (2x2 latent patches packed) is supported")
+        raise ConversionError(
+            f"FLUX patch_size={config['patch_size']}: only 1 (2x2 latent patches packed) is supported"
+        )
     in_channels = config.get("in_channels", 64)
     if in_channels % PATCH**2 or config.get("out_channels") not in (None, in_channels):
-        raise ValueError(f"FLUX in_channels={in_channels}, out_channels={config.get('out_channels')}: unsupported")
+        raise ConversionError(f"FLUX in_channels={in_channels}, out_channels={config.get('out_channels')}: unsupported")
     heads, head_dim = config.get("num_attention_heads", 24), config.get("attention_head_dim", 128)
     double, single = config.get("num_layers", 19), config.get("num_single_layers", 38)
     return {
@@ -230,18 +234,19 @@ def verification_pack(model_cfg: ModelConfig, seed: int = 0, padding: tuple[int,
     return batch, t, torch.full((3,), 3.5) if model_cfg.guidance_embeds else None
 
 
-def verify(folder: str, cfg: ConfigContainer, weights: dict[str, Tensor]) -> float:
-    """Max abs diff of dfm vs diffusers on ``verification_pack`` (fp32, one process)."""
-    import diffusers
-
+def verify(folder: str, cfg: ConfigContainer, weights: Callable[[], Iterable[tuple[str, Tensor]]]) -> float:
+    """Max abs diff of dfm (``weights()``: its (name, tensor) pairs) vs diffusers (the model or pipeline
+    folder ``folder``) on ``verification_pack`` (fp32, one process); the two models run one after the other."""
     from dfm.inference.checkpoint_loading import single_process_config
 
-    reference = diffusers.FluxTransformer2DModel.from_pretrained(str(Path(folder)), torch_dtype=torch.float32)
     model_cfg = single_process_config(cfg).model
     batch, t, guidance = verification_pack(model_cfg)
-    with converted_model(model_cfg, weights, cfg.rng.seed) as model:
-        packed = model(batch.latents, t, batch, guidance)
+    reference = load_diffusers_model(folder, "FluxTransformer2DModel")
     references = diffusers_outputs(reference, batch, t, guidance, model_cfg.in_channels)
+    del reference
+    gc.collect()  # gone before dfm's model is built: the two are never in memory together
+    with converted_model(model_cfg, weights(), cfg.rng.seed) as model:
+        packed = model(batch.latents, t, batch, guidance)
     return max(per_sample_max_abs_diff(packed, references, batch))
 
 

@@ -8,7 +8,7 @@ reads, or a rule whose key is absent, stops the conversion naming it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,12 +92,13 @@ def fused_kv(dfm: str, k: str, v: str, num_heads: int) -> Rule:
     )
 
 
-def _convert(state: dict[str, Tensor], rules: Sequence[Rule], reading: str, source: str) -> dict[str, Tensor]:
-    """Apply every rule from the ``reading`` side ('diffusers' or 'dfm'); unknown and missing keys raise."""
+def check_keys(names: Iterable[str], rules: Sequence[Rule], reading: str, source: str) -> None:
+    """Every name the ``reading`` side ('diffusers' or 'dfm') of ``rules`` needs is in ``names``, and no other."""
     importing = reading == "diffusers"
     wanted = [name for rule in rules for name in (rule.diffusers if importing else (rule.dfm,))]
-    missing = [name for name in wanted if name not in state]
-    unused = sorted(set(state) - set(wanted))
+    available = set(names)
+    missing = [name for name in wanted if name not in available]
+    unused = sorted(available - set(wanted))
     if missing or unused:
         problems = []
         if missing:
@@ -105,23 +106,29 @@ def _convert(state: dict[str, Tensor], rules: Sequence[Rule], reading: str, sour
         if unused:
             problems.append(f"{len(unused)} key(s) no rule reads: {', '.join(unused[:8])}")
         raise ConversionError(f"{source} does not match the rules: {'; '.join(problems)}")
-    out: dict[str, Tensor] = {}
+
+
+def convert_stream(
+    read: Callable[[str], Tensor], names: Iterable[str], rules: Sequence[Rule], reading: str, source: str
+) -> Iterator[tuple[str, Tensor]]:
+    """Apply every rule from the ``reading`` side, reading each tensor when its rule runs: (name, tensor)
+    of the other side in rule order. Unknown and missing keys raise before the first tensor is read."""
+    check_keys(names, rules, reading, source)
     for rule in rules:
-        if importing:
-            out[rule.dfm] = rule.join([state[name] for name in rule.diffusers])
+        if reading == "diffusers":
+            yield rule.dfm, rule.join([read(name) for name in rule.diffusers])
             continue
-        parts = rule.split(state[rule.dfm])
+        parts = rule.split(read(rule.dfm))
         if len(parts) != len(rule.diffusers):
             raise ConversionError(f"{rule.dfm}: split gave {len(parts)} tensors for {len(rule.diffusers)} names")
-        out.update(zip(rule.diffusers, parts))
-    return out
+        yield from zip(rule.diffusers, parts)
 
 
 def to_dfm(diffusers_state: dict[str, Tensor], rules: Sequence[Rule], source: str = "the diffusers state dict"):
     """Diffusers tensors -> {dfm global name: tensor}."""
-    return _convert(diffusers_state, rules, "diffusers", source)
+    return dict(convert_stream(diffusers_state.__getitem__, diffusers_state, rules, "diffusers", source))
 
 
 def to_diffusers(dfm_state: dict[str, Tensor], rules: Sequence[Rule], source: str = "the dfm weights"):
     """{dfm global name: tensor} -> diffusers tensors."""
-    return _convert(dfm_state, rules, "dfm", source)
+    return dict(convert_stream(dfm_state.__getitem__, dfm_state, rules, "dfm", source))

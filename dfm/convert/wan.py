@@ -6,14 +6,15 @@ samples (``verify`` for the CLI's ``--verify``, and the tests).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import gc
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
 
 from dfm.config.container import ConfigContainer, ModelConfig
 from dfm.convert.cli import Family
-from dfm.convert.diffusers_folder import model_folder
+from dfm.convert.diffusers_model import load_diffusers_model
 from dfm.convert.pretrained import converted_model
 from dfm.convert.rules import ConversionError, Rule, fused_kv, fused_qkv, rename
 from dfm.data.packed_batch import PackedBatch
@@ -202,18 +203,19 @@ def max_abs_diff(outputs: Sequence[Tensor], references: Sequence[Tensor]) -> flo
 
 
 @torch.no_grad()
-def verify(folder: str, cfg: ConfigContainer, weights: dict[str, Tensor]) -> float:
-    """Max abs diff of dfm (these weights, one process, fp32) vs diffusers (``folder``) on random packed samples."""
-    import diffusers
-
-    transformer = diffusers.WanTransformer3DModel.from_pretrained(model_folder(folder), torch_dtype=torch.float32)
+def verify(folder: str, cfg: ConfigContainer, weights: Callable[[], Iterable[tuple[str, Tensor]]]) -> float:
+    """Max abs diff of dfm (``weights()``: its (name, tensor) pairs, one process, fp32) vs diffusers
+    (``folder``) on random packed samples. The two models run one after the other, never both in memory."""
     single = single_process_config(cfg)
     samples = parity_samples(single.model)
     batch, timesteps = pack_samples(samples), parity_timesteps(len(samples))
+    transformer = load_diffusers_model(folder, "WanTransformer3DModel")
     references = [
         diffusers_sample_output(transformer, s, t, single.model.max_text_len) for s, t in zip(samples, timesteps)
     ]
-    with converted_model(single.model, weights, cfg.rng.seed) as model:
+    del transformer
+    gc.collect()  # gone before dfm's model is built: the two are never in memory together
+    with converted_model(single.model, weights(), cfg.rng.seed) as model:
         outputs = dfm_sample_outputs(model(batch.latents, timesteps, batch), batch, single.model)
     return max_abs_diff(outputs, references)
 

@@ -18,7 +18,7 @@ from dfm.checkpoint.select import resolve_load_dir
 from dfm.checkpoint.state import model_sharded_state_dict, with_weights
 from dfm.config.container import ConfigContainer
 from dfm.config.loader import apply_mapping, build_config
-from dfm.models.build import build_model_chunk
+from dfm.inference.empty_model import empty_model
 from dfm.parallel.layout import ParallelLayout
 
 logger = logging.getLogger("dfm.inference")
@@ -61,8 +61,9 @@ def load_model(cfg: ConfigContainer, directory: Path, device: torch.device, use_
     The EMA weights replace the trained ones when the checkpoint has them and ``use_ema``.
     Needs megatron's parallel state initialised (``initialize_distributed()``).
     """
-    model, tconfig = build_model_chunk(cfg.model, cfg.mixed_precision.precision, cfg.rng.seed, device=device)
-    model = model.to(device=device, dtype=tconfig.params_dtype)
+    # Built on meta and given uninitialised storage: every parameter is loaded below (strict), so no random
+    # init runs and the weights are held once.
+    model, _ = empty_model(cfg.model, cfg.mixed_precision.precision, device, cast=True)
     # Only the model part is requested: optimizer, RNG and data states stay on disk.
     request = {"model0": model_sharded_state_dict(model)}
     with_ema = use_ema and bool(dist_checkpointing.load_common_state_dict(str(directory)).get("has_ema"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -81,7 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not math.isfinite(args.guidance_scale) or args.guidance_scale < 0:
+        parser.error(f"--guidance_scale {args.guidance_scale}: must be a finite number >= 0 (1 disables guidance)")
+    if args.num_steps < 1:
+        parser.error(f"--num_steps {args.num_steps}: must be >= 1")
     if args.video_save_path is None:
         args.video_save_path = "outputs/dit_sample" + (".mp4" if args.num_video_frames > 1 else ".png")
     check_output_path(args.video_save_path, args.num_video_frames)  # fail before loading anything

@@ -6,6 +6,7 @@ import is fine-tuned 3 iterations at TP=2 + SP on those shards (pretrain_dit_mod
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -81,6 +82,19 @@ def test_flux_run_without_pooled_vectors_names_the_part(tmp_path):
     part = r"no pooled text vector '\.pooled\.pth' \(model\.pooled_text_dim=16"
     with pytest.raises(BadSampleError, match=rf"shard .*/dfm/dfm-000000\.tar, key dfm\d+: {part}"):
         next(build_train_loader(settings, 0, 1))
+
+
+def test_import_from_a_pipeline_folder_verifies_and_exports_back(tmp_path, capsys):
+    """A FLUX.1 pipeline layout (model_index.json, transformer/): what docs/flux.md's import reads."""
+    pipeline, reference = tmp_path / "FLUX.1-tiny", tiny_diffusers_flux()
+    reference.save_pretrained(pipeline / "transformer")
+    (pipeline / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    imported, export = tmp_path / "imported", tmp_path / "export"
+    assert main(FLUX, ["import", "--diffusers", str(pipeline), "--output", str(imported), "--verify"]) == 0
+    assert float(re.search(r"max abs diff vs diffusers: (\S+)", capsys.readouterr().out).group(1)) <= 1e-5
+    assert main(FLUX, ["export", "--checkpoint", str(imported), "--output", str(export)]) == 0
+    back = diffusers.FluxTransformer2DModel.from_pretrained(export).state_dict()
+    assert all(torch.equal(back[name], tensor) for name, tensor in reference.state_dict().items())
 
 
 def test_import_finetune_on_prepared_shards_at_tp2_export_loads_in_diffusers(shards, tmp_path, capsys):

@@ -96,3 +96,15 @@ def test_missing_checkpoint_is_named(tmp_path):
 
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         checkpoint_directory(tmp_path)
+
+
+@pytest.mark.parametrize("bad", [["--guidance_scale", "-5"], ["--guidance_scale", "nan"], ["--num_steps", "0"]])
+def test_bad_sampling_arguments_are_refused(bad, capsys):
+    from dfm.inference.generate import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--checkpoint_path", "ckpt", *bad])
+    assert (
+        exit_info.value.code == 2
+        and f"{bad[0]} {float(bad[1]) if 'guidance' in bad[0] else bad[1]}" in capsys.readouterr().err
+    )

@@ -27,11 +27,15 @@ TINY_TEXT = ["model.max_text_len=16", "dataset.mock_text_len_range=[4,12]"]
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    """(diffusers folder, its state dict, the imported dfm checkpoint root, the --verify output)."""
+    """(diffusers pipeline folder, its transformer's state dict, the imported dfm checkpoint root, the
+    --verify output); tests/convert/test_converter_folders.py imports a bare model folder."""
     tmp = tmp_path_factory.mktemp("wan_convert")
     folder = tmp / "diffusers"
-    tiny_diffusers_wan().save_pretrained(folder)
-    state = load_file(folder / "diffusion_pytorch_model.safetensors")
+    tiny_diffusers_wan().save_pretrained(folder / "transformer")
+    (folder / "model_index.json").write_text(
+        '{"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"]}'
+    )
+    state = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
     checkpoint = tmp / "imported"
     return (
         folder,

@@ -2,7 +2,7 @@
 
     python convert_wan.py import --diffusers Wan2.1-T2V-1.3B-Diffusers --output ckpt/wan13b \\
         --recipe Wan2.1-T2V-1.3B --verify
-    python convert_wan.py export --checkpoint outputs/run/checkpoints --output wan13b-finetuned
+    python convert_wan.py export --checkpoint outputs/run/checkpoints --output wan13b-finetuned [--dtype bf16] [--overwrite]
 """
 
 import sys
