@@ -81,8 +81,8 @@ def gather_full(shard: torch.Tensor) -> torch.Tensor:
     return torch.cat([pieces[rank][step] for step in range(stride) for rank in range(tp)], dim=dim)
 
 
-# Bytes of the full tensor drawn at a time (at least 16 rows): while it initialises, a rank holds
-# its share plus one such chunk.
+# Bytes the drawing of initial values works in (at least 16 rows at a time): while it initialises,
+# a rank holds its share plus this.
 CHUNK_BYTES = 64 << 20
 
 
@@ -133,10 +133,11 @@ def _local_row_runs(rows: int, split: TensorSplit | None) -> list[tuple[int, int
 
 
 def _rows_per_chunk(row_numel: int) -> int:
-    """Rows drawn at once: within CHUNK_BYTES, a multiple of 16 elements so that chunked ``normal_``
-    (which transforms 16 values at a time) gives the values of one call over the whole tensor."""
+    """Rows drawn at once: the fp32 rows, this rank's columns of them and their copy in the model's
+    dtype within CHUNK_BYTES, a multiple of 16 elements so that chunked ``normal_`` (which transforms
+    16 values at a time) gives the values of one call over the whole tensor."""
     align = 16 // math.gcd(row_numel, 16)
-    return max(align, CHUNK_BYTES // (4 * row_numel) // align * align)
+    return max(align, CHUNK_BYTES // (3 * 4 * row_numel) // align * align)
 
 
 @torch.no_grad()
@@ -153,7 +154,7 @@ def fill_initial(
 ) -> None:
     """Fill ``out`` ``[len(rows), ...]`` with rows ``rows`` of this rank's shard of parameter ``name``'s
     initial value (full ``shape``), rounded through ``dtype`` if given: bit for bit the full tensor
-    drawn from (seed, name) in one call and sliced, but drawn CHUNK_BYTES at a time. Rows before
+    drawn from (seed, name) in one call and sliced, but drawn within CHUNK_BYTES. Rows before
     the last wanted one are drawn into the reused chunk and dropped (the stream is sequential)."""
     kind = initial_kind(name, declared, shape)
     if not isinstance(kind, str):
@@ -162,7 +163,7 @@ def fill_initial(
     generator = torch.Generator().manual_seed(name_seed(seed, name))
     row_numel = math.prod(shape[1:])
     per_chunk = _rows_per_chunk(row_numel)
-    scratch = torch.empty(min(per_chunk + 16, shape[0]), *shape[1:])
+    scratch = torch.empty(min(per_chunk + 15 // row_numel, shape[0]), *shape[1:])  # + the tail rows
     wanted = _wanted_runs(_local_row_runs(shape[0], split), rows)
     start, last = 0, max((stop for _, stop, _ in wanted), default=0)
     while start < last:
