@@ -8,18 +8,22 @@ import math
 import pytest
 import torch
 
+from dfm.config.loader import build_config
+from dfm.models.build import build_model_chunk
 from dfm.models.common import init
 from dfm.models.common.init import TensorSplit, fill_initial, name_seed
+from tests.training.entry import RECIPE_DIR
 
 SEED, STD = 5, 0.02
+RECIPES = RECIPE_DIR.parent
 
 
-def drawn_whole(name: str, declared: str | None, shape: list[int]) -> torch.Tensor:
-    """Today's reference: the full tensor in one call."""
+def drawn_whole(name: str, declared: str | None, shape: list[int], std: float = STD) -> torch.Tensor:
+    """The values before chunked drawing: the full tensor in one call."""
     generator = torch.Generator().manual_seed(name_seed(SEED, name))
     full = torch.empty(shape)
     if declared == init.NORMAL:
-        return full.normal_(0.0, STD, generator=generator)
+        return full.normal_(0.0, std, generator=generator)
     bound = (6.0 / (shape[0] + math.prod(shape[1:]))) ** 0.5
     return full.uniform_(-bound, bound, generator=generator)
 
@@ -57,3 +61,22 @@ def test_constants_need_no_generator():
     out = torch.empty(5)
     fill_initial(out, "blocks.0.norm.weight", None, [10], TensorSplit(0, 1, 2, 1), range(5), SEED, STD)
     assert torch.equal(out, torch.ones(5))
+
+
+@pytest.mark.parametrize("config", ["flux/conf/flux_tiny", "dit/conf/wan_tiny"])
+@pytest.mark.parametrize("everywhere", [False, True])
+def test_families_start_from_the_whole_tensors_drawn(dist, monkeypatch, config, everywhere):
+    """FLUX and Wan (the DiT families: test_init_declarations.py) built on meta and drawn in chunks
+    start from the full tensors drawn in one call, in bf16 rounded once from them."""
+    cfg = build_config(None, str(RECIPES / f"{config}.yaml"), ["mixed_precision.precision=bf16"], world_size=1)
+    monkeypatch.setattr(init, "CHUNK_BYTES", 4096)
+    model, _ = build_model_chunk(cfg.model, "bf16", SEED, params_dtype_everywhere=everywhere)
+    std = cfg.model.init_method_std
+    for name, param in model.named_parameters():
+        gname, declared = model.global_param_name(name), getattr(param, init.DECLARED_INIT, None)
+        kind = init.initial_kind(gname, declared, list(param.shape))
+        if isinstance(kind, str):
+            expected = drawn_whole(gname, declared, list(param.shape), std)
+        else:
+            expected = torch.full(param.shape, kind)
+        assert torch.equal(param, expected.to(param.dtype)), name
