@@ -31,7 +31,7 @@ def materialise_(model: nn.Module, device: torch.device) -> nn.Module:
         for name, param in module.named_parameters(recurse=False):
             if id(param) not in done:
                 done[id(param)] = _empty_like(param, device)
-            module._parameters[name] = done[id(param)]
+            setattr(module, name, done[id(param)])
     meta_buffers = [name for name, buffer in model.named_buffers() if buffer.is_meta]
     if meta_buffers:
         raise NotImplementedError(f"buffers built on the meta device have no values to materialise: {meta_buffers}")
