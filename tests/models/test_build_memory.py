@@ -2,10 +2,10 @@
 (71 MB in fp32) built at TP=2 x DP=2 and under Megatron-FSDP at DP=4, 4 gloo processes, every CPU
 tensor created during the build tracked (_build_memory_worker.py), initial values drawn in 64 KiB.
 
-Measured on 2 CPU cores, bytes above what the rank keeps after the build:
-* TP=2: +0.16 MB (before meta-device build: +2.4 MB, the largest full weight drawn whole).
-* FSDP DP=4: +0.2 MB over its 53 MB of shards (weights, main weights, gradients); nothing of the
-  model exists before Megatron-FSDP shards it (before: the whole 71 MB model, +26 MB peak).
+Measured, bytes above what the rank keeps after the build:
+* TP=2: +32 KB over its 36 MB (before meta-device builds: +2.4 MB, the largest full weight drawn whole).
+* FSDP DP=4: +22 to +43 KB over its 53 MB of shards (weights, main weights, gradients); nothing of
+  the model exists before Megatron-FSDP shards it (before: the whole 71 MB model, peak +26 MB).
 """
 
 import os
