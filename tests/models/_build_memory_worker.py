@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc-per-node 4 _build_memory_worker.py OUT_DIR. Builds a wide DiT at TP=2 x DP=2
 (``build_model_chunk``, as DDP runs build) and at DP=4 under Megatron-FSDP ``optim_grads_params``
-(``setup.build_model``), tracking the live bytes of every CPU tensor created meanwhile, and saves
+in fp32 and bf16 (``setup.build_model``), tracking the live bytes of every CPU tensor created meanwhile, and saves
 per case the peak, what the rank keeps after the build (its share), the bytes alive when FSDP
 starts sharding and the sizes the bound is made of to OUT_DIR/rank<R>.pt; the FSDP case also saves
 how far its gathered rows are from the same model built in one piece (0: bit-identical).
@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 from dfm.config.loader import build_config
 from dfm.models.build import build_model_chunk
 from dfm.models.common import init
-from dfm.models.common.fsdp_shards import gather_rows, inner_model, named_parameters
+from dfm.models.common.fsdp_shards import gather_rows, named_parameters
 from dfm.parallel import ParallelLayout
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.platform.process_exit import skip_final_gc_at_exit
@@ -100,8 +100,8 @@ def tp_case() -> dict:
     return result
 
 
-def fsdp_case() -> dict:
-    cfg = build_config(None, str(TINY), [*WIDE, *FSDP], world_size=WORLD)
+def fsdp_case(precision: str) -> dict:
+    cfg = build_config(None, str(TINY), [*WIDE, *FSDP, f"mixed_precision.precision={precision}"], world_size=WORLD)
     layout = ParallelLayout.from_config(cfg.model, WORLD)
     device = initialize_distributed(layout)
     wrap, before_sharding = setup.fully_sharded, []
@@ -115,14 +115,15 @@ def fsdp_case() -> dict:
         model, _ = setup.build_model(cfg, layout, device)
     setup.fully_sharded = wrap
     peak, kept = tracker.peak, tracker.live
-    reference, _ = build_model_chunk(cfg.model, "fp32", cfg.rng.seed, layout=layout)
+    reference, _ = build_model_chunk(cfg.model, precision, cfg.rng.seed, layout=layout, params_dtype_everywhere=True)
     expected = dict(reference.named_parameters())
+    # The fp32 main weights hold the (bf16) model's values.
     largest_diff = max(
-        (gather_rows(shard) - expected[name]).abs().max().item() for name, shard in named_parameters(model[0])
+        (gather_rows(shard) - expected[name].float()).abs().max().item() for name, shard in named_parameters(model[0])
     )
-    inner = inner_model(model[0])
-    units = [param_bytes(layer.parameters()) for layer in inner.layers]
-    modules = [param_bytes(m.parameters(recurse=False)) for m in inner.modules()]
+    units = [param_bytes(layer.parameters()) for layer in reference.layers]
+    modules = [param_bytes(m.parameters(recurse=False)) for m in reference.modules()]
+    parallel_state.destroy_model_parallel()
     return dict(
         peak=peak,
         kept=kept,
@@ -137,7 +138,7 @@ def fsdp_case() -> dict:
 def main(out_dir: str) -> None:
     init.CHUNK_BYTES = CHUNK_BYTES
     try:
-        results = {"chunk": CHUNK_BYTES, "tp": tp_case(), "fsdp": fsdp_case()}
+        results = {"chunk": CHUNK_BYTES, "tp": tp_case(), "fsdp": fsdp_case("fp32"), "fsdp_bf16": fsdp_case("bf16")}
         torch.save(results, Path(out_dir) / f"rank{torch.distributed.get_rank()}.pt")
     finally:
         destroy_distributed()

@@ -6,6 +6,8 @@ Measured, bytes above what the rank keeps after the build:
 * TP=2: +32 KB over its 36 MB (before meta-device builds: +2.4 MB, the largest full weight drawn whole).
 * FSDP DP=4: +22 to +43 KB over its 53 MB of shards (weights, main weights, gradients); nothing of
   the model exists before Megatron-FSDP shards it (before: the whole 71 MB model, peak +26 MB).
+  In bf16 the same build's values are checked too (before, the host's 35 MB bf16 model was freed
+  while the fp32 shards grew: no higher peak on CPU, but the whole model existed before sharding).
 """
 
 import os
@@ -53,3 +55,9 @@ def test_fsdp_build_shards_before_anything_is_allocated(builds):
         assert fsdp["peak"] <= fsdp["kept"] + transient, (rank, fsdp)
         assert fsdp["model"] > transient + fsdp["largest_unit"]  # the whole model would not fit in it
         assert fsdp["largest_diff"] == 0.0, rank  # its rows are bit for bit the one-piece model's
+
+
+def test_bf16_fsdp_build_holds_the_bf16_model_values(builds):
+    for rank, result in enumerate(builds):
+        assert result["fsdp_bf16"]["before_sharding"] == 0, rank
+        assert result["fsdp_bf16"]["largest_diff"] == 0.0, rank  # main weights: the bf16 values, in fp32
