@@ -8,6 +8,7 @@ import torch
 from megatron.core import parallel_state
 
 from dfm.models.common.init import init_params
+from dfm.models.common.materialise import materialise_
 from dfm.models.common.transformer_config import build_transformer_config
 from dfm.models.common.varlen_attention import varlen_available
 from dfm.models.dit.dit_model import DiTModel
@@ -97,9 +98,29 @@ def build_model_chunk(
     vp_stage: int | None = None,
     layout: ParallelLayout | None = None,
     device: torch.device | str = "cpu",
+    params_dtype_everywhere: bool = False,
 ):
-    """One (virtual) pipeline stage of the model, initialised layout-independently from ``seed``;
-    ``device`` as in :func:`build_model`."""
-    model, tconfig = build_model(model_cfg, precision, vp_stage, layout, device)
+    """One (virtual) pipeline stage of the model on ``device``, initialised layout-independently from
+    ``seed``. Built on the meta device, then only this rank's parameters are allocated and drawn, a
+    chunk at a time (dfm.models.common.init). ``params_dtype_everywhere``: see ``build_meta_chunk``."""
+    model, tconfig = build_meta_chunk(model_cfg, precision, vp_stage, layout, params_dtype_everywhere, device)
+    materialise_(model, torch.device(device))
     init_params(model, seed, model.global_param_name, std=model_cfg.init_method_std)
     return model, tconfig
+
+
+def build_meta_chunk(
+    model_cfg,
+    precision: str,
+    vp_stage: int | None = None,
+    layout: ParallelLayout | None = None,
+    params_dtype_everywhere: bool = False,
+    device: torch.device | str = "cpu",
+):
+    """One (virtual) pipeline stage on the meta device: shapes and attributes, no memory.
+    ``params_dtype_everywhere``: the plain torch layers (embedders, final layer) in the precision's
+    dtype too, as megatron's Float16Module casts them, not only megatron's layers. ``device``: where
+    the parameters will live, which picks the attention backend (meta itself never does)."""
+    with torch.device("meta"):
+        model, tconfig = build_model(model_cfg, precision, vp_stage, layout, device)
+    return (model.to(dtype=tconfig.params_dtype) if params_dtype_everywhere else model), tconfig

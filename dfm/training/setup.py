@@ -13,7 +13,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from dfm.config.container import ConfigContainer
 from dfm.config.validate import micro_batches_per_step
-from dfm.models.build import build_model_chunk
+from dfm.models.build import build_meta_chunk, build_model_chunk
+from dfm.models.common.materialise import defer_to_fsdp, init_fsdp_shards
 from dfm.parallel.layout import ParallelLayout
 
 
@@ -31,19 +32,25 @@ def num_microbatches(cfg: ConfigContainer, layout: ParallelLayout) -> int:
 
 def build_model(cfg: ConfigContainer, layout: ParallelLayout, device: torch.device) -> tuple[list[Any], Any]:
     """Wrapped model chunks on ``device`` (DDP, or Megatron-FSDP with ``ddp.use_megatron_fsdp``) and
-    the megatron TransformerConfig they share."""
-    chunks, tconfig = [], None
-    for index in range(layout.chunks_per_stage):
-        vp_stage = index if layout.chunks_per_stage > 1 else None
-        chunk, tconfig = build_model_chunk(
-            cfg.model, cfg.mixed_precision.precision, cfg.rng.seed, vp_stage, layout, device=device
-        )
-        # bf16/fp16 runs: the plain nn.Linear embedders and final layer too (as megatron's Float16Module
-        # does), so no fp32 activation meets a low-precision weight; fp32 runs are unchanged.
-        chunks.append(chunk.to(device=device, dtype=tconfig.params_dtype))
+    the megatron TransformerConfig they share. Built on the meta device: a rank only ever allocates
+    and initialises what it owns (its TP/PP-local parameters, under FSDP its rows of them)."""
     ddp_config = megatron_ddp_config(cfg, device)
     if cfg.ddp.use_megatron_fsdp:
-        return [fully_sharded(chunk, tconfig, ddp_config, device, i > 0) for i, chunk in enumerate(chunks)], tconfig
+        return fully_sharded_chunks(cfg, layout, ddp_config, device)
+    chunks, tconfig = [], None
+    for vp_stage in vp_stages(layout):
+        # bf16/fp16 runs: the plain nn.Linear embedders and final layer too (as megatron's Float16Module
+        # does), so no fp32 activation meets a low-precision weight; fp32 runs are unchanged.
+        chunk, tconfig = build_model_chunk(
+            cfg.model,
+            cfg.mixed_precision.precision,
+            cfg.rng.seed,
+            vp_stage,
+            layout,
+            device,
+            params_dtype_everywhere=True,
+        )
+        chunks.append(chunk)
     wrapped = [
         DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
@@ -51,6 +58,25 @@ def build_model(cfg: ConfigContainer, layout: ParallelLayout, device: torch.devi
     for chunk in wrapped:
         chunk.broadcast_params()
     return wrapped, tconfig
+
+
+def vp_stages(layout: ParallelLayout) -> list[int | None]:
+    return list(range(layout.chunks_per_stage)) if layout.chunks_per_stage > 1 else [None]
+
+
+def fully_sharded_chunks(cfg: ConfigContainer, layout: ParallelLayout, ddp_config, device: torch.device):
+    """Meta chunks handed to Megatron-FSDP, which allocates this rank's shards (and, one FSDP unit at
+    a time, the gathered weights: as in every forward), then this rank's rows are drawn into them."""
+    chunks, tconfig = [], None
+    for index, vp_stage in enumerate(vp_stages(layout)):
+        meta, tconfig = build_meta_chunk(
+            cfg.model, cfg.mixed_precision.precision, vp_stage, layout, params_dtype_everywhere=True, device=device
+        )
+        tconfig.init_model_with_meta_device = True
+        chunk = fully_sharded(defer_to_fsdp(meta), tconfig, ddp_config, device, index > 0)
+        init_fsdp_shards(chunk, cfg.rng.seed, meta.global_param_name, cfg.model.init_method_std)
+        chunks.append(chunk)
+    return chunks, tconfig
 
 
 def megatron_ddp_config(cfg: ConfigContainer, device: torch.device) -> DistributedDataParallelConfig:

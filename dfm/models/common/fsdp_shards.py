@@ -64,6 +64,15 @@ def rows_of_this_rank(shard: DTensor, full: Tensor) -> Tensor:
     return full[start : start + counts[rank]]
 
 
+def row_range(shard: DTensor) -> range:
+    """This DP rank's rows of the TP-local parameter (collective over its DP group)."""
+    group, counts = _dp_group_and_rows(shard)
+    if group is None:
+        return range(counts[0])
+    start = sum(counts[: torch.distributed.get_rank(group)])
+    return range(start, start + shard.to_local().shape[0])
+
+
 TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 
