@@ -54,14 +54,14 @@ def tp_local_shape(shard: DTensor) -> torch.Size:
     return torch.Size(shape)
 
 
-def rows_of_this_rank(shard: DTensor, full: Tensor) -> Tensor:
-    """This DP rank's rows of ``full`` ``[rows, ...]``, shaped like the shard's local tensor."""
+def row_range(shard: DTensor) -> tuple[int, int, bool]:
+    """(first row, row count) of this DP rank's rows of the TP-local parameter, and whether the shard
+    is replicated over DP instead (then every rank holds all rows). Collective over its DP group."""
     group, counts = _dp_group_and_rows(shard)
     if group is None:
-        return full
+        return 0, counts[0], True
     rank = torch.distributed.get_rank(group)
-    start = sum(counts[:rank])
-    return full[start : start + counts[rank]]
+    return sum(counts[:rank]), counts[rank], False
 
 
 TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
