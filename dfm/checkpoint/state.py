@@ -182,9 +182,10 @@ def _fsdp_state(model, optimizer, is_loading: bool, ema) -> CheckpointState:
     ]
     state: dict[str, Any] = {}
     if not is_loading:
-        for index, chunk_owned in enumerate(owned):
+        for index, (chunk_owned, chunk_templates) in enumerate(zip(owned, templates)):
             pieces = {name: part.piece.sharded(part.key, part.weight) for name, part in chunk_owned.items()}
-            state[f"model{index}"] = without_empty(pieces)
+            others = {name: value for name, value in chunk_templates.items() if name not in chunk_owned}
+            state[f"model{index}"] = {**others, **without_empty(pieces)}  # others: extra states, as they are
     if ema is not None:
         state.update(ema.sharded_pieces(owned))
     param_state = {part.key: without_empty(part.optimizer_sharded()) for parts in owned for part in parts.values()}
