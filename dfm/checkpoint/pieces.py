@@ -160,7 +160,7 @@ class Owned:
     model's dtype) and the optimizer's flat tensors of the same elements (``STATE_NAMES``)."""
 
     piece: Piece
-    weight: torch.Tensor | None  # None when loading: the model is restored from the optimizer's tensors
+    weight: torch.Tensor | None  # unused to load (FSDP: None): the model comes whole or from the main weights
     states: dict[str, torch.Tensor]
 
     @property

@@ -1,4 +1,5 @@
-"""Megatron-FSDP's parameter shards, gathered to full tensors and scattered back.
+"""Megatron-FSDP's parameter shards: where a rank's rows lie, and (for tests' full-weight dumps)
+gathered to full tensors.
 
 Between optimizer steps a Megatron-FSDP model's parameters are DTensors over its fp32 main
 weights: each data-parallel rank holds whole rows ``[rows_r, ...]`` of every (TP-local) parameter
