@@ -79,3 +79,18 @@ def test_strided_shards_land_at_their_global_places(tmp_path, one_process):
     save(state, tmp_path / "ckpt")
     request = strided_factory(ShardedTensor.from_rank_offsets("p", torch.zeros(3, 8), (1, 0, 1)), dim=1, stride=2)
     assert torch.equal(dist_checkpointing.load({"p": request}, str(tmp_path / "ckpt"))["p"], local)
+
+
+def test_pieces_share_the_rank_memory_so_a_save_copies_nothing():
+    """megatron's writer copies a host tensor whose storage is larger than itself (any view): the
+    pieces of a parameter buffer must own exactly their bytes while sharing the buffer's memory."""
+    buffer = torch.randn(100)
+    flat = buffer[10:70]  # a rank's range of a parameter inside its bucket
+    template = whole("w", torch.empty(6, 10))
+    sharded = Piece(template, (6, 10), 3, 60 - 3, 0).sharded("w", flat[3:])
+    assert len(sharded) == 2  # the rest of row 0, rows 1-5
+    for part in sharded:
+        assert part.data.untyped_storage().nbytes() == part.data.numel() * part.data.element_size()
+    assert sharded[0].data.data_ptr() == flat[3:].data_ptr()
+    flat.zero_()
+    assert all(not part.data.any() for part in sharded)
