@@ -7,15 +7,20 @@ from pathlib import Path
 
 from megatron.core import dist_checkpointing
 
-from dfm.checkpoint import fsdp_state
 from dfm.checkpoint.compare import model_differences
 from dfm.checkpoint.errors import CheckpointError
 from dfm.checkpoint.progress import StageProgress
 from dfm.checkpoint.run_settings import compare_run_settings, data_kind, restore_schedule
 from dfm.checkpoint.select import choose_checkpoint
-from dfm.checkpoint.state import WEIGHTS_ONLY, full_sharded_state_dict, layout, restore_ema, set_rng_state
+from dfm.checkpoint.state import (
+    WEIGHTS_ONLY,
+    full_sharded_state_dict,
+    layout,
+    restore_ema,
+    restore_model_and_optimizer,
+    set_rng_state,
+)
 from dfm.config.container import ConfigContainer, ModelConfig
-from dfm.models.common.fsdp_shards import install_main_weights
 from dfm.platform.compat.checkpointing import ensure_adam_state, unshare_adam_steps
 
 logger = logging.getLogger("dfm.checkpoint")
@@ -56,26 +61,16 @@ def load_checkpoint(
         same_dp = common.get("layout", {}).get("dp") == layout(model)["dp"]
         ema_saved = ema if common.get("has_ema") else None
         keep_data = same_dp and resume.data_position
-        state = full_sharded_state_dict(
+        checkpoint = full_sharded_state_dict(
             model, optimizer, loader, is_loading=True, with_rng=same_layout, with_data=keep_data, ema=ema_saved
         )
         progress.advance()
-        loaded = dist_checkpointing.load(state, str(directory))
+        loaded = dist_checkpointing.load(checkpoint.state, str(directory))
         progress.advance()
-        fsdp = fsdp_state.is_fsdp(model[0])
-        for index, chunk in enumerate(model):
-            if fsdp:
-                fsdp_state.load_model(chunk, loaded[f"model{index}"])
-            else:
-                chunk.module.load_state_dict(loaded[f"model{index}"], strict=True)
+        restore_model_and_optimizer(checkpoint, model, optimizer, loaded)
         progress.advance()
-        if fsdp:
-            fsdp_state.load_optimizer(model, optimizer, loaded["optimizer"])
-            install_main_weights(model)
-        else:
-            optimizer.load_state_dict(loaded["optimizer"])
         unshare_adam_steps(optimizer)
-        restore_ema(ema, loaded if ema_saved is not None else None, model, directory)
+        restore_ema(ema, loaded if ema_saved is not None else None, model, directory, checkpoint)
         restore_schedule(scheduler, optimizer, loaded["scheduler"], resume)
         progress.advance()
         if same_layout:

@@ -62,7 +62,7 @@ def save_checkpoint(
         remove_partial(target)  # a leftover of an interrupted save of this same iteration
         target.mkdir(parents=True)
     barrier()
-    state = full_sharded_state_dict(model, optimizer, loader, is_loading=False, ema=ema)
+    state = full_sharded_state_dict(model, optimizer, loader, is_loading=False, ema=ema).state
     state.update(
         iteration=iteration,
         scheduler=scheduler.state_dict(),

@@ -19,7 +19,9 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.transformer.utils import sharded_state_dict_default
 
-from dfm.checkpoint import fsdp_state
+from dfm.checkpoint import distopt_state, fsdp_state
+from dfm.checkpoint.pieces import without_empty
+from dfm.models.common.fsdp_shards import install_main_weights
 from dfm.models.common.param_names import global_layer_prefix
 from dfm.parallel.layout import layout_of
 
@@ -92,28 +94,36 @@ def layout(model) -> dict[str, int]:
     return layout_of(model[0].config).fingerprint()
 
 
+@dataclasses.dataclass
+class CheckpointState:
+    """A run's sharded state dict and, per chunk, what this rank holds of each parameter (its piece of
+    the model weight, main weight and moments: ``dfm.checkpoint.pieces``) for the loader to install."""
+
+    state: dict[str, Any]
+    owned: list  # FSDP: per chunk {name: Owned}; distributed optimizer: per optimizer [(param, Owned)]
+    fsdp: bool
+
+
 def full_sharded_state_dict(
     model, optimizer, loader, is_loading: bool, with_rng: bool = True, with_data: bool = True, ema=None
-) -> dict[str, Any]:
-    """Everything sharded: model chunks (+ their EMA), optimizer, per-rank RNG and per-DP-rank data position."""
-    state: dict[str, Any] = {}
-    model_state: dict[str, Any] = {}
-    chunk_states = [_chunk_state(chunk, is_loading) for chunk in model]
-    for index, chunk_state in enumerate(chunk_states):
-        state[f"model{index}"] = chunk_state
-        model_state.update({f"{index}.{k}": v for k, v in chunk_state.items()})
-    if ema is not None:
-        state.update(ema.sharded_state_dict(chunk_states))
-    # Fully reshardable: optimizer state in model space, loadable into any TP/PP/DP layout. The
-    # memory-efficient variant gathers over gloo groups on the host, the same on CPU and GPU.
-    metadata = {
-        "distrib_optim_sharding_type": "fully_reshardable",
-        "distrib_optim_fully_reshardable_mem_efficient": True,
-    }
+) -> CheckpointState:
+    """Everything sharded: model chunks (+ their EMA), optimizer, per-rank RNG and per-DP-rank data position.
+
+    Under Megatron-FSDP and the distributed optimizer every rank writes only what it holds (its
+    pieces); a load reads only those too, except a distributed-optimizer rank's model weights,
+    which it holds whole (TP-local) anyway.
+    """
     if fsdp_state.is_fsdp(model[0]):
-        state["optimizer"] = fsdp_state.optimizer_state(model, optimizer, chunk_states, is_loading)
-    else:
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)
+        checkpoint = _fsdp_state(model, optimizer, is_loading, ema)
+    elif distopt_state.is_distributed(optimizer):
+        checkpoint = _distributed_optimizer_state(model, optimizer, is_loading, ema)
+    else:  # every rank holds the whole (TP-local) optimizer state: megatron's own format
+        chunk_states = [model_sharded_state_dict(chunk.module) for chunk in model]
+        state = _model_and_ema(chunk_states, ema)
+        model_state = {f"{i}.{k}": v for i, chunk_state in enumerate(chunk_states) for k, v in chunk_state.items()}
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+        checkpoint = CheckpointState(state, [], fsdp=False)
+    state = checkpoint.state
     if with_rng:  # per rank: only meaningful in the same layout
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         state["rng"] = _rank_object("rng_state", rng_state(), rank, world)
@@ -125,13 +135,66 @@ def full_sharded_state_dict(
             parallel_state.get_context_parallel_rank(),
         )
         state["data"] = _rank_object("data_loader_state", loader.state_dict(), dp_rank, dp, replica)
+    return checkpoint
+
+
+def _model_and_ema(chunk_states: list[dict[str, Any]], ema) -> dict[str, Any]:
+    state = {f"model{index}": chunk_state for index, chunk_state in enumerate(chunk_states)}
+    if ema is not None:
+        state.update(ema.sharded_state_dict(chunk_states))
     return state
 
 
-def _chunk_state(chunk, is_loading: bool) -> dict[str, Any]:
-    if fsdp_state.is_fsdp(chunk):
-        return fsdp_state.model_state(chunk, model_sharded_state_dict, is_loading)
-    return model_sharded_state_dict(chunk.module)
+def _distributed_optimizer_state(model, optimizer, is_loading: bool, ema) -> CheckpointState:
+    """Model weights: each rank's pieces to save; to load, the whole TP-local tensors it holds."""
+    chunk_states = [model_sharded_state_dict(chunk.module) for chunk in model]
+    parts = distopt_state.owned(optimizer, chunk_states)
+    state = _model_and_ema(chunk_states, ema)
+    if not is_loading:
+        pieces = {id(param): part for inner_parts in parts for param, part in inner_parts}
+        in_buffers = distopt_state.in_buffers(optimizer)
+        for index, chunk in enumerate(model):
+            state[f"model{index}"] = _model_pieces(chunk, chunk_states[index], pieces, in_buffers)
+    state["optimizer"] = distopt_state.optimizer_state(optimizer, parts, is_loading)
+    return CheckpointState(state, parts, fsdp=False)
+
+
+def _model_pieces(chunk, chunk_state: dict[str, Any], pieces: dict, in_buffers: set[int]) -> dict[str, Any]:
+    """A DDP chunk's model tensors as this rank's pieces of them. A parameter no optimizer updates
+    (frozen) and a non-parameter entry are written whole, by their main replica."""
+    params = dict(chunk.module.named_parameters())
+    result = {}
+    for name, sharded in chunk_state.items():
+        param = params.get(name)
+        if param is not None and id(param) in pieces:
+            result[name] = pieces[id(param)].piece.sharded(sharded.key, pieces[id(param)].weight) or None
+        elif param is None or id(param) not in in_buffers:
+            result[name] = sharded
+    return {name: value for name, value in result.items() if value is not None}
+
+
+def _fsdp_state(model, optimizer, is_loading: bool, ema) -> CheckpointState:
+    """Model weights: each rank's rows to save; not read to load (the main weights restore them)."""
+    templates = [fsdp_state.model_templates(chunk, model_sharded_state_dict) for chunk in model]
+    owned = [
+        fsdp_state.owned(chunk, optimizer, chunk_templates, is_loading)
+        for chunk, chunk_templates in zip(model, templates)
+    ]
+    state: dict[str, Any] = {}
+    if not is_loading:
+        for index, (chunk_owned, chunk_templates) in enumerate(zip(owned, templates)):
+            pieces = {name: part.piece.sharded(part.key, part.weight) for name, part in chunk_owned.items()}
+            others = {name: value for name, value in chunk_templates.items() if name not in chunk_owned}
+            state[f"model{index}"] = {**others, **without_empty(pieces)}  # others: extra states, as they are
+    if ema is not None:
+        state.update(ema.sharded_pieces(owned))
+    param_state = {part.key: without_empty(part.optimizer_sharded()) for parts in owned for part in parts.values()}
+    state["optimizer"] = {
+        **optimizer.state_dict(),
+        "param_state": without_empty(param_state),
+        "param_state_sharding_type": distopt_state.SHARDING_TYPE,
+    }
+    return CheckpointState(state, owned, fsdp=True)
 
 
 def with_weights(model_state: dict[str, Any], weights: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -143,12 +206,26 @@ def with_weights(model_state: dict[str, Any], weights: dict[str, torch.Tensor]) 
     }
 
 
-def restore_ema(ema, loaded: dict | None, model, directory: Path) -> None:
+def restore_model_and_optimizer(checkpoint: CheckpointState, model, optimizer, loaded: dict[str, Any]) -> None:
+    """Install what ``dist_checkpointing.load`` returned for ``checkpoint.state``."""
+    if checkpoint.fsdp:  # the model's weights are its main weights
+        fsdp_state.load_optimizer(model, optimizer, checkpoint.owned, loaded["optimizer"])
+        install_main_weights(model)
+        return
+    for index, chunk in enumerate(model):
+        chunk.module.load_state_dict(loaded[f"model{index}"], strict=True)
+    if checkpoint.owned:
+        distopt_state.load_optimizer(optimizer, checkpoint.owned, loaded["optimizer"])
+    else:
+        optimizer.load_state_dict(loaded["optimizer"])
+
+
+def restore_ema(ema, loaded: dict | None, model, directory: Path, checkpoint: CheckpointState | None = None) -> None:
     """EMA from the checkpoint; a run that turns EMA on mid-way starts it from the loaded weights."""
     if ema is None:
         return
     if loaded is not None:
-        ema.load(loaded)
+        ema.load(loaded, checkpoint.owned if checkpoint is not None and checkpoint.fsdp else None)
         return
     logger.warning("checkpoint %s has no EMA weights: EMA starts from the loaded model weights", directory)
     ema.reset(model)

@@ -15,14 +15,9 @@ from typing import Any
 import torch
 from megatron.core.utils import to_local_if_dtensor
 
+from dfm.checkpoint.pieces import Owned, without_empty
 from dfm.checkpoint.state import with_weights
-from dfm.models.common.fsdp_shards import (
-    gather_rows,
-    install_main_weights,
-    is_fsdp_shard,
-    named_parameters,
-    rows_of_this_rank,
-)
+from dfm.models.common.fsdp_shards import install_main_weights, named_parameters
 
 
 class WeightEMA:
@@ -37,8 +32,8 @@ class WeightEMA:
 
     def reset(self, model: list) -> None:
         """Start the average at the model's current weights."""
-        self.shards = [dict(named_parameters(chunk)) for chunk in model]  # Megatron-FSDP: rows per DP rank
-        self.shadow = [{name: _local(p).float().clone() for name, p in shards.items()} for shards in self.shards]
+        # Megatron-FSDP: this rank's rows of each parameter, like its main weights.
+        self.shadow = [{name: _local(p).float().clone() for name, p in named_parameters(chunk)} for chunk in model]
 
     @torch.no_grad()
     def update(self, model: list) -> None:
@@ -47,16 +42,29 @@ class WeightEMA:
                 shadow[name].lerp_(_local(param).float(), 1.0 - self.decay)
 
     def sharded_state_dict(self, model_states: list[dict[str, Any]]) -> dict[str, Any]:
-        """The model chunks' sharded state dicts with the EMA tensors in place of the weights."""
+        """DDP chunks: their sharded state dicts with the EMA tensors in place of the weights."""
         return {
-            f"ema{i}": with_weights(state, {name: full_tensor_of(shards[name], t) for name, t in shadow.items()})
-            for i, (shadow, shards, state) in enumerate(zip(self.shadow, self.shards, model_states))
+            f"ema{i}": with_weights(state, shadow) for i, (shadow, state) in enumerate(zip(self.shadow, model_states))
         }
 
-    def load(self, loaded: dict[str, Any]) -> None:
-        for index, (shadow, shards) in enumerate(zip(self.shadow, self.shards)):
+    def sharded_pieces(self, owned: list[dict[str, Owned]]) -> dict[str, Any]:
+        """Megatron-FSDP chunks: this rank's rows of the EMA (rows like the main weights' ``owned``)."""
+        return {
+            f"ema{i}": without_empty(
+                {name: part.piece.sharded(f"ema.{part.key}", shadow[name].view(-1)) for name, part in parts.items()}
+            )
+            for i, (shadow, parts) in enumerate(zip(self.shadow, owned))
+        }
+
+    @torch.no_grad()
+    def load(self, loaded: dict[str, Any], owned: list[dict[str, Owned]] | None = None) -> None:
+        """From ``sharded_state_dict`` (DDP) or ``sharded_pieces(owned)`` (Megatron-FSDP) as loaded."""
+        for index, shadow in enumerate(self.shadow):
             for name, tensor in loaded[f"ema{index}"].items():
-                shadow[name].copy_(local_rows_of(shards[name], tensor).reshape(shadow[name].shape))
+                if owned is None:
+                    shadow[name].copy_(tensor)
+                else:
+                    owned[index][name].piece.fill(shadow[name].view(-1), tensor)
 
     @contextlib.contextmanager
     def swapped_in(self, model: list) -> Iterator[None]:
@@ -75,15 +83,6 @@ def copy_into(model: list, weights: list[dict[str, torch.Tensor]]) -> None:
         for name, param in named_parameters(chunk):
             _local(param).copy_(chunk_weights[name])
     install_main_weights(model)
-
-
-def full_tensor_of(param, local: torch.Tensor) -> torch.Tensor:
-    """``local`` sharded like ``param``: its TP-local full tensor (gathered over DP under Megatron-FSDP)."""
-    return gather_rows(param, local) if is_fsdp_shard(param) else local
-
-
-def local_rows_of(param, full: torch.Tensor) -> torch.Tensor:
-    return rows_of_this_rank(param, full) if is_fsdp_shard(param) else full
 
 
 def _local(param) -> torch.Tensor:

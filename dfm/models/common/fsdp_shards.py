@@ -1,4 +1,5 @@
-"""Megatron-FSDP's parameter shards, gathered to full tensors and scattered back.
+"""Megatron-FSDP's parameter shards: where a rank's rows lie, and (for tests' full-weight dumps)
+gathered to full tensors.
 
 Between optimizer steps a Megatron-FSDP model's parameters are DTensors over its fp32 main
 weights: each data-parallel rank holds whole rows ``[rows_r, ...]`` of every (TP-local) parameter
@@ -54,23 +55,14 @@ def tp_local_shape(shard: DTensor) -> torch.Size:
     return torch.Size(shape)
 
 
-def rows_of_this_rank(shard: DTensor, full: Tensor) -> Tensor:
-    """This DP rank's rows of ``full`` ``[rows, ...]``, shaped like the shard's local tensor."""
+def row_range(shard: DTensor) -> tuple[int, int, bool]:
+    """(first row, row count) of this DP rank's rows of the TP-local parameter, and whether the shard
+    is replicated over DP instead (then every rank holds all rows). Collective over its DP group."""
     group, counts = _dp_group_and_rows(shard)
     if group is None:
-        return full
+        return 0, counts[0], True
     rank = torch.distributed.get_rank(group)
-    start = sum(counts[:rank])
-    return full[start : start + counts[rank]]
-
-
-def row_range(shard: DTensor) -> range:
-    """This DP rank's rows of the TP-local parameter (collective over its DP group)."""
-    group, counts = _dp_group_and_rows(shard)
-    if group is None:
-        return range(counts[0])
-    start = sum(counts[: torch.distributed.get_rank(group)])
-    return range(start, start + shard.to_local().shape[0])
+    return sum(counts[:rank]), counts[rank], False
 
 
 TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")

@@ -79,7 +79,8 @@ def init_fsdp_shards(chunk, seed: int, global_name: Callable[[str], str], std: f
     for name, shard in named_parameters(chunk):
         model_param, local = shard.orig_param, shard.to_local()
         assert list(tp_local_shape(shard)) == list(model_param.shape), name
-        rows = row_range(shard)  # collective: before skipping a rank that holds no rows
+        first, count, _ = row_range(shard)  # collective: before skipping a rank that holds no rows
+        rows = range(first, first + count)
         if local.numel() == 0:
             continue
         declared = getattr(model_param, DECLARED_INIT, None)
