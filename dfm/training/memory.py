@@ -17,6 +17,7 @@ gathers for its forward / backward are not in these figures.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ SHARDED = {
     "optim_grads_params": (True, True, True),
 }
 MOMENT_BYTES = {"adam": 8, "sgd": 4}  # fp32 exp_avg + exp_avg_sq; fp32 momentum
+STATE_LOG_KEY = "state bytes per rank:"
 
 
 @dataclass(frozen=True)
@@ -165,3 +167,5 @@ def log_memory(cfg, layout, model, optimizer) -> None:
         "\n  ".join(lines),
         formula.describe(),
     )
+    # One machine-readable line (benchmarks.memory_phases reads it).
+    logger.info("%s %s", STATE_LOG_KEY, json.dumps([held.total for held, _ in counts]))
