@@ -69,9 +69,10 @@ def import_baseline() -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def case_overrides(kind: str, save_dir: Path | None, model: list[str], log_dir: Path) -> list[str]:
+def case_overrides(dp: int, kind: str, save_dir: Path | None, model: list[str], log_dir: Path) -> list[str]:
     save = [f"checkpoint.save={save_dir}", "checkpoint.save_interval=2"] if save_dir else []
-    return [*model, *KINDS[kind], "train.train_iters=2", f"logger.log_dir={log_dir}", *save]
+    steps = ["train.train_iters=2", f"train.global_batch_size={dp}"]  # one pack per rank per step
+    return [*model, *KINDS[kind], *steps, f"logger.log_dir={log_dir}", *save]
 
 
 def run_case(nproc: int, overrides: list[str], config: Path = TINY_YAML, timeout: int = 600) -> tuple[str, list[dict]]:
@@ -104,7 +105,7 @@ def peaks_of(records: list[dict], baseline: int) -> dict[int, int]:
 def measure(nproc: int, kind: str, save: bool, baseline: int, model: list[str] = MODEL) -> Peaks:
     with tempfile.TemporaryDirectory() as tmp:
         save_dir = Path(tmp) / "ckpt" if save else None
-        log, records = run_case(nproc, case_overrides(kind, save_dir, model, Path(tmp) / "logs"))
+        log, records = run_case(nproc, case_overrides(nproc, kind, save_dir, model, Path(tmp) / "logs"))
     return Peaks(peaks_of(records, baseline), parse_states(log))
 
 
@@ -122,7 +123,7 @@ def fsdp_ratio_line(by_dp: dict[int, Peaks]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
+    parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=["fsdp", "distributed_optimizer"])
     args = parser.parse_args(argv)
     baseline = import_baseline()
     print(f"import-only process: {baseline / 2**30:.2f} GiB RSS", flush=True)

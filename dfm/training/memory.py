@@ -169,3 +169,6 @@ def log_memory(cfg, layout, model, optimizer) -> None:
     )
     # One machine-readable line (benchmarks.memory_phases reads it).
     logger.info("%s %s", STATE_LOG_KEY, json.dumps([held.total for held, _ in counts]))
+    from dfm.training.memory_plan import log_plan  # it builds on this module
+
+    log_plan(cfg, layout, counts[0][1], next(model[0].parameters()).device)

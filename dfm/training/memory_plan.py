@@ -23,7 +23,10 @@ text and image tokens alike, and its single-stream blocks their concatenation: b
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+import torch
 
 from dfm.checkpoint.files import format_bytes
 from dfm.training.memory import RankBytes, bytes_per_parameter, formula_bytes, layout_name
@@ -31,6 +34,7 @@ from dfm.training.memory import RankBytes, bytes_per_parameter, formula_bytes, l
 BUILD_CHUNK = 256 * 2**20  # the meta-device build's largest materialised chunk
 IO_BUFFER = 256 * 2**20  # one bounded staging / read buffer of the sharded save and load
 RECOMPUTE_TOKEN_H = 2.0  # a recomputed layer keeps its bf16 input
+logger = logging.getLogger("dfm.train")
 DEVICE_RESERVE = 0.10  # CUDA context, NCCL buffers and allocator fragmentation: a fit leaves 10% free
 
 
@@ -173,3 +177,35 @@ def describe(plan: PhasePlan, device_bytes: int | None) -> list[str]:
             f"(keeping {DEVICE_RESERVE:.0%} free)"
         )
     return lines
+
+
+def config_plan(cfg, layout, share: int, samples_per_pack: int = 1) -> PhasePlan:
+    """The plan of the first pipeline stage's ranks (they hold the most micro-batches in flight)."""
+    from dfm.config.validate import micro_batches_per_step
+
+    tokens, text_tokens = tokens_per_rank(cfg, layout, samples_per_pack)
+    in_flight = pipeline_in_flight(layout, micro_batches_per_step(cfg.train, layout))
+    return rank_plan(cfg, layout, share, tokens, text_tokens, in_flight)
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Total memory of a CUDA device; None where it is not known (the CPU)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def log_plan(cfg, layout, share: int, device: torch.device) -> None:
+    """Start-up log: the plan's phases for this rank's share; a warning before the first step when
+    the device memory is known and the plan does not fit it."""
+    plan = config_plan(cfg, layout, share)
+    total = device_memory(device)
+    logger.info("memory plan per rank (first pipeline stage):\n  %s", "\n  ".join(describe(plan, total)))
+    if total is not None and not plan.fits(total):
+        logger.warning(
+            "the memory plan's peak %s does not fit this device's %s: expect out-of-memory; shard more "
+            "(ddp.data_parallel_sharding_strategy=optim_grads_params, more DP / TP / CP) or recompute "
+            "(model.recompute_granularity=full)",
+            format_bytes(plan.peak()),
+            format_bytes(total),
+        )
