@@ -98,16 +98,41 @@ def format_rows(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def unchecked_config(recipe: str | None, config_file: str | None, overrides: list[str]):
+    """``build_config`` without its layout rules (a refused config can still be planned)."""
+    from dfm.config.container import ConfigContainer
+    from dfm.config.loader import RECIPE_KEY, apply_mapping, apply_overrides, load_yaml_file
+    from dfm.config.recipes import get_recipe
+
+    values = load_yaml_file(config_file) if config_file else {}
+    base = recipe or values.pop(RECIPE_KEY, None)
+    cfg = get_recipe(base) if base else ConfigContainer()
+    apply_mapping(cfg, values)
+    apply_overrides(cfg, overrides)
+    return cfg
+
+
 def config_plan_lines(
-    config_file: str, overrides: list[str], world_size: int, device_gib: float | None, samples_per_pack: int = 1
+    config_file: str | None,
+    overrides: list[str],
+    world_size: int,
+    device_gib: float | None,
+    samples_per_pack: int = 1,
+    recipe: str | None = None,
 ) -> list[str]:
     """The plan of ``config_file`` + ``overrides`` on ``world_size`` ranks, as printed lines."""
     from dfm.config.loader import build_config
+    from dfm.errors import ConfigError
     from dfm.parallel.layout import ParallelLayout
     from dfm.training.memory_plan import config_plan, describe
     from dfm.training.pretrain import finalize_defaults
 
-    cfg = build_config(None, config_file, overrides, world_size)
+    notes = []
+    try:
+        cfg = build_config(recipe, config_file, overrides, world_size)
+    except ConfigError as refusal:  # still worth planning (a refusal being lifted); say so first
+        notes.append(f"note: the trainer refuses this config on this version: {refusal}")
+        cfg = unchecked_config(recipe, config_file, overrides)
     layout = ParallelLayout.from_config(cfg.model, world_size)
     finalize_defaults(cfg, layout)
     total = sum(torch.Size(s).numel() for s in model_shapes(cfg.model))
@@ -115,10 +140,10 @@ def config_plan_lines(
     plan = config_plan(cfg, layout, share, samples_per_pack)
     device = int(device_gib * GIB) if device_gib else None
     head = (
-        f"{config_file}: {total:,d} parameters on {world_size} ranks (TP {layout.tp}, PP {layout.pp}, "
+        f"{config_file or recipe}: {total:,d} parameters on {world_size} ranks (TP {layout.tp}, PP {layout.pp}, "
         f"CP {layout.cp}, DP {layout.dp}), {share:,d} per rank before data-parallel sharding; per rank:"
     )
-    return [head, *("  " + line for line in describe(plan, device))]
+    return [*notes, head, *("  " + line for line in describe(plan, device))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,16 +152,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--config", help="a training config: print its memory plan per rank and phase")
+    parser.add_argument("--recipe", help="a recipe (preset) to plan, as --config (the config file's base)")
     parser.add_argument("--world-size", type=int, help="ranks the config runs on (with --config)")
     parser.add_argument("--device-gib", type=float, help="device memory per rank, GiB: does the plan fit?")
     parser.add_argument("--samples-per-pack", type=int, default=1, help="text: max_text_len tokens per sample")
     args, overrides = parser.parse_known_args(argv)
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
-    if args.config:
+    if args.config or args.recipe:
         if not args.world_size:
-            parser.error("--config needs --world-size")
-        lines = config_plan_lines(args.config, overrides, args.world_size, args.device_gib, args.samples_per_pack)
+            parser.error("--config / --recipe need --world-size")
+        lines = config_plan_lines(
+            args.config, overrides, args.world_size, args.device_gib, args.samples_per_pack, args.recipe
+        )
         print("\n".join(lines))
         return
     if overrides:
