@@ -103,3 +103,27 @@ def test_recompute_keeps_each_layer_input(size):
     measured, tokens, text_tokens = measure(cfg, video)
     predicted = activation_bytes(cfg, tokens, text_tokens).saved
     assert abs(predicted / measured - 1) < 0.15, f"{size}: formula {predicted:.0f}, measured {measured}"
+
+
+def test_28b_64k_recipe_fits_80gb():
+    from benchmarks.memory import config_plan_lines
+
+    recipe = "examples/megatron/recipes/dit/conf/dit_28b_64k.yaml"
+    lines = config_plan_lines(recipe, [], world_size=64, device_gib=74.5)  # 80 GB
+    assert "(TP 1, PP 1, CP 2, DP 32)" in lines[0] and "27,726,500,416 parameters" in lines[0], lines
+    assert lines[-1].strip().endswith("fits 74.5 GiB per device (keeping 10% free)"), lines
+
+
+def test_start_up_log_warns_before_the_first_step_when_the_plan_does_not_fit(monkeypatch, caplog):
+    from dfm.config.container import ConfigContainer
+    from dfm.parallel.layout import ParallelLayout
+    from dfm.training import memory_plan
+
+    cfg = ConfigContainer()
+    cfg.train.global_batch_size = 1
+    layout = ParallelLayout.from_config(cfg.model, 1)
+    monkeypatch.setattr(memory_plan, "device_memory", lambda device: 2**30)  # a 1 GiB "GPU"
+    with caplog.at_level("INFO", logger="dfm.train"):
+        memory_plan.log_plan(cfg, layout, share=100_000_000, device=torch.device("cpu"))
+    assert "memory plan per rank" in caplog.text and "DOES NOT FIT 1.0 GiB" in caplog.text
+    assert any(r.levelname == "WARNING" and "does not fit this device" in r.message for r in caplog.records)
