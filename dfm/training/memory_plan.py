@@ -99,10 +99,13 @@ def activation_bytes(model_cfg, tokens: int, text_tokens: int, in_flight: int = 
     h = model_cfg.hidden_size
     joint = tokens + text_tokens if model_cfg.architecture == "flux" else tokens
     n_recomputed = recomputed_layers(model_cfg, len(layers))
-    kept = sum(layers[n_recomputed:]) + n_recomputed * joint * RECOMPUTE_TOKEN_H * h
-    outside = tokens * c.outside_token_h * h + text_tokens * c.outside_text_h * h
     chunk = (model_cfg.recompute_num_layers or 1) if n_recomputed else 0
-    working = max(layers[:chunk], default=0.0) * chunk
+    # uniform: one kept input per chunk of ``chunk`` blocks; block: each of the first blocks alone.
+    inputs = -(-n_recomputed // chunk) if n_recomputed and model_cfg.recompute_method != "block" else n_recomputed
+    kept = sum(layers[n_recomputed:]) + inputs * joint * RECOMPUTE_TOKEN_H * h
+    outside = tokens * c.outside_token_h * h + text_tokens * c.outside_text_h * h
+    # The backward recomputes one checkpointed chunk at a time (block: one block).
+    working = max(layers[:chunk], default=0.0) * (1 if model_cfg.recompute_method == "block" else chunk)
     return Activations(saved=in_flight * (kept + outside), working=working)
 
 
