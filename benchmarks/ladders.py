@@ -46,6 +46,15 @@ def data(seq_length: int, images: list, videos: list, image_fraction: float, pac
 
 BF16 = ["mixed_precision.precision=bf16"]
 LATENT = ["model.in_channels=4", "model.text_embed_dim=4096", "dataset.mock_text_len_range=[64,128]"]
+# The DiT-7B preset's block (NeMo's DiT7BConfig): low-rank adaLN, 1024-wide text context, RMSNorm, no
+# linear biases, q/k norm. The plain-PyTorch reference has none of these, so its rungs time dfm alone.
+DIT_7B_BLOCK = [
+    "model.adaln_lora_dim=256",
+    "model.cross_attention_dim=1024",
+    "model.normalization=rmsnorm",
+    "model.add_bias_linear=false",
+    "model.qk_layernorm=true",
+]
 # DiT-XL/2 as in the paper: 28 layers, hidden 1152, 16 heads, 32x32x4 latents (256 tokens).
 XL2 = model(1152, 16, 28, "dit_adaln") + ["model.in_channels=4"]
 
@@ -112,7 +121,9 @@ def gpu_ladder() -> list[Rung]:
         Rung("cross-4k-video-fixed", cross + data(16384, [], [[4, 64, 64]], 0.0, packs_per_step=2), reference=False),
     ]
     return [
+        # h4096 rungs: the DiT-12B block (full adaLN, hidden-wide context); dit7b: DiT-7B's, 6 of its 28 layers.
         Rung("h4096-8k-L8", model(4096, 32, 8) + h4096 + one_8k_video),
+        Rung("dit7b-8k-L6", model(4096, 32, 6) + DIT_7B_BLOCK + h4096 + one_8k_video, reference=False),
         Rung("h4096-8k-L6", model(4096, 32, 6) + h4096 + one_8k_video),
         Rung("xl2-256-img", xl2),
         Rung("cross-1k-img-fixed", cross + fixed_1k),

@@ -42,6 +42,14 @@ class ModelConfig:
     max_text_len: int = 512
     qk_layernorm: bool = False
     layernorm_epsilon: float = 1e-6
+    # DiT families (dit_adaln | dit_cross | stdit | moviegen): the blocks' affine-free norm (None: LayerNorm,
+    # RMSNorm for moviegen), biases on the transformer linears (moviegen never has them), a low-rank adaLN
+    # (h -> rank -> chunks x h, as Cosmos / NeMo's DiT-7B: None is the full h -> chunks x h projection) and
+    # the width of the text context the cross-attention's keys / values are projected from (None: hidden_size).
+    normalization: Literal["layernorm", "rmsnorm"] | None = None
+    add_bias_linear: bool = True
+    adaln_lora_dim: int | None = None
+    cross_attention_dim: int | None = None
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     pos_embedding: PosEmbedding = "rope3d"
@@ -75,6 +83,11 @@ class ModelConfig:
     guidance_embeds: bool = False
     guidance: float = 1.0
     rope_axes_dim: list[int] = field(default_factory=lambda: [16, 56, 56])
+
+    @property
+    def context_width(self) -> int:
+        """Width of the text context the cross-attention reads (``cross_attention_dim`` or the hidden size)."""
+        return self.cross_attention_dim or self.hidden_size
 
     @property
     def effective_ffn_hidden_size(self) -> int:

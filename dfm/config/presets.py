@@ -28,6 +28,7 @@ _VIDEO = dict(
     pos_embedding="rope3d",
     qk_layernorm=True,
 )
+_NEMO_VIDEO = dict(_VIDEO, cross_attention_dim=1024, normalization="rmsnorm", add_bias_linear=False, adaln_lora_dim=256)
 
 # What FLUX.1 and Wan 2.1 share: 16-channel VAE latents in 1x2x2 patches, 4096-wide (T5 / UMT5) text,
 # q/k RMSNorm, flow matching.
@@ -62,8 +63,15 @@ PRESETS = MappingProxyType(
         "DiT-B/2": _shape(12, 768, 12, **_DIT_IMAGENET),
         "DiT-L/2": _shape(24, 1024, 16, **_DIT_IMAGENET),
         "DiT-XL/2": _shape(28, 1152, 16, **_DIT_IMAGENET),
-        "DiT-7B": _shape(32, 4096, 32, architecture="dit_cross", **_VIDEO),
-        "DiT-28B": _shape(48, 6144, 48, architecture="dit_cross", **_VIDEO),
+        # NeMo's DiT7BConfig (Cosmos-1 7B): 28 x 4096, 32 heads, a 1024-wide text context, RMSNorm, no
+        # linear biases, per-head q/k norm, low-rank (256) adaLN. DiT-28B: the same block at 50 x 6144, 48
+        # heads, ~28B parameters and the 186 GFLOP per token at 8k that NeMo's 28B table row implies.
+        "DiT-7B": _shape(28, 4096, 32, architecture="dit_cross", **_NEMO_VIDEO),
+        "DiT-28B": _shape(50, 6144, 48, architecture="dit_cross", **_NEMO_VIDEO),
+        # Full-width adaLN and a hidden-wide text context: the shapes dfm called DiT-7B and DiT-28B
+        # before, named by their size.
+        "DiT-12B": _shape(32, 4096, 32, architecture="dit_cross", **_VIDEO),
+        "DiT-40B": _shape(48, 6144, 48, architecture="dit_cross", **_VIDEO),
         # Open-Sora 1.0 STDiT-XL/2: SD-VAE latents, T5 captions of 120 tokens, sin-cos positions.
         "STDiT-XL/2": _shape(
             28,

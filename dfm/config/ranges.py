@@ -82,6 +82,8 @@ RANGES: dict[str, Range] = {
     "model.moe_aux_loss_coeff": NON_NEGATIVE,
     "model.recompute_num_layers": OPTIONAL_COUNT,
     "model.init_method_std": POSITIVE,
+    "model.adaln_lora_dim": OPTIONAL_COUNT,
+    "model.cross_attention_dim": OPTIONAL_COUNT,
     "model.num_single_layers": NON_NEGATIVE,
     "model.pooled_text_dim": OPTIONAL_COUNT,
     "model.guidance": NON_NEGATIVE,

@@ -42,6 +42,7 @@ SHARDED = {
     "optim_grads_params": (True, True, True),
 }
 MOMENT_BYTES = {"adam": 8, "sgd": 4}  # fp32 exp_avg + exp_avg_sq; fp32 momentum
+STATE_LOG_KEY = "state bytes per rank:"
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,11 @@ def log_memory(cfg, layout, model, optimizer) -> None:
         "\n  ".join(lines),
         formula.describe(),
     )
+    # One machine-readable line (benchmarks.memory_phases reads it).
+    logger.info("%s %s", STATE_LOG_KEY, json.dumps([held.total for held, _ in counts]))
+    from dfm.training.memory_plan import log_plan  # it builds on this module
+
+    log_plan(cfg, layout, counts[0][1], next(model[0].parameters()).device)
 
 
 def write_memory_record(log_dir: str | None, layout_name_: str, shards: int, counts, per: BytesPerParameter) -> None:

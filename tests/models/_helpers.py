@@ -16,6 +16,15 @@ IN_CHANNELS, TEXT_DIM = 4, 24
 ARCHITECTURES = {
     "dit_adaln": dict(architecture="dit_adaln", num_classes=10, pos_embedding="sincos3d"),
     "dit_cross": dict(architecture="dit_cross", qk_layernorm=True),
+    # NeMo's DiT-7B block: low-rank adaLN, a narrower text context, RMSNorm, no linear biases.
+    "dit_cross_nemo": dict(
+        architecture="dit_cross",
+        qk_layernorm=True,
+        adaln_lora_dim=8,
+        cross_attention_dim=16,
+        normalization="rmsnorm",
+        add_bias_linear=False,
+    ),
     "stdit": dict(architecture="stdit", pos_embedding="rope3d"),
     "moviegen": dict(architecture="moviegen", qk_layernorm=True),
     "moviegen_moe": dict(architecture="moviegen", num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24),

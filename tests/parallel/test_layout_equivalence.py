@@ -23,6 +23,15 @@ from tests.parallel.equivalence import (
     world_size,
 )
 
+# The DiT-7B preset's block: low-rank adaLN, a context narrower than the hidden size, RMSNorm, no biases.
+NEMO_BLOCK = [
+    "model.adaln_lora_dim=8",
+    "model.cross_attention_dim=16",
+    "model.normalization=rmsnorm",
+    "model.add_bias_linear=false",
+    "model.qk_layernorm=true",
+]
+
 CASES = [
     ("dit_tiny", [TP2, SP], []),
     ("dit_tiny", [PP2], []),
@@ -49,6 +58,7 @@ CASES = [
     (FLUX_TINY, [TP2, SP], []),
     # Wan: q/k RMSNorm across the heads that TP splits (all-reduced sum of squares), its affine norm2 under SP.
     ("wan_tiny", [TP2, SP], []),
+    ("dit_tiny", [*NEMO_BLOCK, TP2, SP], NEMO_BLOCK),
 ]
 
 

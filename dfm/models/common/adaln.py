@@ -69,8 +69,12 @@ class AdaLNModulation(MegatronModule):
     def __init__(self, config, num_chunks: int):
         super().__init__(config=config)
         self.num_chunks = num_chunks
+        rank = getattr(config, "adaln_lora_dim", None)
+        # Low-rank adaLN (Cosmos / NeMo's DiT-7B): h -> rank, replicated and tiny, then rank -> chunks x h;
+        # 7 rank h parameters per block instead of 6 h^2.
+        self.down = nn.Linear(config.hidden_size, rank, bias=False) if rank else None
         self.linear = ColumnParallelLinear(
-            config.hidden_size,
+            rank or config.hidden_size,
             num_chunks * config.hidden_size,
             config=config,
             init_method=_zeros,
@@ -83,7 +87,8 @@ class AdaLNModulation(MegatronModule):
 
     def forward(self, cond: Tensor, token_sample_ids: Tensor) -> tuple[Tensor, ...]:
         """cond [N, h], token_sample_ids [s] -> num_chunks x [s, 1, h]."""
-        per_sample, _ = self.linear(F.silu(cond))
+        hidden = F.silu(cond)
+        per_sample, _ = self.linear(hidden if self.down is None else self.down(hidden))
         if self.config.sequence_parallel:
             # Each TP rank modulates only its slice of the tokens: sum their grads over TP ranks
             # before the column-parallel gather hands each rank its partition's grad.

@@ -31,10 +31,10 @@ def build_transformer_config(model, layout: ParallelLayout, precision: str = "fp
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         layernorm_epsilon=model.layernorm_epsilon,
-        normalization="RMSNorm" if llama_style else "LayerNorm",
+        normalization="RMSNorm" if llama_style or model.normalization == "rmsnorm" else "LayerNorm",
         gated_linear_unit=llama_style,
         activation_func=activation(gated=llama_style, compile=model.compile),
-        add_bias_linear=not llama_style,
+        add_bias_linear=model.add_bias_linear and not llama_style,
         # megatron sums the grads of q/k norms over TP, as if they were per head and replicated: Wan's
         # are across heads and TP-sharded (dfm/models/wan/norms.py), so its spec adds them instead.
         qk_layernorm=model.qk_layernorm and model.architecture != "wan",
@@ -62,6 +62,9 @@ def build_transformer_config(model, layout: ParallelLayout, precision: str = "fp
     # Timestep / text embedders are replicated on every pipeline stage; megatron all-reduces
     # grads of params marked `pipeline_parallel` across stages when this flag is set.
     config.has_cond_embedder = True
+    # Read by the DiT blocks (dfm/models/dit/dit_layer.py, dfm/models/common/adaln.py).
+    config.adaln_lora_dim = model.adaln_lora_dim
+    config.cross_attention_dim = model.context_width
     config.compile_regions = model.compile  # read by the blocks (dfm/models/common/fused.py)
     layout.attach_to(config)
     return config

@@ -13,6 +13,7 @@ Transformer Engine), so DiT, MovieGen-style Llama blocks and ST-DiT share this c
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -20,7 +21,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor, nn
 
-from dfm.models.common.adaln import AdaLNNorm
+from dfm.models.common.adaln import AdaLNNorm, AdaLNRMSNorm
 from dfm.models.common.factorized_layout import FactorizedAttentionParams
 from dfm.models.common.fused import block_ops
 from dfm.models.common.init import zero_init
@@ -37,6 +38,32 @@ class DiTLayerSubmodules:
     norm: type = AdaLNNorm  # affine-free: LayerNorm (DiT) or RMSNorm (Llama-style)
 
 
+def block_norm(config, default: type) -> type:
+    """The affine-free norm of a block: RMSNorm when the config asks for it, else the spec's."""
+    return AdaLNRMSNorm if config.normalization == "RMSNorm" else default
+
+
+@dataclass(frozen=True)
+class FromWidth:
+    """A linear whose input is ``width`` wide whatever its caller asks: megatron's cross-attention
+    sizes its key / value projection from the hidden size, a narrower text context (NeMo's DiT-7B:
+    1024) needs the context's width."""
+
+    linear: type
+    width: int
+
+    def __call__(self, input_size: int, output_size: int, **kwargs):
+        return self.linear(self.width, output_size, **kwargs)
+
+
+def context_width_spec(spec: ModuleSpec, width: int, hidden: int) -> ModuleSpec:
+    """``spec`` (a cross-attention) with its key / value projection reading ``width``-wide context."""
+    if width == hidden:
+        return spec
+    submodules = dataclasses.replace(spec.submodules, linear_kv=FromWidth(spec.submodules.linear_kv, width))
+    return dataclasses.replace(spec, submodules=submodules)
+
+
 class DiTLayer(MegatronModule):
     """One DiT block. hidden [s, b, h] -> [s, b, h]."""
 
@@ -45,14 +72,15 @@ class DiTLayer(MegatronModule):
     def __init__(self, config, submodules: DiTLayerSubmodules, layer_number: int = 1):
         super().__init__(config=config)
         self.layer_number = layer_number
-        norm, h, eps = submodules.norm, config.hidden_size, config.layernorm_epsilon
+        norm, h, eps = block_norm(config, submodules.norm), config.hidden_size, config.layernorm_epsilon
         self.adaln = build_module(submodules.adaln, config=config, num_chunks=self.num_modulations)
         self.norm1 = norm(h, eps)
         self.self_attention = build_module(submodules.self_attention, config=config, layer_number=layer_number)
         self.cross_attention = None
         if submodules.cross_attention is not None:
             self.norm2 = norm(h, eps)
-            self.cross_attention = build_module(submodules.cross_attention, config=config, layer_number=layer_number)
+            cross_spec = context_width_spec(submodules.cross_attention, getattr(config, "cross_attention_dim", h), h)
+            self.cross_attention = build_module(cross_spec, config=config, layer_number=layer_number)
             # Zero output (PixArt): a fresh block ignores the text until it learns to read it.
             zero_init(self.cross_attention.linear_proj)
         self.norm3 = norm(h, eps)

@@ -33,6 +33,7 @@ from dfm.models.common.pack_inputs import PackInputs
 from dfm.models.common.packed_attention import PackedSegments
 from dfm.models.common.param_names import global_param_name
 from dfm.models.common.recompute import forward_layers, layer_runs
+from dfm.models.dit.dit_layer import block_norm
 from dfm.parallel.layout import layout_of
 from dfm.parallel.sequence_split import SequenceSplit
 
@@ -53,7 +54,8 @@ class FinalLayer(nn.Module):
 
 
 class TextEmbedder(nn.Module):
-    """T5 features [s_kv, D_text] -> [s_kv, h] (the cross-attention's key/value input)."""
+    """T5 features [s_kv, D_text] -> [s_kv, width] (the cross-attention's key/value input; width is
+    the hidden size unless ``cross_attention_dim`` narrows it)."""
 
     def __init__(self, text_dim: int, hidden_size: int):
         super().__init__()
@@ -121,7 +123,7 @@ class DiTModel(MegatronModule):
         self.t_embedder = TimestepEmbedder(h)
         _mark_replicated_across_stages(self.t_embedder)
         if self.cross:
-            self.text_embedder = TextEmbedder(model_cfg.text_embed_dim, h)
+            self.text_embedder = TextEmbedder(model_cfg.text_embed_dim, model_cfg.context_width)
             _mark_replicated_across_stages(self.text_embedder)
         if model_cfg.num_classes:
             # One extra row is the null class for classifier-free guidance.
@@ -138,7 +140,9 @@ class DiTModel(MegatronModule):
             build_module(layer_spec, config=config, layer_number=self.layer_offset + i + 1) for i in range(num_local)
         )
         if post_process:
-            self.final_layer = FinalLayer(h, self.out_dim, config.layernorm_epsilon, layer_spec.submodules.norm)
+            self.final_layer = FinalLayer(
+                h, self.out_dim, config.layernorm_epsilon, block_norm(config, layer_spec.submodules.norm)
+            )
 
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline schedules hand the previous stage's output in here."""

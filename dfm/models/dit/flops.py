@@ -39,8 +39,15 @@ def layer_flops(model_cfg, n: int, m: int, frames: int) -> float:
     else:
         attention = self_attention_flops(h, n, n)
         modulations = 6
-    cross = 0 if arch == "dit_adaln" else 4 * n * h * h + 4 * m * h * h + 4 * n * m * h
-    return attention + cross + n * mlp_flops_per_token(model_cfg) + 2 * h * modulations * h
+    c = model_cfg.context_width
+    cross = 0 if arch == "dit_adaln" else 4 * n * h * h + 4 * m * c * h + 4 * n * m * h
+    return attention + cross + n * mlp_flops_per_token(model_cfg) + modulation_flops(model_cfg, modulations)
+
+
+def modulation_flops(model_cfg, chunks: int) -> float:
+    """The adaLN projection of one sample: h -> chunks x h, or h -> rank -> chunks x h (low rank)."""
+    h, rank = model_cfg.hidden_size, model_cfg.adaln_lora_dim
+    return 2 * h * chunks * h if not rank else 2 * rank * h * (1 + chunks)
 
 
 def embedding_flops(model_cfg, n: int, m: int) -> float:
@@ -51,7 +58,8 @@ def embedding_flops(model_cfg, n: int, m: int) -> float:
     patch_out = (model_cfg.out_channels or model_cfg.in_channels) * patch_volume
     total = 2 * n * h * (patch_in + patch_out) + 2 * h * 2 * h + 2 * (TIMESTEP_FREQUENCY_DIM * h + h * h)
     if model_cfg.architecture != "dit_adaln":
-        total += 2 * m * (model_cfg.text_embed_dim * h + h * h)
+        c = model_cfg.context_width
+        total += 2 * m * (model_cfg.text_embed_dim * c + c * c)
     return total
 
 

@@ -1,0 +1,149 @@
+"""Measured per-rank peak memory of training, and of training with a save, against the rank's state.
+
+    python -m benchmarks.memory_phases [--dp 2 4] [--kinds distributed_optimizer fsdp]
+
+Each case runs the real entry point (pretrain_dit_model.py through benchmarks/_peak_entry.py) under
+torchrun with ``--mock``: a ~0.11B-parameter cross-attention DiT (12 x 640), bf16, 2 iterations,
+once without and once with a checkpoint saved at the last iteration. Every rank writes its peak
+(RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA) at exit; an import-only process's RSS
+is subtracted on CPU. "state" is the largest rank's parameters + gradients + optimizer bytes as the
+start-up log measures them. Printed per case:
+
+    DP=N KIND: train peak X.XXx state, save adds xY.YY
+
+(the largest rank's peak over its state; the peak with a save over the peak without), then the FSDP
+DP=4 / DP=2 ratio of the per-rank training peaks. About 5 minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from dfm.training.memory import STATE_LOG_KEY
+
+ROOT = Path(__file__).resolve().parents[1]
+PEAK_ENTRY = Path(__file__).resolve().parent / "_peak_entry.py"
+TINY_YAML = ROOT / "examples" / "megatron" / "recipes" / "dit" / "conf" / "dit_tiny.yaml"
+KINDS = {
+    "distributed_optimizer": ["ddp.use_distributed_optimizer=true"],
+    "fsdp": ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
+}
+# ~0.11B parameters: 12 blocks of 22 h^2 (self- and cross-attention, MLP, adaLN) at h = 640.
+MODEL = [
+    "model.hidden_size=640",
+    "model.num_attention_heads=10",
+    "model.num_layers=12",
+    "model.text_embed_dim=64",
+    "mixed_precision.precision=bf16",
+    "model.attention_backend=sdpa",
+    "dataset.num_workers=0",
+]
+IMPORT_ONLY = "import dfm.training.pretrain, resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """One run: every rank's peak bytes (import baseline already subtracted) and state bytes."""
+
+    peaks: dict[int, int]
+    states: list[int]
+
+    @property
+    def largest_rank(self) -> int:
+        return max(self.peaks, key=self.peaks.get)
+
+    def peak_over_state(self) -> float:
+        return self.peaks[self.largest_rank] / self.states[self.largest_rank]
+
+
+def import_baseline() -> int:
+    """Peak RSS of a process that only imports the trainer (what every rank pays before any model)."""
+    out = subprocess.run([sys.executable, "-c", IMPORT_ONLY], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def case_overrides(dp: int, kind: str, save_dir: Path | None, model: list[str], log_dir: Path) -> list[str]:
+    save = [f"checkpoint.save={save_dir}", "checkpoint.save_interval=2"] if save_dir else []
+    steps = ["train.train_iters=2", f"train.global_batch_size={dp}"]  # one pack per rank per step
+    return [*model, *KINDS[kind], *steps, f"logger.log_dir={log_dir}", *save]
+
+
+def run_case(nproc: int, overrides: list[str], config: Path = TINY_YAML, timeout: int = 600) -> tuple[str, list[dict]]:
+    """Run the entry point; (its log, the ranks' peak records)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        peak_file = Path(tmp) / "peaks.jsonl"
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        command = [*launcher, str(PEAK_ENTRY), "--config-file", str(config), "--mock", *overrides]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "DFM_PEAK_FILE": str(peak_file)}
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+        if result.returncode != 0:
+            raise RuntimeError(f"case {overrides} failed:\n{result.stderr[-4000:]}")
+        records = [json.loads(line) for line in peak_file.read_text().splitlines()]
+    return result.stdout + result.stderr, records
+
+
+def parse_states(log: str) -> list[int]:
+    """Every rank's state bytes from the start-up log's ``state bytes per rank: [...]`` line."""
+    for line in log.splitlines():
+        if STATE_LOG_KEY in line:
+            return json.loads(line.split(STATE_LOG_KEY, 1)[1])
+    raise ValueError(f"no {STATE_LOG_KEY!r} line in the run's log")
+
+
+def peaks_of(records: list[dict], baseline: int) -> dict[int, int]:
+    """Per-rank peak: CUDA's max allocated where a rank used CUDA, else peak RSS minus the import baseline."""
+    return {r["rank"]: r["cuda_peak"] if r["cuda_peak"] else r["peak_rss"] - baseline for r in records}
+
+
+def measure(nproc: int, kind: str, save: bool, baseline: int, model: list[str] = MODEL) -> Peaks:
+    with tempfile.TemporaryDirectory() as tmp:
+        save_dir = Path(tmp) / "ckpt" if save else None
+        log, records = run_case(nproc, case_overrides(nproc, kind, save_dir, model, Path(tmp) / "logs"))
+    return Peaks(peaks_of(records, baseline), parse_states(log))
+
+
+def case_line(dp: int, kind: str, train: Peaks, with_save: Peaks) -> str:
+    save_ratio = with_save.peaks[with_save.largest_rank] / train.peaks[train.largest_rank]
+    return f"DP={dp} {kind}: train peak {train.peak_over_state():.2f}x state, save adds x{save_ratio:.2f}"
+
+
+def fsdp_ratio_line(by_dp: dict[int, Peaks]) -> str:
+    small, large = min(by_dp), max(by_dp)
+    ratio = by_dp[large].peaks[by_dp[large].largest_rank] / by_dp[small].peaks[by_dp[small].largest_rank]
+    return f"fsdp per-rank train peak DP={large} / DP={small}: {ratio:.2f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=["fsdp", "distributed_optimizer"])
+    args = parser.parse_args(argv)
+    baseline = import_baseline()
+    print(f"import-only process: {baseline / 2**30:.2f} GiB RSS", flush=True)
+    fsdp_train = {}
+    for kind in args.kinds:
+        for dp in args.dp:
+            try:
+                train, with_save = (measure(dp, kind, save, baseline) for save in (False, True))
+            except (RuntimeError, subprocess.TimeoutExpired) as failure:  # e.g. a rank killed out of memory
+                print(f"DP={dp} {kind}: failed: {str(failure).splitlines()[0][:200]}", flush=True)
+                continue
+            state = train.states[train.largest_rank]
+            peak = train.peaks[train.largest_rank]
+            print(f"  DP={dp} {kind}: state {state / 2**30:.2f} GiB, train peak {peak / 2**30:.2f} GiB", flush=True)
+            print(case_line(dp, kind, train, with_save), flush=True)
+            if kind == "fsdp":
+                fsdp_train[dp] = train
+    if len(fsdp_train) > 1:
+        print(fsdp_ratio_line(fsdp_train))
+
+
+if __name__ == "__main__":
+    main()
