@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import ast
 import logging
+import pickle
 import shutil
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint.metadata import Metadata
 
 from dfm.checkpoint.__main__ import main as verify_cli
 from dfm.checkpoint.compare import model_differences
@@ -35,6 +37,8 @@ def write_checkpoint(root: Path, iteration: int, sealed: bool = True, latest: bo
     directory.mkdir(parents=True)
     for name in (*REQUIRED, "__0_0.distcp"):
         (directory / name).write_bytes(bytes(range(256)) * (iteration + 1))
+    # verify reads .metadata as data (dfm.checkpoint.pickle_check): a real, empty one
+    (directory / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data={})))
     if sealed:
         write_manifest(directory, describe_files(directory, checkpoint_files(directory)))
     if latest:
