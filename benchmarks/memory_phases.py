@@ -5,14 +5,21 @@
 Each case runs the real entry point (pretrain_dit_model.py through benchmarks/_peak_entry.py) under
 torchrun with ``--mock``: a ~0.11B-parameter cross-attention DiT (12 x 640), bf16, 2 iterations,
 once without and once with a checkpoint saved at the last iteration. Every rank writes its peak
-(RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA) at exit; an import-only process's RSS
-is subtracted on CPU. "state" is the largest rank's parameters + gradients + optimizer bytes as the
-start-up log measures them. Printed per case:
+(RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA) at exit. "state" is the largest rank's
+parameters + gradients + optimizer bytes as the start-up log measures them. Printed per case:
 
     DP=N KIND: train peak X.XXx state, save adds xY.YY
 
 (the largest rank's peak over its state; the peak with a save over the peak without), then the FSDP
-DP=4 / DP=2 ratio of the per-rank training peaks. About 5 minutes on 2 CPU cores.
+DP=4 / DP=2 ratio of the per-rank training peaks. About 10 minutes on 2 CPU cores.
+
+What is subtracted on CPU (printed too): the runtime every rank pays whatever the model size, measured
+per case as the lowest rank's peak RSS of the same entry point, layout and 2 iterations with a
+near-zero model (``NEAR_ZERO``: 2 x 64, ~0.2M parameters, state < 4 MB, which is included). It is the
+import of exactly what the entry point imports (``import_baseline``, 0.39 GiB) plus ~0.1 GiB: the
+process group (gloo's threads), the first use of torch's CPU kernels, the data loader. Everything above
+it grows with the model: the state, activations, FSDP's gathered blocks, transient copies, and what
+glibc's malloc keeps of freed tensors (measured ~0.1-0.3 GiB at 0.11B parameters; not trimmed here).
 """
 
 from __future__ import annotations
@@ -45,7 +52,18 @@ MODEL = [
     "model.attention_backend=sdpa",
     "dataset.num_workers=0",
 ]
-IMPORT_ONLY = "import dfm.training.pretrain, resource; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+# A near-zero model of the same family: the per-case runtime baseline.
+NEAR_ZERO = [
+    *(o for o in MODEL if not o.startswith(("model.hidden_size", "model.num_attention_heads", "model.num_layers"))),
+    "model.hidden_size=64",
+    "model.num_attention_heads=2",
+    "model.num_layers=2",
+]
+# What pretrain_dit_model.py (run by _peak_entry.py) imports before it builds anything.
+IMPORT_ONLY = (
+    "import atexit, json, resource, runpy, dfm.config.cli, dfm.training.pretrain;"
+    " print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +85,14 @@ def import_baseline() -> int:
     """Peak RSS of a process that only imports the trainer (what every rank pays before any model)."""
     out = subprocess.run([sys.executable, "-c", IMPORT_ONLY], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
+
+
+def runtime_baseline(nproc: int, kind: str) -> int:
+    """The lowest rank's peak RSS of the same case (no save) with the ``NEAR_ZERO`` model: what a rank
+    pays at any model size (imports, process group, kernels, loader)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _, records = run_case(nproc, case_overrides(nproc, kind, None, NEAR_ZERO, Path(tmp) / "logs"))
+    return min(r["peak_rss"] for r in records)
 
 
 def case_overrides(dp: int, kind: str, save_dir: Path | None, model: list[str], log_dir: Path) -> list[str]:
@@ -125,12 +151,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=["fsdp", "distributed_optimizer"])
     args = parser.parse_args(argv)
-    baseline = import_baseline()
-    print(f"import-only process: {baseline / 2**30:.2f} GiB RSS", flush=True)
+    imports = import_baseline()
+    print(f"import-only process: {imports / 2**30:.2f} GiB RSS", flush=True)
     fsdp_train = {}
     for kind in args.kinds:
         for dp in args.dp:
             try:
+                baseline = runtime_baseline(dp, kind)
+                print(f"  DP={dp} {kind}: near-zero model's peak (subtracted) {baseline / 2**30:.2f} GiB", flush=True)
                 train, with_save = (measure(dp, kind, save, baseline) for save in (False, True))
             except (RuntimeError, subprocess.TimeoutExpired) as failure:  # e.g. a rank killed out of memory
                 print(f"DP={dp} {kind}: failed: {str(failure).splitlines()[0][:200]}", flush=True)

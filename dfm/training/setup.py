@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +106,8 @@ def fully_sharded(chunk, tconfig, ddp_config, device: torch.device, disable_buck
 
     shards_params = ddp_config.data_parallel_sharding_strategy == "optim_grads_params"
     units = sorted({type(layer) for layer in chunk.layers}, key=lambda cls: cls.__name__) if shards_params else []
+    if units:
+        ddp_config = dataclasses.replace(ddp_config, suggested_communication_unit_size=two_units(chunk))
     # No broadcast_params(): megatron's broadcasts a DTensor, which c10d rejects; the layout-independent
     # init (dfm.models.common.init) already gives every DP rank the same weights.
     return FullyShardedDataParallel(
@@ -115,6 +118,14 @@ def fully_sharded(chunk, tconfig, ddp_config, device: torch.device, disable_buck
         disable_bucketing=disable_bucketing,
         device=device,
     )
+
+
+def two_units(chunk) -> int:
+    """Elements of two transformer blocks: what Megatron-FSDP may hold gathered (the running unit and
+    the prefetched next one) and queue for reduce-scatter. Its own default is at least 1e9 elements
+    (prefetch 5e8): every unit of a model below 0.5B parameters gathered at once, and every unsharded
+    gradient queued until the end of the backward, i.e. per rank the whole model, whatever the DP."""
+    return 2 * max(sum(p.numel() for p in layer.parameters()) for layer in chunk.layers)
 
 
 def schedule_model_and_data(model: list[Any], data_iter) -> dict[str, Any]:

@@ -88,3 +88,16 @@ def test_one_all_reduce_and_one_read_agree_on_finite_and_preemption(trainer, mon
     assert [c for c in calls if c.startswith("training/")] == ["training/faults.py"], calls
     reads = [read for read in DeviceTensor.reads if " at training/" in read]
     assert len(reads) == 1 and reads[0].startswith("tolist at training/faults.py"), DeviceTensor.reads
+
+
+@pytest.mark.parametrize("bad", [None, 0, 5, 9])
+def test_finite_check_in_slices_sees_every_element(monkeypatch, bad):
+    """A gradient buffer is checked a bounded slice at a time (not 7 bytes an element of temporaries
+    over the whole model): a non-finite value in any slice, the last partial one included, is seen."""
+    from dfm.training import faults
+
+    monkeypatch.setattr(faults, "FINITE_CHECK_ELEMENTS", 4)
+    grads = torch.zeros(10)
+    if bad is not None:
+        grads[bad] = float("inf") if bad % 2 else float("nan")
+    assert bool(faults.all_finite(grads)) == (bad is None)
