@@ -67,6 +67,11 @@ def _numpy_globals() -> dict[tuple[str, str], Any]:
     for core in ("numpy.core.multiarray", "numpy._core.multiarray"):
         found[(core, "_reconstruct")] = reconstruct
         found[(core, "scalar")] = scalar
+    # numpy >= 1.25 names a dtype by its class (numpy.dtypes.UInt32DType: numpy's RNG state holds one)
+    dtypes = getattr(np, "dtypes", None)
+    for name, value in vars(dtypes).items() if dtypes is not None else ():
+        if isinstance(value, type) and issubclass(value, np.dtype):
+            found[("numpy.dtypes", name)] = value
     return found
 
 
@@ -149,7 +154,7 @@ def load_rank_object(data: IO[bytes], source: str) -> Any:
 def _reason(error: Exception) -> str:
     """The line of torch's weights-only refusal that says what was refused (its first line is generic)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    specific = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
+    specific = [line for line in lines if "GLOBAL" in line or "Unsupported" in line or "but got" in line]
     return (specific or lines or [type(error).__name__])[0]
 
 

@@ -155,3 +155,24 @@ def test_verify_reads_every_pickle_as_data(saved, crafted_metadata, crafted_rank
     assert checkpoint_cli(["verify", str(crafted_rank_object)]) == 1
     out = capsys.readouterr().out
     assert str(crafted_rank_object / "iter_0000001" / "__0_") in out and "rng_state" in out and "refused" in out
+
+
+def test_numpys_rng_state_loads_without_megatrons_safe_globals():
+    """numpy >= 1.25 pickles a dtype by its class (numpy.dtypes.UInt32DType); megatron registers such
+    classes as torch safe globals when imported, ``verify`` must not depend on that."""
+    import io
+
+    import numpy as np
+
+    from dfm.safe_unpickle import load_rank_object
+
+    registered = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        data = io.BytesIO()
+        torch.save({"numpy": np.random.get_state()}, data)
+        data.seek(0)
+        state = load_rank_object(data, "rng")["numpy"]
+        assert state[0] == "MT19937" and state[1].dtype == np.uint32
+    finally:
+        torch.serialization.add_safe_globals(registered)
