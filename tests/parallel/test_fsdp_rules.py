@@ -34,4 +34,8 @@ def test_the_tested_layouts_and_the_28b_recipe_are_accepted():
     build_config(None, DIT, [*FSDP, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true"], 4)
     build_config(None, WAN, FSDP, 2)  # gradient sharding too (dfm/platform/compat/fsdp.py: forward_through_root_hooks)
     cfg = build_config(None, str(RECIPE_DIR / "conf" / "dit_28b_64k.yaml"), [], world_size=64)
-    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.ddp.use_megatron_fsdp) == (48, 6144, True)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.ddp.use_megatron_fsdp) == (
+        50,
+        6144,
+        True,
+    )  # DiT-28B: NeMo's block at 50 x 6144
