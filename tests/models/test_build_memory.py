@@ -10,30 +10,21 @@ Measured, bytes above what the rank keeps after the build:
   while the fp32 shards grew: no higher peak on CPU, but the whole model existed before sharding).
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.torchrun_worker import run_worker
+
 WORKER = Path(__file__).with_name("_build_memory_worker.py")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SLACK = 32 << 10  # small tensors of the build itself (row counts, generator state)
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("build_memory")
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(WORKER)]
-    proc = subprocess.run([*command, str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_worker(WORKER, 4, out, timeout=600)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(4)]
 
 

@@ -4,41 +4,22 @@ with padded segments. Self-attention (K/V all-gathered), cross-attention (text n
 sdpa and flex (forward only: no CPU backward), and ST-DiT's spatial / temporal attention through
 the all-to-all re-sharding. Tolerance 1e-10 (float64; only the order of sums differs)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from dfm.parallel.sequence_split import load_balanced_positions
+from tests.torchrun_worker import run_worker
 
 WORKER = Path(__file__).with_name("_cp_attention_worker.py")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-10
 
 
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("cp_attention")
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(WORKER),
-        str(out),
-    ]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_worker(WORKER, 2, out, timeout=300)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 

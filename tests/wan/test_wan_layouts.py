@@ -5,15 +5,13 @@ under TP=2 + SP and CP=2 also every parameter gradient (each rank's shard, after
 megatron adds) within 1e-4 of diffusers' relative to its max."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.torchrun_worker import run_worker
+
 WORKER = Path(__file__).with_name("_layouts_worker.py")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-4  # relative; fp32 sums in another order (measured <= 3e-6)
 # The ranks that hold the output: TP and CP ranks all do (gathered), PP only the last stage.
@@ -23,14 +21,7 @@ EXPECTED = {0: {"tp2_sp", "cp2"}, 1: {"tp2_sp", "cp2", "pp2"}}
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[int, dict[str, float]]:
     out = tmp_path_factory.mktemp("wan_layouts")
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER)]
-    proc = subprocess.run([*command, str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_worker(WORKER, 2, out, timeout=300)
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)}
 
 
