@@ -17,10 +17,9 @@ from dfm.diffusion.packed_loss import masked_mean_per_sample, per_token
 from dfm.diffusion.pipeline import (
     DiffusionPipeline,
     Net,
-    Shape,
+    SamplingOptions,
+    SamplingSchedule,
     at_least_fp32,
-    guided_field,
-    initial_noise,
     per_sample_level,
 )
 from dfm.diffusion.samplers import Churn, karras_sigmas, sampler_for
@@ -135,26 +134,10 @@ class EDMPipeline(DiffusionPipeline):
         raw = net(per_token(c.c_in, sample_ids, x) * x, c.c_noise, **cond)
         return per_token(c.c_skip, sample_ids, x) * x + per_token(c.c_out, sample_ids, x) * raw.to(x.dtype)
 
-    @torch.no_grad()
-    def sample(
-        self,
-        net: Net,
-        noise: torch.Tensor | Shape,
-        sample_ids: torch.Tensor,
-        steps: int,
-        cond: dict[str, Any] | None = None,
-        uncond: dict[str, Any] | None = None,
-        guidance_scale: float = 1.0,
-        generator: torch.Generator | None = None,
-        sampler: str | None = None,
-    ) -> torch.Tensor:
-        """Integrate from sigma_max to 0 on the rho schedule; guidance acts on D(x; sigma).
-
-        noise: [S, *] standard normal (scaled by sigma_max here) or a shape to draw it for.
-        """
+    def sampling_schedule(self, options: SamplingOptions) -> SamplingSchedule:
+        """The denoiser D(x; sigma) from sigma_max to 0 on the rho schedule (eq. 5), churn per Algorithm 2."""
+        if options.shift is not None:
+            raise ValueError(f"shift={options.shift} is a flow-matching option; the EDM pipeline has no shift")
         s = self.settings
-        guided_denoise = guided_field(self.denoise, net, sample_ids, cond, uncond, guidance_scale)
-        sigmas = karras_sigmas(steps, s.sigma_min, s.sigma_max, s.rho)
-        x = at_least_fp32(initial_noise(noise, generator)) * sigmas[0]  # integrate in >= fp32
-        churn = Churn(s.S_churn, s.S_min, s.S_max, s.S_noise)
-        return self.sampler(sampler).run(guided_denoise, x, sigmas, churn, generator)
+        sigmas = karras_sigmas(options.steps, s.sigma_min, s.sigma_max, s.rho)
+        return SamplingSchedule(self.denoise, sigmas, sigmas[0], Churn(s.S_churn, s.S_min, s.S_max, s.S_noise))

@@ -20,10 +20,9 @@ from dfm.diffusion.packed_loss import masked_mean_per_sample, per_token
 from dfm.diffusion.pipeline import (
     DiffusionPipeline,
     Net,
-    Shape,
+    SamplingOptions,
+    SamplingSchedule,
     at_least_fp32,
-    guided_field,
-    initial_noise,
     per_sample_level,
 )
 from dfm.diffusion.samplers import flow_timesteps, sampler_for, shift_timesteps
@@ -181,25 +180,7 @@ class FlowPipeline(DiffusionPipeline):
         v = self.velocity(net, x, t, sample_ids, **cond)
         return (1 - self.settings.sigma_min) * x - per_token(self.noise_scale(t), sample_ids, x) * v
 
-    @torch.no_grad()
-    def sample(
-        self,
-        net: Net,
-        noise: torch.Tensor | Shape,
-        sample_ids: torch.Tensor,
-        steps: int,
-        cond: dict[str, Any] | None = None,
-        uncond: dict[str, Any] | None = None,
-        guidance_scale: float = 1.0,
-        generator: torch.Generator | None = None,
-        sampler: str | None = None,
-        shift: float | None = None,
-    ) -> torch.Tensor:
-        """Integrate dx/dt = v from t = 1 to 0 over the shifted schedule; guidance acts on v.
-
-        noise: [S, *] standard normal, or a shape to draw it for. ``shift`` overrides the settings'.
-        """
-        guided_velocity = guided_field(self.velocity, net, sample_ids, cond, uncond, guidance_scale)
-        timesteps = flow_timesteps(steps, self.settings.shift if shift is None else shift)
-        x = at_least_fp32(initial_noise(noise, generator))  # integrate in >= fp32
-        return self.sampler(sampler).run(guided_velocity, x, timesteps)
+    def sampling_schedule(self, options: SamplingOptions) -> SamplingSchedule:
+        """The velocity v from t = 1 to 0 over the shifted schedule (``options.shift`` overrides the settings')."""
+        shift = self.settings.shift if options.shift is None else options.shift
+        return SamplingSchedule(self.velocity, flow_timesteps(options.steps, shift))

@@ -25,7 +25,7 @@ from dfm.config.container import ConfigContainer
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.prepare.pipeline import DEFAULT_T5, DEFAULT_VAE
 from dfm.diffusion.flow import shift_for_num_tokens
-from dfm.diffusion.pipeline import DiffusionPipeline, pipeline_from_config
+from dfm.diffusion.pipeline import DiffusionPipeline, SamplingOptions, pipeline_from_config
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
 from dfm.inference.encoders import (
     NEEDS_CLIP,
@@ -152,18 +152,8 @@ def sample_prompt(
     if args.negative_prompt is not None:
         uncond = prompt_batch(args.negative_prompt, noise, encoders, cfg.model).to(device)
     logger.info("sampling a latent of shape %s (%d tokens)", tuple(noise.shape), batch.seq_len)
-    return sample_latent(
-        model,
-        sampling_pipeline(cfg, batch.seq_len),
-        cfg.model.pipeline,
-        batch,
-        cfg.model,
-        args.num_steps,
-        guidance_scale,
-        args.sampler,
-        args.seed,
-        uncond,
-    )
+    options = SamplingOptions(args.num_steps, guidance_scale, args.sampler, args.seed)
+    return sample_latent(model, sampling_pipeline(cfg, batch.seq_len), batch, cfg.model, options, uncond)
 
 
 def generate(args: argparse.Namespace, device: torch.device) -> Path:
