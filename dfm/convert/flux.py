@@ -218,7 +218,7 @@ def per_sample_max_abs_diff(packed: Tensor, references: list[Tensor], batch) -> 
 def verification_pack(model_cfg: ModelConfig, seed: int = 0, padding: tuple[int, int] = (1, 1)):
     """(pack, t [N], guidance [N] or None): three images of different sizes (16, 15, 15 tokens) and
     text lengths; ``padding``: the layout's (segment, total) multiples."""
-    from dfm.data.mock import MockDataSettings, MockPackedLoader
+    from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking
 
     settings = MockDataSettings(
         seed=seed,
@@ -229,7 +229,7 @@ def verification_pack(model_cfg: ModelConfig, seed: int = 0, padding: tuple[int,
         text_embed_dim=model_cfg.text_embed_dim,
         pooled_text_dim=model_cfg.pooled_text_dim,
     )
-    batch = next(MockPackedLoader(settings, 0, 1, 10**6, *padding, samples_per_pack=3))
+    batch = next(MockPackedLoader(settings, 0, 1, MockPacking(10**6, *padding, samples_per_pack=3)))
     t = torch.rand(3, generator=torch.Generator().manual_seed(seed))
     return batch, t, torch.full((3,), 3.5) if model_cfg.guidance_embeds else None
 
