@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch import Tensor
 
-from dfm.diffusion.packed_loss import masked_mean_per_sample, per_token
+from dfm.diffusion.packed_loss import per_token
 from dfm.diffusion.pipeline import (
     DiffusionPipeline,
     Net,
@@ -104,22 +105,13 @@ class EDMPipeline(DiffusionPipeline):
         x = self.noisy(x0, noise, level, sample_ids)
         return (per_token(c.c_in, sample_ids, x) * x).to(x0.dtype), c.c_noise
 
-    def training_loss(
-        self,
-        raw_out: torch.Tensor,
-        x0: torch.Tensor,
-        noise: torch.Tensor,
-        level: torch.Tensor,
-        sample_ids: torch.Tensor,
-        loss_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """lambda(sigma_i) * mean over sample i's real tokens of (D(x; sigma) - x0)^2 -> [N] fp32."""
+    def squared_error(self, raw_out: Tensor, x0: Tensor, noise: Tensor, level: Tensor, sample_ids: Tensor) -> Tensor:
+        """(D(x; sigma) - x0)^2, fp32 [S, *]; the loss weighs sample i's mean by lambda(sigma_i)."""
         sigma = at_least_fp32(level)
         c = self.preconditioning(sigma)
         x = self.noisy(x0, noise, sigma, sample_ids)
         denoised = per_token(c.c_skip, sample_ids, x) * x + per_token(c.c_out, sample_ids, x) * at_least_fp32(raw_out)
-        squared_error = (denoised - at_least_fp32(x0)) ** 2
-        return self.loss_weight(sigma) * masked_mean_per_sample(squared_error, sample_ids, loss_mask, sigma.numel())
+        return (denoised - at_least_fp32(x0)) ** 2
 
     # --- inference -------------------------------------------------------------------------------
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from dfm.diffusion.packed_loss import masked_mean_per_sample, per_token
+from dfm.diffusion.packed_loss import per_token
 from dfm.diffusion.pipeline import (
     DiffusionPipeline,
     Net,
@@ -150,18 +151,9 @@ class FlowPipeline(DiffusionPipeline):
         """-> (x_t [S, *] in x0's dtype, c_noise [N])."""
         return self.interpolate(x0, noise, level, sample_ids).to(x0.dtype), self.c_noise(at_least_fp32(level))
 
-    def training_loss(
-        self,
-        raw_out: torch.Tensor,
-        x0: torch.Tensor,
-        noise: torch.Tensor,
-        level: torch.Tensor,
-        sample_ids: torch.Tensor,
-        loss_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """Mean over sample i's real tokens of (v_hat - v)^2 -> [N] fp32 (unit weight)."""
-        squared_error = (at_least_fp32(raw_out) - self.target_velocity(x0, noise)) ** 2
-        return masked_mean_per_sample(squared_error, sample_ids, loss_mask, level.numel())
+    def squared_error(self, raw_out: Tensor, x0: Tensor, noise: Tensor, level: Tensor, sample_ids: Tensor) -> Tensor:
+        """(v_hat - v)^2, fp32 [S, *] (unit loss weight)."""
+        return (at_least_fp32(raw_out) - self.target_velocity(x0, noise)) ** 2
 
     # --- inference -------------------------------------------------------------------------------
 

@@ -20,8 +20,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch import Tensor
 
 from dfm.data.packed_batch import segment_lengths
+from dfm.diffusion.packed_loss import masked_mean_per_sample
 from dfm.diffusion.samplers import Churn, Sampler, classifier_free_guidance, sampler_for
 
 Net = Callable[..., torch.Tensor]
@@ -89,6 +91,13 @@ class DiffusionPipeline(ABC):
         """-> (x_in [S, *], c_noise [N])."""
 
     @abstractmethod
+    def squared_error(self, raw_out: Tensor, x0: Tensor, noise: Tensor, level: Tensor, sample_ids: Tensor) -> Tensor:
+        """Per token and feature, fp32 [S, *]: the squared error of the formulation's prediction."""
+
+    def loss_weight(self, level: Tensor) -> Tensor | None:
+        """Per-sample loss weight [N] at ``level``; None: unit weight."""
+        return None
+
     def training_loss(
         self,
         raw_out: torch.Tensor,
@@ -99,6 +108,10 @@ class DiffusionPipeline(ABC):
         loss_mask: torch.Tensor,
     ) -> torch.Tensor:
         """-> per-sample loss [N] (fp32): masked mean over real tokens and features, times the weight."""
+        squared_error = self.squared_error(raw_out, x0, noise, level, sample_ids)
+        per_sample = masked_mean_per_sample(squared_error, sample_ids, loss_mask, level.numel())
+        weight = self.loss_weight(at_least_fp32(level))
+        return per_sample if weight is None else weight * per_sample
 
     @abstractmethod
     def denoise(
