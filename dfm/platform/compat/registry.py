@@ -377,6 +377,22 @@ MEGATRON_FSDP = (
     ),
 )
 
+
+def _distopt_accessor(public: str, private: str, *relies_on: str) -> Patch:
+    """``DistributedOptimizer.<public>`` added, calling the private method ``private`` (a signature)
+    through which dfm's checkpoint reads and loads each parameter's main weight and Adam moments."""
+    return Patch(
+        name=f"distrib-optimizer-{public.replace('_', '-')}",
+        module="megatron.core.optimizer.distrib_optimizer",
+        attribute=f"DistributedOptimizer.{public}",
+        why=f"dfm's checkpoint needs the per-parameter state that only the private {private.split('(')[0]} gives",
+        relies_on=(f"def {private}:", *relies_on),
+        replace=checkpointing.calling(private.split("(")[0]),
+        site="DistributedOptimizer",
+        cpu_only=False,
+    )
+
+
 # Not about the device: megatron's checkpointing with torch's Adam (no Apex / TE), applied on CUDA too.
 CHECKPOINTING = (
     Patch(
@@ -388,26 +404,10 @@ CHECKPOINTING = (
         replace=checkpointing.copying_given_keys_only,
         cpu_only=False,
     ),
-    Patch(
-        name="distrib-optimizer-param-states",
-        module="megatron.core.optimizer.distrib_optimizer",
-        attribute="DistributedOptimizer.param_states",
-        why="dfm's checkpoint reads each parameter's main weight and Adam moments (private accessor)",
-        relies_on=("def _get_main_param_and_optimizer_states(self, model_param):", 'tensors = {"param": main_param'),
-        replace=checkpointing.calling("_get_main_param_and_optimizer_states"),
-        site="DistributedOptimizer",
-        cpu_only=False,
+    _distopt_accessor(
+        "param_states", "_get_main_param_and_optimizer_states(self, model_param)", 'tensors = {"param": main_param'
     ),
-    Patch(
-        name="distrib-optimizer-set-param-states",
-        module="megatron.core.optimizer.distrib_optimizer",
-        attribute="DistributedOptimizer.set_param_states",
-        why="dfm's checkpoint loads each parameter's main weight and Adam moments (private accessor)",
-        relies_on=("def _set_main_param_and_optimizer_states(self, model_param, tensors):",),
-        replace=checkpointing.calling("_set_main_param_and_optimizer_states"),
-        site="DistributedOptimizer",
-        cpu_only=False,
-    ),
+    _distopt_accessor("set_param_states", "_set_main_param_and_optimizer_states(self, model_param, tensors)"),
     Patch(
         name="async-save-results-queue",
         module="megatron.core.dist_checkpointing.strategies.filesystem_async",
