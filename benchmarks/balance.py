@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from dfm.data.mock import MockDataSettings, MockPackedLoader, mock_sample_length
+from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking, mock_sample_length
 from dfm.data.pack_cost import PackCost
 from dfm.data.pack_selection import first_fit_decreasing
 
@@ -39,7 +39,9 @@ class Balance:
 
 def global_packs(balance: str, args: argparse.Namespace, cost: PackCost) -> list[list[int]]:
     """Token lengths of the global packs covering about ``args.samples`` samples, whole steps only."""
-    loader = MockPackedLoader(REALISTIC_MIX, 0, 1, args.seq_length, balance=balance, cost=cost, window=args.window)
+    loader = MockPackedLoader(
+        REALISTIC_MIX, 0, 1, MockPacking(args.seq_length, balance=balance, cost=cost, window=args.window)
+    )
     packs, used = [], 0
     while used < args.samples:
         pack = [mock_sample_length(REALISTIC_MIX, i) for i in loader.next_pack_indices()]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.timing import Timing, peak_memory_gib, reset_memory, start_clock, stop_clock
+from dfm.checkpoint.state import TrainingState
 from dfm.diffusion.pipeline import pipeline_from_config
 from dfm.parallel import ParallelLayout
 from dfm.training.data import build_mock_loader
@@ -27,6 +28,7 @@ def time_dfm(cfg, device: torch.device, warmup: int, steps: int, profiler=None) 
     pipeline = pipeline_from_config(cfg)
     forward_step = DiffusionForwardStep(pipeline, cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
     data = RecordingIterator(build_mock_loader(cfg, layout))
+    state = TrainingState(model, optimizer, scheduler, data)
     n_micro = num_microbatches(cfg, layout)
     for chunk in model:
         chunk.train()
@@ -38,7 +40,7 @@ def time_dfm(cfg, device: torch.device, warmup: int, steps: int, profiler=None) 
             if profiler is not None:
                 profiler.start()
         forward_step.iteration = iteration
-        train_step(forward_step, data, model, optimizer, scheduler, n_micro, device)
+        train_step(forward_step, state, n_micro, device)
     elapsed = stop_clock(device, start)
     if profiler is not None:
         profiler.stop()

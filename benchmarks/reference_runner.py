@@ -44,12 +44,12 @@ def batch_loss(model, pipeline, batch: ShapeBatch, autocast) -> torch.Tensor:
     return per_sample.sum()
 
 
-def reference_step(cfg, model, optimizer, pipeline, loader, n_micro: int, device, autocast) -> list:
-    """One optimizer step over ``n_micro`` packs; returns the packs' (video, text) lengths."""
+def reference_step(cfg, model, optimizer, pipeline, packs: list, device, autocast) -> list:
+    """One optimizer step over ``packs`` (the micro-batches); returns the packs' (video, text) lengths."""
     optimizer.zero_grad(set_to_none=True)
     lengths = []
-    for _ in range(n_micro):
-        pack = next(loader)
+    n_micro = len(packs)
+    for pack in packs:
         lengths.append(
             (
                 pack.host_sample_lengths(),
@@ -82,7 +82,8 @@ def time_reference(cfg, device: torch.device, warmup: int, steps: int, profiler=
             packs = []
             if profiler is not None:
                 profiler.start()
-        packs += reference_step(cfg, model, optimizer, pipeline, loader, n_micro, device, autocast)
+        micro_batches = [next(loader) for _ in range(n_micro)]
+        packs += reference_step(cfg, model, optimizer, pipeline, micro_batches, device, autocast)
     elapsed = stop_clock(device, start)
     if profiler is not None:
         profiler.stop()

@@ -50,7 +50,7 @@ def owned(optimizer, model_states: list[dict[str, Any]]) -> list[list[tuple[torc
                 replica_on_every_shard(template, instance),
             )
             weight = model_param.detach().view(-1)[param_range.start : param_range.end]
-            states = inner._get_main_param_and_optimizer_states(model_param)
+            states = inner.param_states(model_param)  # a compat patch (dfm/platform/compat/checkpointing.py)
             parts.append(
                 (model_param, Owned(piece, weight, {name: states[name].detach().view(-1) for name in STATE_NAMES}))
             )
@@ -107,4 +107,4 @@ def load_optimizer(optimizer, parts: list[list[tuple[Any, Owned]]], loaded: dict
         for model_param, part in inner_parts:
             for name, tensors in state.get("param_state", {}).get(part.key, {}).items():
                 part.piece.fill(part.states[name], tensors)
-            inner._set_main_param_and_optimizer_states(model_param, part.states)
+            inner.set_param_states(model_param, part.states)

@@ -27,22 +27,11 @@ def model_templates(chunk, model_sharded_state_dict) -> dict[str, Any]:
     """The chunk's model sharded state dict for its names and TP placements only (data: stand-ins)."""
     # megatron reads the shapes from the module's parameters: FSDP's compute weights, whose freed
     # buckets leave them empty between steps. Zero-memory stand-ins of the TP-local shapes take their
-    # place while the dict is built. (The flag keeps FSDP's state-dict pre-hook from swapping its
-    # DTensor shards in meanwhile.)
+    # place while the dict is built (a compat patch: dfm/platform/compat/fsdp.py).
     fsdp = chunk.module
-    fsdp._replace_param_with_raw_if_needed()
-    raw = dict(fsdp.module.named_parameters())
     shapes = {name: tp_local_shape(shard) for name, shard in named_parameters(chunk)}
-    kept = {name: raw[name].data for name in shapes}
-    fsdp.is_param_fsdp_distributed = True
-    try:
-        for name, shape in shapes.items():
-            raw[name].data = torch.empty((1,) * len(shape), dtype=raw[name].dtype).expand(shape)
+    with fsdp.stand_in_parameters(shapes):
         return model_sharded_state_dict(fsdp.module)
-    finally:
-        for name, data in kept.items():
-            raw[name].data = data
-        fsdp.is_param_fsdp_distributed = False
 
 
 def owned(chunk, optimizer, templates: dict[str, Any], is_loading: bool) -> dict[str, Owned]:

@@ -14,6 +14,7 @@ from dfm.checkpoint.run_settings import compare_run_settings, data_kind, restore
 from dfm.checkpoint.select import choose_checkpoint
 from dfm.checkpoint.state import (
     WEIGHTS_ONLY,
+    TrainingState,
     full_sharded_state_dict,
     layout,
     restore_ema,
@@ -29,16 +30,9 @@ LOAD_STAGES = ["plan", "read tensors", "model", "optimizer + EMA + schedule", "R
 
 
 def load_checkpoint(
-    path: str,
-    model,
-    optimizer,
-    scheduler,
-    loader,
-    ema=None,
-    model_config: ModelConfig | None = None,
-    run_config: ConfigContainer | None = None,
+    path: str, run: TrainingState, model_config: ModelConfig | None = None, run_config: ConfigContainer | None = None
 ) -> int:
-    """Restore everything from ``path`` (a checkpoint, or a root: its newest that verifies); -> iteration (0 if none).
+    """Restore ``run`` from ``path`` (a checkpoint, or a root: its newest that verifies); -> iteration (0 if none).
 
     With ``model_config``, a checkpoint of a different architecture is refused before any tensor is read;
     with ``run_config``, changed data settings too (dfm/checkpoint/run_settings.py).
@@ -46,6 +40,7 @@ def load_checkpoint(
     directory = choose_checkpoint(path)
     if directory is None:
         return 0
+    model, optimizer, scheduler, loader, ema = run.model, run.optimizer, run.scheduler, run.loader, run.ema
     with StageProgress(f"load {directory.name}", LOAD_STAGES) as progress:
         common = dist_checkpointing.load_common_state_dict(str(directory))
         if common.get(WEIGHTS_ONLY):

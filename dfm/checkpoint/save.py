@@ -29,7 +29,7 @@ from dfm.checkpoint.files import (
 )
 from dfm.checkpoint.manifest import FileEntry, checkpoint_files, describe_files, verify, write_manifest
 from dfm.checkpoint.run_settings import data_kind
-from dfm.checkpoint.state import full_sharded_state_dict, layout
+from dfm.checkpoint.state import TrainingState, full_sharded_state_dict, layout
 from dfm.models.common.fsdp_shards import inner_model
 
 logger = logging.getLogger("dfm.checkpoint")
@@ -41,13 +41,9 @@ OPTIMIZER_BYTES_PER_PARAM = 8
 def save_checkpoint(
     root: str,
     iteration: int,
-    model,
-    optimizer,
-    scheduler,
-    loader,
+    run: TrainingState,
     config_dict: dict,
-    keep_last: int | None,
-    ema=None,
+    keep_last: int | None = None,
     async_queue=None,
 ) -> Path:
     """Write ``<root>/iter_N`` on all ranks, then seal it, mark it ``latest`` (rank 0) and prune old ones.
@@ -62,14 +58,14 @@ def save_checkpoint(
         remove_partial(target)  # a leftover of an interrupted save of this same iteration
         target.mkdir(parents=True)
     barrier()
-    state = full_sharded_state_dict(model, optimizer, loader, is_loading=False, ema=ema).state
+    state = full_sharded_state_dict(run.model, run.optimizer, run.loader, is_loading=False, ema=run.ema).state
     state.update(
         iteration=iteration,
-        scheduler=scheduler.state_dict(),
+        scheduler=run.scheduler.state_dict(),
         config=config_dict,
-        layout=layout(model),
-        has_ema=ema is not None,
-        data_kind=data_kind(loader),
+        layout=layout(run.model),
+        has_ema=run.ema is not None,
+        data_kind=data_kind(run.loader),
     )
     if async_queue is None:
         with failures_named(target):

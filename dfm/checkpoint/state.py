@@ -89,6 +89,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+@dataclasses.dataclass
+class TrainingState:
+    """What a training checkpoint saves and restores: the (DDP-wrapped) model chunks, megatron's
+    optimizer and LR schedule, the data loader (its position) and the EMA weights (None: none kept)."""
+
+    model: list
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+    ema: Any = None
+
+
 def layout(model) -> dict[str, int]:
     """The fingerprint of the layout the (DDP-wrapped) model chunks were built for."""
     return layout_of(model[0].config).fingerprint()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -57,14 +58,26 @@ def _linear(dfm: str, diffusers: str) -> list[Rule]:
     return [rename(f"{dfm}.{p}", f"{diffusers}.{p}") for p in ("weight", "bias")]
 
 
-def _heads(dfm: str, attn: str, q: str, k: str, v: str, norm_q: str, norm_k: str, heads: int) -> list[Rule]:
+class HeadNames(NamedTuple):
+    """diffusers' names of one stream's q/k/v linears and per-head norms inside an attention module."""
+
+    q: str
+    k: str
+    v: str
+    norm_q: str
+    norm_k: str
+
+
+IMAGE_HEADS = HeadNames("to_q", "to_k", "to_v", "norm_q", "norm_k")
+TEXT_HEADS = HeadNames("add_q_proj", "add_k_proj", "add_v_proj", "norm_added_q", "norm_added_k")
+
+
+def _heads(dfm: str, attn: str, names: HeadNames, heads: int) -> list[Rule]:
     """A HeadProjection from diffusers' separate q/k/v linears and per-head norms."""
-    fused = [
-        fused_qkv(f"{dfm}.linear_qkv.{p}", f"{attn}.{q}.{p}", f"{attn}.{k}.{p}", f"{attn}.{v}.{p}", heads)
-        for p in ("weight", "bias")
-    ]
-    norms = [rename(f"{dfm}.q_layernorm.weight", f"{attn}.{norm_q}.weight")]
-    return fused + norms + [rename(f"{dfm}.k_layernorm.weight", f"{attn}.{norm_k}.weight")]
+    q, k, v = (f"{attn}.{name}" for name in names[:3])
+    fused = [fused_qkv(f"{dfm}.linear_qkv.{p}", f"{q}.{p}", f"{k}.{p}", f"{v}.{p}", heads) for p in ("weight", "bias")]
+    norms = [rename(f"{dfm}.q_layernorm.weight", f"{attn}.{names.norm_q}.weight")]
+    return fused + norms + [rename(f"{dfm}.k_layernorm.weight", f"{attn}.{names.norm_k}.weight")]
 
 
 def _double_block(i: int, heads: int) -> list[Rule]:
@@ -72,17 +85,8 @@ def _double_block(i: int, heads: int) -> list[Rule]:
     return [
         *_linear(f"{d}.adaln.linear", f"{b}.norm1.linear"),
         *_linear(f"{d}.text_adaln.linear", f"{b}.norm1_context.linear"),
-        *_heads(f"{d}.image_heads", f"{b}.attn", "to_q", "to_k", "to_v", "norm_q", "norm_k", heads),
-        *_heads(
-            f"{d}.text_heads",
-            f"{b}.attn",
-            "add_q_proj",
-            "add_k_proj",
-            "add_v_proj",
-            "norm_added_q",
-            "norm_added_k",
-            heads,
-        ),
+        *_heads(f"{d}.image_heads", f"{b}.attn", IMAGE_HEADS, heads),
+        *_heads(f"{d}.text_heads", f"{b}.attn", TEXT_HEADS, heads),
         *_linear(f"{d}.linear_proj", f"{b}.attn.to_out.0"),
         *_linear(f"{d}.text_linear_proj", f"{b}.attn.to_add_out"),
         *_linear(f"{d}.mlp.linear_fc1", f"{b}.ff.net.0.proj"),
@@ -96,7 +100,7 @@ def _single_block(i: int, j: int, heads: int) -> list[Rule]:
     d, b = f"layers.{i}", f"single_transformer_blocks.{j}"
     return [
         *_linear(f"{d}.adaln.linear", f"{b}.norm.linear"),
-        *_heads(f"{d}.heads", f"{b}.attn", "to_q", "to_k", "to_v", "norm_q", "norm_k", heads),
+        *_heads(f"{d}.heads", f"{b}.attn", IMAGE_HEADS, heads),
         *_linear(f"{d}.proj_mlp", f"{b}.proj_mlp"),
         *_linear(f"{d}.proj_out", f"{b}.proj_out"),
     ]
@@ -218,7 +222,7 @@ def per_sample_max_abs_diff(packed: Tensor, references: list[Tensor], batch) -> 
 def verification_pack(model_cfg: ModelConfig, seed: int = 0, padding: tuple[int, int] = (1, 1)):
     """(pack, t [N], guidance [N] or None): three images of different sizes (16, 15, 15 tokens) and
     text lengths; ``padding``: the layout's (segment, total) multiples."""
-    from dfm.data.mock import MockDataSettings, MockPackedLoader
+    from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking
 
     settings = MockDataSettings(
         seed=seed,
@@ -229,7 +233,7 @@ def verification_pack(model_cfg: ModelConfig, seed: int = 0, padding: tuple[int,
         text_embed_dim=model_cfg.text_embed_dim,
         pooled_text_dim=model_cfg.pooled_text_dim,
     )
-    batch = next(MockPackedLoader(settings, 0, 1, 10**6, *padding, samples_per_pack=3))
+    batch = next(MockPackedLoader(settings, 0, 1, MockPacking(10**6, *padding, samples_per_pack=3)))
     t = torch.rand(3, generator=torch.Generator().manual_seed(seed))
     return batch, t, torch.full((3,), 3.5) if model_cfg.guidance_embeds else None
 

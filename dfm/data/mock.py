@@ -120,40 +120,37 @@ def mock_sample_length(settings: MockDataSettings, index: int) -> int:
     return (t // settings.patch_temporal) * (h // settings.patch_spatial) * (w // settings.patch_spatial)
 
 
+@dataclass(frozen=True)
+class MockPacking:
+    """How the mock stream is cut into packs (module docstring) and padded for the layout."""
+
+    seq_length: int  # max real tokens per pack; the layout's padding comes on top
+    segment_multiple: int = 1  # per-sample padding (2 * CP size with context parallelism)
+    total_multiple: int = 1  # whole-pack padding (TP * CP with sequence parallelism)
+    samples_per_pack: int | None = None  # set: exactly this many samples a pack
+    balance: PackingBalance = "tokens"
+    cost: PackCost = field(default_factory=PackCost)  # balance="cost": the model width's cost model
+    window: int = 256  # balance="cost": samples a window of cost-balanced packs
+
+    def __post_init__(self) -> None:
+        if self.samples_per_pack is not None and self.samples_per_pack < 1:
+            raise ValueError(f"samples_per_pack must be >= 1, got {self.samples_per_pack}")
+        if self.balance not in PACKING_BALANCES:
+            raise ValueError(f"balance must be one of {PACKING_BALANCES}, got {self.balance!r}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+
+
 class MockPackedLoader:
     """Iterator of PackedBatches for one DP rank (see the module docstring for the index mapping)."""
 
-    def __init__(
-        self,
-        settings: MockDataSettings,
-        dp_rank: int,
-        dp_size: int,
-        seq_length: int,
-        segment_multiple: int = 1,
-        total_multiple: int = 1,
-        samples_per_pack: int | None = None,
-        balance: PackingBalance = "tokens",
-        cost: PackCost | None = None,  # None: PackCost() (a 4096-wide model)
-        window: int = 256,
-    ) -> None:
+    def __init__(self, settings: MockDataSettings, dp_rank: int, dp_size: int, packing: MockPacking) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
-        if samples_per_pack is not None and samples_per_pack < 1:
-            raise ValueError(f"samples_per_pack must be >= 1, got {samples_per_pack}")
-        if balance not in PACKING_BALANCES:
-            raise ValueError(f"balance must be one of {PACKING_BALANCES}, got {balance!r}")
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
         self.settings = settings
         self.dp_rank = dp_rank
         self.dp_size = dp_size
-        self.seq_length = seq_length
-        self.segment_multiple = segment_multiple
-        self.total_multiple = total_multiple
-        self.samples_per_pack = samples_per_pack
-        self.balance = balance
-        self.cost = cost if cost is not None else PackCost()
-        self.window = window
+        self.packing = packing
         self.next_global_index = 0  # first sample not yet in a pack (or a window)
         self.next_global_pack = 0
         self.window_start = 0  # first sample of the current cost window
@@ -162,14 +159,14 @@ class MockPackedLoader:
         self.skipped_too_long = 0
 
     def _fits_alone(self, index: int, length: int) -> bool:
-        fits = length <= self.seq_length
+        fits = length <= self.packing.seq_length
         if not fits:
             self.skipped_too_long += 1
             logger.warning(
                 "mock sample %d has %d tokens, more than seq_length=%d: skipped (%d skipped so far)",
                 index,
                 length,
-                self.seq_length,
+                self.packing.seq_length,
                 self.skipped_too_long,
             )
         return fits
@@ -182,14 +179,14 @@ class MockPackedLoader:
             length = mock_sample_length(self.settings, index)
             if self._fits_alone(index, length):
                 return index, length
-        raise RuntimeError(f"10000 mock samples in a row exceed seq_length={self.seq_length}; raise it")
+        raise RuntimeError(f"10000 mock samples in a row exceed seq_length={self.packing.seq_length}; raise it")
 
     def _greedy_pack(self) -> list[int]:
         pack, total = [], 0
         while True:
             start = self.next_global_index
             index, length = self._next_fitting_sample()
-            if pack and total + length > self.seq_length:
+            if pack and total + length > self.packing.seq_length:
                 # Rewind so the state stays two integers: the sample opens the next pack.
                 self.next_global_index = start
                 return pack
@@ -198,9 +195,9 @@ class MockPackedLoader:
 
     def _fixed_count_pack(self, count: int) -> list[int]:
         pack = [self._next_fitting_sample() for _ in range(count)]
-        if sum(length for _, length in pack) > self.seq_length:
+        if sum(length for _, length in pack) > self.packing.seq_length:
             raise ValueError(
-                f"samples {[i for i, _ in pack]} have more than seq_length={self.seq_length} tokens together; "
+                f"samples {[i for i, _ in pack]} have more than seq_length={self.packing.seq_length} tokens together; "
                 f"lower samples_per_pack={count} or raise seq_length"
             )
         return [i for i, _ in pack]
@@ -208,8 +205,8 @@ class MockPackedLoader:
     def _cost_window_packs(self, start: int) -> tuple[list[list[int]], int]:
         """-> (packs of the window starting at ``start``, first index after it)."""
         self.next_global_index = start
-        samples = [self._next_fitting_sample() for _ in range(self.window)]
-        plan = cost_balanced_packs([n for _, n in samples], self.seq_length, self.cost)
+        samples = [self._next_fitting_sample() for _ in range(self.packing.window)]
+        plan = cost_balanced_packs([n for _, n in samples], self.packing.seq_length, self.packing.cost)
         return [[samples[i][0] for i in pack] for pack in plan.packs], self.next_global_index
 
     def _cost_balanced_pack(self) -> list[int]:
@@ -224,9 +221,9 @@ class MockPackedLoader:
     def _next_global_pack(self) -> list[int]:
         """Global indices of the next global pack (any rank's); advances."""
         self.next_global_pack += 1
-        if self.samples_per_pack is not None:
-            return self._fixed_count_pack(self.samples_per_pack)
-        if self.balance == "cost":
+        if self.packing.samples_per_pack is not None:
+            return self._fixed_count_pack(self.packing.samples_per_pack)
+        if self.packing.balance == "cost":
             return self._cost_balanced_pack()
         return self._greedy_pack()
 
@@ -243,7 +240,7 @@ class MockPackedLoader:
         return self
 
     def __next__(self) -> PackedBatch:
-        batch = pack_samples(self.next_pack_samples(), self.segment_multiple, self.total_multiple)
+        batch = pack_samples(self.next_pack_samples(), self.packing.segment_multiple, self.packing.total_multiple)
         if self.settings.pooled_text_dim is not None:
             batch.pooled_text = mock_pooled_text(self.settings, batch.sample_index)
         return batch
@@ -257,7 +254,7 @@ class MockPackedLoader:
             "dp_rank": self.dp_rank,
             "dp_size": self.dp_size,
             "seed": self.settings.seed,
-            "balance": self.balance,
+            "balance": self.packing.balance,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -265,7 +262,7 @@ class MockPackedLoader:
             "dp_rank": self.dp_rank,
             "dp_size": self.dp_size,
             "seed": self.settings.seed,
-            "balance": self.balance,
+            "balance": self.packing.balance,
         }
         state = {"balance": "tokens", "window_start": 0, "window_position": 0, **state}
         for key, value in expected.items():

@@ -6,6 +6,7 @@ from dfm.diffusion.packed_loss import masked_mean_per_sample, per_token
 from dfm.diffusion.pipeline import (
     PIPELINE_NAMES,
     DiffusionPipeline,
+    SamplingOptions,
     apply_cfg_dropout,
     build_pipeline,
     cfg_drop_mask,
@@ -19,6 +20,7 @@ __all__ = [
     "EDMSettings",
     "FlowPipeline",
     "FlowSettings",
+    "SamplingOptions",
     "apply_cfg_dropout",
     "build_pipeline",
     "cfg_drop_mask",

@@ -12,15 +12,15 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch import Tensor
 
-from dfm.diffusion.packed_loss import masked_mean_per_sample, per_token
+from dfm.diffusion.packed_loss import per_token
 from dfm.diffusion.pipeline import (
     DiffusionPipeline,
     Net,
-    Shape,
+    SamplingOptions,
+    SamplingSchedule,
     at_least_fp32,
-    guided_field,
-    initial_noise,
     per_sample_level,
 )
 from dfm.diffusion.samplers import Churn, karras_sigmas, sampler_for
@@ -105,22 +105,13 @@ class EDMPipeline(DiffusionPipeline):
         x = self.noisy(x0, noise, level, sample_ids)
         return (per_token(c.c_in, sample_ids, x) * x).to(x0.dtype), c.c_noise
 
-    def training_loss(
-        self,
-        raw_out: torch.Tensor,
-        x0: torch.Tensor,
-        noise: torch.Tensor,
-        level: torch.Tensor,
-        sample_ids: torch.Tensor,
-        loss_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """lambda(sigma_i) * mean over sample i's real tokens of (D(x; sigma) - x0)^2 -> [N] fp32."""
+    def squared_error(self, raw_out: Tensor, x0: Tensor, noise: Tensor, level: Tensor, sample_ids: Tensor) -> Tensor:
+        """(D(x; sigma) - x0)^2, fp32 [S, *]; the loss weighs sample i's mean by lambda(sigma_i)."""
         sigma = at_least_fp32(level)
         c = self.preconditioning(sigma)
         x = self.noisy(x0, noise, sigma, sample_ids)
         denoised = per_token(c.c_skip, sample_ids, x) * x + per_token(c.c_out, sample_ids, x) * at_least_fp32(raw_out)
-        squared_error = (denoised - at_least_fp32(x0)) ** 2
-        return self.loss_weight(sigma) * masked_mean_per_sample(squared_error, sample_ids, loss_mask, sigma.numel())
+        return (denoised - at_least_fp32(x0)) ** 2
 
     # --- inference -------------------------------------------------------------------------------
 
@@ -135,26 +126,10 @@ class EDMPipeline(DiffusionPipeline):
         raw = net(per_token(c.c_in, sample_ids, x) * x, c.c_noise, **cond)
         return per_token(c.c_skip, sample_ids, x) * x + per_token(c.c_out, sample_ids, x) * raw.to(x.dtype)
 
-    @torch.no_grad()
-    def sample(
-        self,
-        net: Net,
-        noise: torch.Tensor | Shape,
-        sample_ids: torch.Tensor,
-        steps: int,
-        cond: dict[str, Any] | None = None,
-        uncond: dict[str, Any] | None = None,
-        guidance_scale: float = 1.0,
-        generator: torch.Generator | None = None,
-        sampler: str | None = None,
-    ) -> torch.Tensor:
-        """Integrate from sigma_max to 0 on the rho schedule; guidance acts on D(x; sigma).
-
-        noise: [S, *] standard normal (scaled by sigma_max here) or a shape to draw it for.
-        """
+    def sampling_schedule(self, options: SamplingOptions) -> SamplingSchedule:
+        """The denoiser D(x; sigma) from sigma_max to 0 on the rho schedule (eq. 5), churn per Algorithm 2."""
+        if options.shift is not None:
+            raise ValueError(f"shift={options.shift} is a flow-matching option; the EDM pipeline has no shift")
         s = self.settings
-        guided_denoise = guided_field(self.denoise, net, sample_ids, cond, uncond, guidance_scale)
-        sigmas = karras_sigmas(steps, s.sigma_min, s.sigma_max, s.rho)
-        x = at_least_fp32(initial_noise(noise, generator)) * sigmas[0]  # integrate in >= fp32
-        churn = Churn(s.S_churn, s.S_min, s.S_max, s.S_noise)
-        return self.sampler(sampler).run(guided_denoise, x, sigmas, churn, generator)
+        sigmas = karras_sigmas(options.steps, s.sigma_min, s.sigma_max, s.rho)
+        return SamplingSchedule(self.denoise, sigmas, sigmas[0], Churn(s.S_churn, s.S_min, s.S_max, s.S_noise))

@@ -15,15 +15,15 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from dfm.diffusion.packed_loss import masked_mean_per_sample, per_token
+from dfm.diffusion.packed_loss import per_token
 from dfm.diffusion.pipeline import (
     DiffusionPipeline,
     Net,
-    Shape,
+    SamplingOptions,
+    SamplingSchedule,
     at_least_fp32,
-    guided_field,
-    initial_noise,
     per_sample_level,
 )
 from dfm.diffusion.samplers import flow_timesteps, sampler_for, shift_timesteps
@@ -151,18 +151,9 @@ class FlowPipeline(DiffusionPipeline):
         """-> (x_t [S, *] in x0's dtype, c_noise [N])."""
         return self.interpolate(x0, noise, level, sample_ids).to(x0.dtype), self.c_noise(at_least_fp32(level))
 
-    def training_loss(
-        self,
-        raw_out: torch.Tensor,
-        x0: torch.Tensor,
-        noise: torch.Tensor,
-        level: torch.Tensor,
-        sample_ids: torch.Tensor,
-        loss_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """Mean over sample i's real tokens of (v_hat - v)^2 -> [N] fp32 (unit weight)."""
-        squared_error = (at_least_fp32(raw_out) - self.target_velocity(x0, noise)) ** 2
-        return masked_mean_per_sample(squared_error, sample_ids, loss_mask, level.numel())
+    def squared_error(self, raw_out: Tensor, x0: Tensor, noise: Tensor, level: Tensor, sample_ids: Tensor) -> Tensor:
+        """(v_hat - v)^2, fp32 [S, *] (unit loss weight)."""
+        return (at_least_fp32(raw_out) - self.target_velocity(x0, noise)) ** 2
 
     # --- inference -------------------------------------------------------------------------------
 
@@ -181,25 +172,7 @@ class FlowPipeline(DiffusionPipeline):
         v = self.velocity(net, x, t, sample_ids, **cond)
         return (1 - self.settings.sigma_min) * x - per_token(self.noise_scale(t), sample_ids, x) * v
 
-    @torch.no_grad()
-    def sample(
-        self,
-        net: Net,
-        noise: torch.Tensor | Shape,
-        sample_ids: torch.Tensor,
-        steps: int,
-        cond: dict[str, Any] | None = None,
-        uncond: dict[str, Any] | None = None,
-        guidance_scale: float = 1.0,
-        generator: torch.Generator | None = None,
-        sampler: str | None = None,
-        shift: float | None = None,
-    ) -> torch.Tensor:
-        """Integrate dx/dt = v from t = 1 to 0 over the shifted schedule; guidance acts on v.
-
-        noise: [S, *] standard normal, or a shape to draw it for. ``shift`` overrides the settings'.
-        """
-        guided_velocity = guided_field(self.velocity, net, sample_ids, cond, uncond, guidance_scale)
-        timesteps = flow_timesteps(steps, self.settings.shift if shift is None else shift)
-        x = at_least_fp32(initial_noise(noise, generator))  # integrate in >= fp32
-        return self.sampler(sampler).run(guided_velocity, x, timesteps)
+    def sampling_schedule(self, options: SamplingOptions) -> SamplingSchedule:
+        """The velocity v from t = 1 to 0 over the shifted schedule (``options.shift`` overrides the settings')."""
+        shift = self.settings.shift if options.shift is None else options.shift
+        return SamplingSchedule(self.velocity, flow_timesteps(options.steps, shift))

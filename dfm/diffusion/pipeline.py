@@ -17,17 +17,40 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch import Tensor
 
 from dfm.data.packed_batch import segment_lengths
-from dfm.diffusion.samplers import Sampler, classifier_free_guidance, sampler_for
+from dfm.diffusion.packed_loss import masked_mean_per_sample
+from dfm.diffusion.samplers import Churn, Sampler, classifier_free_guidance, sampler_for
 
 Net = Callable[..., torch.Tensor]
 Shape = Sequence[int] | torch.Size
 
 PIPELINE_NAMES = ("edm", "flow")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """How to sample: solver, steps, classifier-free guidance and the seed of the sampling noise."""
+
+    steps: int
+    guidance_scale: float = 1.0  # 1: the conditional prediction alone (a given uncond still runs)
+    sampler: str | None = None  # None: the pipeline settings' sampler
+    seed: int = 0  # the CPU generator of the starting noise (for a shape) and of EDM's churn
+    shift: float | None = None  # flow matching only: overrides the settings' shift
+
+
+class SamplingSchedule(NamedTuple):
+    """What a pipeline hands the solver: the field it integrates over ``levels``, from noise of std
+    ``start_std``, with EDM's churn (ignored by the deterministic solvers)."""
+
+    field: Callable[..., torch.Tensor]  # (net, x, level [N], sample_ids, **cond) -> [S, *]
+    levels: list[float]
+    start_std: float = 1.0
+    churn: Churn = Churn()
 
 
 class DiffusionPipeline(ABC):
@@ -68,6 +91,13 @@ class DiffusionPipeline(ABC):
         """-> (x_in [S, *], c_noise [N])."""
 
     @abstractmethod
+    def squared_error(self, raw_out: Tensor, x0: Tensor, noise: Tensor, level: Tensor, sample_ids: Tensor) -> Tensor:
+        """Per token and feature, fp32 [S, *]: the squared error of the formulation's prediction."""
+
+    def loss_weight(self, level: Tensor) -> Tensor | None:
+        """Per-sample loss weight [N] at ``level``; None: unit weight."""
+        return None
+
     def training_loss(
         self,
         raw_out: torch.Tensor,
@@ -78,6 +108,10 @@ class DiffusionPipeline(ABC):
         loss_mask: torch.Tensor,
     ) -> torch.Tensor:
         """-> per-sample loss [N] (fp32): masked mean over real tokens and features, times the weight."""
+        squared_error = self.squared_error(raw_out, x0, noise, level, sample_ids)
+        per_sample = masked_mean_per_sample(squared_error, sample_ids, loss_mask, level.numel())
+        weight = self.loss_weight(at_least_fp32(level))
+        return per_sample if weight is None else weight * per_sample
 
     @abstractmethod
     def denoise(
@@ -86,19 +120,26 @@ class DiffusionPipeline(ABC):
         """-> x0_hat [S, *], the model's estimate of clean data from ``x`` at noise ``level``."""
 
     @abstractmethod
+    def sampling_schedule(self, options: SamplingOptions) -> SamplingSchedule:
+        """The field, levels, starting std and churn that ``sample`` integrates for ``options``."""
+
+    @torch.no_grad()
     def sample(
         self,
         net: Net,
         noise: torch.Tensor | Shape,
         sample_ids: torch.Tensor,
-        steps: int,
+        options: SamplingOptions,
         cond: dict[str, Any] | None = None,
         uncond: dict[str, Any] | None = None,
-        guidance_scale: float = 1.0,
-        generator: torch.Generator | None = None,
-        sampler: str | None = None,
     ) -> torch.Tensor:
-        """Generate clean samples [S, *] from standard-normal ``noise`` (or draw it for a shape)."""
+        """Generate clean samples [S, *] from standard-normal ``noise`` [S, *] (or noise drawn for a
+        shape from ``options.seed``); guidance acts on the integrated field (EDM: D; flow: v)."""
+        generator = torch.Generator().manual_seed(options.seed)
+        schedule = self.sampling_schedule(options)
+        field = guided_field(schedule.field, net, sample_ids, cond, uncond, options.guidance_scale)
+        x = at_least_fp32(initial_noise(noise, generator)) * schedule.start_std  # integrate in >= fp32
+        return self.sampler(options.sampler).run(field, x, schedule.levels, schedule.churn, generator)
 
     def loss_for(
         self,

@@ -25,7 +25,7 @@ from dfm.config.container import ConfigContainer
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.prepare.pipeline import DEFAULT_T5, DEFAULT_VAE
 from dfm.diffusion.flow import shift_for_num_tokens
-from dfm.diffusion.pipeline import DiffusionPipeline, pipeline_from_config
+from dfm.diffusion.pipeline import SamplingOptions, pipeline_from_config
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
 from dfm.inference.encoders import (
     NEEDS_CLIP,
@@ -119,11 +119,11 @@ def with_embedded_guidance(cfg: ConfigContainer, guidance_scale: float) -> tuple
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, guidance=guidance_scale)), 1.0
 
 
-def sampling_pipeline(cfg: ConfigContainer, num_tokens: int) -> DiffusionPipeline:
-    """The config's pipeline; with ``flow.dynamic_shift`` its shift is the one for ``num_tokens`` (FLUX)."""
+def sampling_shift(cfg: ConfigContainer, num_tokens: int) -> float | None:
+    """With ``flow.dynamic_shift`` the flow shift for ``num_tokens`` (FLUX); None: the config's."""
     if cfg.model.pipeline == "flow" and cfg.flow.dynamic_shift:
-        cfg = dataclasses.replace(cfg, flow=dataclasses.replace(cfg.flow, shift=shift_for_num_tokens(num_tokens)))
-    return pipeline_from_config(cfg)
+        return shift_for_num_tokens(num_tokens)
+    return None
 
 
 def prompt_batch(prompt: str, noise: torch.Tensor, encoders, model_cfg) -> PackedBatch:
@@ -152,18 +152,10 @@ def sample_prompt(
     if args.negative_prompt is not None:
         uncond = prompt_batch(args.negative_prompt, noise, encoders, cfg.model).to(device)
     logger.info("sampling a latent of shape %s (%d tokens)", tuple(noise.shape), batch.seq_len)
-    return sample_latent(
-        model,
-        sampling_pipeline(cfg, batch.seq_len),
-        cfg.model.pipeline,
-        batch,
-        cfg.model,
-        args.num_steps,
-        guidance_scale,
-        args.sampler,
-        args.seed,
-        uncond,
+    options = SamplingOptions(
+        args.num_steps, guidance_scale, args.sampler, args.seed, sampling_shift(cfg, batch.seq_len)
     )
+    return sample_latent(model, pipeline_from_config(cfg), batch, cfg.model, options, uncond)
 
 
 def generate(args: argparse.Namespace, device: torch.device) -> Path:

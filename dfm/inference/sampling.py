@@ -7,7 +7,7 @@ from tqdm import tqdm
 
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.patchify import unpatchify
-from dfm.diffusion.pipeline import DiffusionPipeline
+from dfm.diffusion.pipeline import DiffusionPipeline, SamplingOptions
 from dfm.inference.generation_batch import null_text_batch
 
 
@@ -34,13 +34,9 @@ def sample_latent(*args, **kwargs) -> torch.Tensor:
 def sample_latents(
     model: torch.nn.Module,
     pipeline: DiffusionPipeline,
-    pipeline_name: str,
     batch: PackedBatch,
     model_cfg,
-    steps: int,
-    guidance_scale: float,
-    sampler: str | None = None,
-    seed: int = 0,
+    options: SamplingOptions,
     uncond: PackedBatch | None = None,
 ) -> list[torch.Tensor]:
     """Denoise ``batch.latents`` (the starting noise of every sample in the pack) at once
@@ -50,20 +46,17 @@ def sample_latents(
     ``uncond``: the unconditional pass's pack (a negative prompt's text, as Wan samples); None: the
     text zeroed, as cfg dropout trains it.
     """
-    guided = guidance_scale != 1.0
-    solver = pipeline.sampler(sampler)
-    total = solver.model_calls(steps, guided)
-    with tqdm(total=total, desc=f"{pipeline_name}/{solver.name} {steps} steps", unit="eval") as progress:
+    guided = options.guidance_scale != 1.0
+    solver = pipeline.sampler(options.sampler)
+    total = solver.model_calls(options.steps, guided)
+    with tqdm(total=total, desc=f"{pipeline.name}/{solver.name} {options.steps} steps", unit="eval") as progress:
         latents = pipeline.sample(
             ProgressNet(model, progress),
             batch.latents,
             batch.token_sample_ids(),
-            steps,
+            options,
             cond={"batch": batch},
             uncond={"batch": uncond if uncond is not None else null_text_batch(batch)} if guided else None,
-            guidance_scale=guidance_scale,
-            generator=torch.Generator().manual_seed(seed),
-            sampler=solver.name,
         )
     return unpack_latents(latents, batch, model_cfg)
 

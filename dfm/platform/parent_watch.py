@@ -31,7 +31,7 @@ LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun in every worker
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption: the worker saves, its helpers carry on
 
 _fork_state = {"parent": 0, "from_main_thread": True, "hooked": False}
-_writer_queue_managers: list = []  # referenced for the process's lifetime: dropping one stops its server
+_writer_queue: dict = {}  # "manager", "queue": referenced for the process's lifetime (dropping the manager stops it)
 
 
 def die_with_launcher() -> None:
@@ -91,13 +91,15 @@ def checkpoint_writer_queue_dies_with_us() -> None:
     megatron creates it lazily with a *spawned* ``Manager`` (fork hooks do not run there), which
     outlives a killed rank and dies from a SIGTERM to the rank's process group (the next save then
     fails with a broken pipe); creating it first, with the parent watch and the stop signals
-    ignored, closes both gaps.
+    ignored, closes both gaps. megatron gets it through the compat patch ``async-save-results-queue``.
     """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is not None:
+    if _writer_queue:
         return
     manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
     manager.start(initializer=_helper_of, initargs=(os.getpid(),))
-    _writer_queue_managers.append(manager)
-    filesystem_async._results_queue = manager.Queue()
+    _writer_queue.update(manager=manager, queue=manager.Queue())
+
+
+def writer_results_queue():
+    """The queue ``checkpoint_writer_queue_dies_with_us`` started; None before (megatron then makes its own)."""
+    return _writer_queue.get("queue")

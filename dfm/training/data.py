@@ -7,7 +7,7 @@ import dataclasses
 from megatron.core import parallel_state
 
 from dfm.config.container import ConfigContainer
-from dfm.data.mock import MockDataSettings, MockPackedLoader
+from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking
 from dfm.data.pack_cost import PackCost
 from dfm.parallel.layout import ParallelLayout
 
@@ -36,10 +36,7 @@ def build_mock_loader(cfg: ConfigContainer, layout: ParallelLayout) -> MockPacke
     )
     dp_rank, dp_size = data_parallel_info()
     segment, total = layout.padding_multiples()
-    return MockPackedLoader(
-        settings,
-        dp_rank,
-        dp_size,
+    packing = MockPacking(
         d.seq_length,
         segment,
         total,
@@ -48,6 +45,7 @@ def build_mock_loader(cfg: ConfigContainer, layout: ParallelLayout) -> MockPacke
         cost=pack_cost(cfg),
         window=d.packing_buffer_size or 1,
     )
+    return MockPackedLoader(settings, dp_rank, dp_size, packing)
 
 
 def energon_settings(cfg: ConfigContainer, layout: ParallelLayout):

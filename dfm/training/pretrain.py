@@ -18,6 +18,7 @@ from dfm.checkpoint.files import set_aside_partial_saves
 from dfm.checkpoint.load import load_checkpoint
 from dfm.checkpoint.root_lock import root_locked
 from dfm.checkpoint.save import save_checkpoint, warn_if_little_room
+from dfm.checkpoint.state import TrainingState
 from dfm.checkpoint.weights_only import load_pretrained
 from dfm.config.container import ConfigContainer
 from dfm.config.loader import config_to_dict, format_config, save_config_yaml
@@ -124,26 +125,20 @@ def reduce_loss_and_tokens(losses_reduced: list[dict], device: torch.device) -> 
 
 
 def train_step(
-    forward_step,
-    data_iter,
-    model,
-    optimizer,
-    scheduler,
-    n_micro: int,
-    device,
-    preemption: PreemptionSignal | None = None,
+    forward_step, state: TrainingState, n_micro: int, device, preemption: PreemptionSignal | None = None
 ) -> tuple:
-    """One optimizer step; a non-finite loss or gradient skips the update.
+    """One optimizer step over ``n_micro`` packs of ``state.loader``; a non-finite loss or gradient skips the update.
 
     -> (losses, updated, grad_norm, preempt): ``preempt`` is True on every rank once any rank got a
     preemption signal (agreed in the same all-reduce as the finite check).
     """
+    model, optimizer = state.model, state.optimizer
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
         forward_step_func=forward_step,
-        **schedule_model_and_data(model, data_iter),
+        **schedule_model_and_data(model, state.loader),
         num_microbatches=n_micro,
         seq_length=1,  # unused: variable_seq_lengths makes stages exchange shapes
         micro_batch_size=1,
@@ -155,7 +150,7 @@ def train_step(
         return losses, False, None, preempt
     update_ok, grad_norm, _ = optimizer.step()
     if update_ok:
-        scheduler.step(increment=1)
+        state.scheduler.step(increment=1)
     return losses, update_ok, grad_norm, preempt
 
 
@@ -170,7 +165,7 @@ def pretrain(cfg: ConfigContainer, mock: bool) -> None:
     device = initialize_distributed(layout, seed=cfg.rng.seed, timeout_minutes=cfg.train.collective_timeout_minutes)
     try:
         with root_locked(cfg.checkpoint.save):  # one run per checkpoint root, taken before anything is written
-            run(cfg, layout, mock, device, preemption)
+            run(RunContext(cfg, layout, device, mock), preemption)
     except Exception:
         logger.exception("rank %d failed", torch.distributed.get_rank())
         raise
@@ -189,9 +184,8 @@ def announce_config(cfg: ConfigContainer) -> None:
         set_aside_partial_saves(cfg.checkpoint.save)
 
 
-def run(
-    cfg: ConfigContainer, layout: ParallelLayout, mock: bool, device: torch.device, preemption: PreemptionSignal
-) -> None:
+def run(context: RunContext, preemption: PreemptionSignal) -> None:
+    cfg, layout, device = context.cfg, context.layout, context.device
     rank = torch.distributed.get_rank()
     finalize_defaults(cfg, layout)
     if rank == 0:
@@ -200,17 +194,16 @@ def run(
     model, tconfig = build_model(cfg, layout, device)
     optimizer, scheduler = build_optimizer(cfg, model, tconfig)
     log_memory(cfg, layout, model, optimizer)
-    data_iter = RecordingIterator(build_train_loader(cfg, layout, mock))
-    ema = build_ema(model, cfg.optimizer.ema_decay)
+    data_iter = RecordingIterator(build_train_loader(cfg, layout, context.mock))
+    state = TrainingState(model, optimizer, scheduler, data_iter, build_ema(model, cfg.optimizer.ema_decay))
     start = 0
     if cfg.checkpoint.load:
-        start = load_checkpoint(cfg.checkpoint.load, model, optimizer, scheduler, data_iter, ema, cfg.model, cfg)
+        start = load_checkpoint(cfg.checkpoint.load, state, cfg.model, cfg)
     if start == 0 and cfg.checkpoint.pretrained:
-        start_from_pretrained(cfg, model, optimizer, ema)
-    warn_if_little_room(cfg.checkpoint.save, model, ema)
+        start_from_pretrained(cfg, model, optimizer, state.ema)
+    warn_if_little_room(cfg.checkpoint.save, model, state.ema)
     forward_step = DiffusionForwardStep(pipeline_from_config(cfg), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
-    loop = TrainLoop(cfg, layout, model, optimizer, scheduler, data_iter, forward_step, device, mock, ema, preemption)
-    loop.run(start)
+    TrainLoop(context, state, forward_step, preemption).run(start)
 
 
 def start_from_pretrained(cfg: ConfigContainer, model, optimizer, ema) -> None:
@@ -221,24 +214,23 @@ def start_from_pretrained(cfg: ConfigContainer, model, optimizer, ema) -> None:
         ema.reset(model)
 
 
+@dataclass(frozen=True)
+class RunContext:
+    """The settings every part of a run reads: resolved config, parallel layout, compute device, mock data."""
+
+    cfg: ConfigContainer
+    layout: ParallelLayout
+    device: torch.device
+    mock: bool
+
+
 class TrainLoop:
-    def __init__(
-        self,
-        cfg,
-        layout,
-        model,
-        optimizer,
-        scheduler,
-        data_iter,
-        forward_step,
-        device,
-        mock: bool,
-        ema=None,
-        preemption=None,
-    ):
-        self.cfg, self.layout, self.model, self.optimizer, self.scheduler = cfg, layout, model, optimizer, scheduler
-        self.data_iter, self.forward_step, self.device, self.mock = data_iter, forward_step, device, mock
-        self.ema = ema
+    """Steps, logging, validation and checkpoints of one run (``state.loader`` is a RecordingIterator)."""
+
+    def __init__(self, context: RunContext, state: TrainingState, forward_step, preemption=None):
+        self.context, self.state, self.forward_step = context, state, forward_step
+        cfg, layout, device = context.cfg, context.layout, context.device
+        self.cfg, self.layout, self.device = cfg, layout, device
         self.async_saves = AsyncCallsQueue() if cfg.checkpoint.async_save else None
         # Validation: no text dropout, noise fixed (iteration 0) so evaluations are comparable.
         self.val_forward_step = DiffusionForwardStep(forward_step.pipeline, cfg.rng.seed, 0.0, device)
@@ -263,22 +255,15 @@ class TrainLoop:
                 for chunk in self.model:
                     chunk.train()
                 losses, updated, grad_norm, preempt = train_step(
-                    self.forward_step,
-                    self.data_iter,
-                    self.model,
-                    self.optimizer,
-                    self.scheduler,
-                    self.n_micro,
-                    self.device,
-                    self.signal,
+                    self.forward_step, self.state, self.n_micro, self.device, self.signal
                 )
                 self.guard.record(updated, iteration)
-                if updated and self.ema is not None:
+                if updated and self.state.ema is not None:
                     self.update_ema()
                 if self.async_saves is not None:
                     self.async_saves.maybe_finalize_async_calls(blocking=False)
                 window.iterations += 1
-                window.packs += self.data_iter.take()
+                window.packs += self.state.loader.take()
                 last = iteration == cfg.train.train_iters
                 if iteration % cfg.logger.log_interval == 0 or last:
                     self.log(iteration, losses, grad_norm, window)
@@ -309,16 +294,21 @@ class TrainLoop:
         )
         logger.info("rank %d exiting after the preemption signal: %s", torch.distributed.get_rank(), where)
 
+    @property
+    def model(self) -> list:
+        return self.state.model
+
     def update_ema(self) -> None:
         finish_param_gather(self.model)  # the EMA must see this step's weights on every DP rank
-        self.ema.update(self.model)
+        self.state.ema.update(self.model)
 
     def generation_weights(self):
         """Sample from the EMA weights when the run keeps them (as DiT does)."""
-        return self.ema.swapped_in(self.model) if self.ema is not None else contextlib.nullcontext()
+        ema = self.state.ema
+        return ema.swapped_in(self.model) if ema is not None else contextlib.nullcontext()
 
     def validate(self, iteration: int) -> None:
-        val_iter = FirstBatch(build_val_iterator(self.cfg, self.layout, self.mock))
+        val_iter = FirstBatch(build_val_iterator(self.cfg, self.layout, self.context.mock))
         losses = validation_loss(self.val_forward_step, val_iter, self.model, self.cfg.train.eval_iters)
         loss, _ = reduce_loss_and_tokens(losses, self.device)
         with self.generation_weights():
@@ -334,17 +324,9 @@ class TrainLoop:
             return
         if self.async_saves is not None:
             self.async_saves.maybe_finalize_async_calls(blocking=True)  # one save in flight at a time
+        checkpoint = self.cfg.checkpoint
         save_checkpoint(
-            self.cfg.checkpoint.save,
-            iteration,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            self.data_iter,
-            config_to_dict(self.cfg),
-            self.cfg.checkpoint.keep_last,
-            self.ema,
-            self.async_saves,
+            checkpoint.save, iteration, self.state, config_to_dict(self.cfg), checkpoint.keep_last, self.async_saves
         )
 
     def log(self, iteration: int, losses, grad_norm, window: LogWindow) -> None:
@@ -368,7 +350,7 @@ class TrainLoop:
             "iteration": iteration,
             "train_iters": self.cfg.train.train_iters,
             "loss": loss,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": self.state.optimizer.param_groups[0]["lr"],
             "grad_norm": norm if norm is not None and math.isfinite(norm) else None,
             "skipped_iterations": self.guard.skipped,
             "step_time_s": elapsed / window.iterations,
@@ -377,5 +359,5 @@ class TrainLoop:
             "mfu": mfu(tflops, self.peak),
             "global_batch_size": self.cfg.train.global_batch_size,
             # This rank's loader (energon with dataset.skip_bad_samples); each is also logged by name.
-            "skipped_bad_samples": getattr(self.data_iter.loader, "skipped_bad_samples", 0),
+            "skipped_bad_samples": getattr(self.state.loader.loader, "skipped_bad_samples", 0),
         }

@@ -15,7 +15,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dfm.config.container import ConfigContainer
 from dfm.data.packed_batch import PackedBatch
-from dfm.diffusion.pipeline import DiffusionPipeline
+from dfm.diffusion.pipeline import DiffusionPipeline, SamplingOptions
 from dfm.inference.generation_batch import draw_noise, generation_batch
 from dfm.inference.sampling import sample_latent
 from dfm.training.setup import schedule_model_and_data
@@ -62,15 +62,8 @@ def generate_validation_sample(
     text, shape = first_sample_text(batch)
     noise = draw_noise(shape, seed=cfg.rng.seed + dp_rank)
     gen_batch = generation_batch(noise, text, cfg.model).to(device)
-    latent = sample_latent(
-        model[0],
-        pipeline,
-        cfg.model.pipeline,
-        gen_batch,
-        cfg.model,
-        steps=cfg.train.eval_sampling_steps,
-        guidance_scale=1.0,
-    )
+    options = SamplingOptions(steps=cfg.train.eval_sampling_steps)
+    latent = sample_latent(model[0], pipeline, gen_batch, cfg.model, options)
     if parallel_state.get_tensor_model_parallel_rank() != 0:
         return None
     path = Path(cfg.checkpoint.save) / "validation_generation" / f"iter_{iteration:07d}_dp{dp_rank}.pt"

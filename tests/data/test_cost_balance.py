@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.balance import REALISTIC_MIX, global_packs, measure
-from dfm.data.mock import MockDataSettings, MockPackedLoader, mock_sample_length
+from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking, mock_sample_length
 from dfm.data.pack_cost import PackCost
 from dfm.data.pack_selection import cost_balanced_packs
 
@@ -58,12 +58,14 @@ def cost_loader(dp_rank: int, dp_size: int, segment_multiple: int = 1, total_mul
         REALISTIC_MIX,
         dp_rank,
         dp_size,
-        seq_length=32768,
-        segment_multiple=segment_multiple,
-        total_multiple=total_multiple,
-        balance="cost",
-        cost=PackCost.for_width(4096),
-        window=64,
+        MockPacking(
+            seq_length=32768,
+            segment_multiple=segment_multiple,
+            total_multiple=total_multiple,
+            balance="cost",
+            cost=PackCost.for_width(4096),
+            window=64,
+        ),
     )
 
 
@@ -89,7 +91,9 @@ def test_mock_cost_loader_resumes_mid_window():
     mock = MockDataSettings(seed=3, text_embed_dim=8, in_channels=4)
 
     def make():
-        return MockPackedLoader(mock, 1, 2, seq_length=1024, balance="cost", cost=PackCost.for_width(64), window=16)
+        return MockPackedLoader(
+            mock, 1, 2, MockPacking(seq_length=1024, balance="cost", cost=PackCost.for_width(64), window=16)
+        )
 
     reference = make()
     for _ in range(5):

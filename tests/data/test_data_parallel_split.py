@@ -9,7 +9,7 @@ import torch
 
 from dfm.data.energon.data_module import EnergonDataSettings, build_train_loader
 from dfm.data.energon.task_encoder import PackingSettings, sample_metadata
-from dfm.data.mock import MockDataSettings, MockPackedLoader
+from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking
 
 NUM_PACKS = 6
 
@@ -65,9 +65,8 @@ def test_data_parallel_ranks_see_different_samples(rank_keys):
 
 def mock_loader(dp_rank: int, dp_size: int, samples_per_pack=None) -> MockPackedLoader:
     mock = MockDataSettings(seed=11, in_channels=4, text_embed_dim=8)
-    return MockPackedLoader(
-        mock, dp_rank, dp_size, seq_length=1024, segment_multiple=2, total_multiple=4, samples_per_pack=samples_per_pack
-    )
+    packing = MockPacking(seq_length=1024, segment_multiple=2, total_multiple=4, samples_per_pack=samples_per_pack)
+    return MockPackedLoader(mock, dp_rank, dp_size, packing)
 
 
 def test_mock_loader_same_dp_rank_same_packs_and_disjoint_across_dp():

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from benchmarks.packing_draws import mixed_stream_efficiency
 from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings
-from dfm.data.mock import MockDataSettings, MockPackedLoader, mock_sample
+from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking, mock_sample
 from dfm.data.pack_selection import first_fit_decreasing
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ def test_mock_packs_do_not_depend_on_the_layout_padding():
     settings = MockDataSettings(seed=5, **ODD_SIZES)
     grouping = {}
     for name, (seg, tot) in LAYOUT_PADDINGS.items():
-        loader = MockPackedLoader(settings, 0, 1, seq_length=96, segment_multiple=seg, total_multiple=tot)
+        loader = MockPackedLoader(settings, 0, 1, MockPacking(seq_length=96, segment_multiple=seg, total_multiple=tot))
         grouping[name] = [next(loader).sample_index.tolist() for _ in range(20)]
     assert grouping["tp1"] == grouping["tp2_sp"] == grouping["cp2"]
 

@@ -10,7 +10,7 @@ import torch
 
 from dfm.data.energon.data_module import EnergonDataSettings, build_train_loader
 from dfm.data.energon.task_encoder import PackingSettings, sample_metadata
-from dfm.data.mock import MockDataSettings, MockPackedLoader
+from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking
 
 
 def pack_signature(batch) -> tuple:
@@ -65,10 +65,9 @@ def test_mock_loader_resumes_exactly(samples_per_pack):
             mock,
             dp_rank=1,
             dp_size=3,
-            seq_length=1024,
-            segment_multiple=4,
-            total_multiple=8,
-            samples_per_pack=samples_per_pack,
+            packing=MockPacking(
+                seq_length=1024, segment_multiple=4, total_multiple=8, samples_per_pack=samples_per_pack
+            ),
         )
 
     reference = make()

@@ -12,6 +12,7 @@ from scipy import stats
 from dfm.diffusion import (
     FlowPipeline,
     FlowSettings,
+    SamplingOptions,
     apply_cfg_dropout,
     build_pipeline,
     cfg_drop_mask,
@@ -196,5 +197,5 @@ def test_bf16_activations_keep_fp32_noise_levels_loss_and_sampling(name):
     def net(x_in, c_noise):
         return torch.zeros_like(x_in, dtype=torch.bfloat16)
 
-    samples = pipe.sample(net, noise.bfloat16(), ids, 4)
+    samples = pipe.sample(net, noise.bfloat16(), ids, SamplingOptions(4))
     assert samples.dtype == torch.float32 and torch.isfinite(samples).all()

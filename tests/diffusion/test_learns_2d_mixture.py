@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from dfm.diffusion import apply_cfg_dropout, build_pipeline
+from dfm.diffusion import SamplingOptions, apply_cfg_dropout, build_pipeline
 
 NUM_MODES = 8
 NUM_CLASSES = 2  # conditional test: the upper and lower half of the circle
@@ -147,9 +147,7 @@ def test_trained_pipeline_samples_the_mixture(name, settings, sampler, steps):
     pipe = build_pipeline(name, **settings)
     net = train(pipe, TrainSettings())
     n = 4000
-    samples = pipe.sample(
-        net, (n, 2), torch.arange(n), steps, generator=torch.Generator().manual_seed(9), sampler=sampler
-    )
+    samples = pipe.sample(net, (n, 2), torch.arange(n), SamplingOptions(steps, sampler=sampler, seed=9))
     report = mixture_report(samples)
     assert report["max_frequency_error"] < FREQUENCY_TOL, report
     assert report["max_mean_error"] < MEAN_TOL, report
@@ -178,9 +176,9 @@ def test_cfg_dropout_training_gives_conditional_and_unconditional_model():
     want = {"context": class_context(torch.full((n,), label * NUM_MODES // 2))}
     null = {"context": torch.zeros(n, NUM_CLASSES)}
 
-    def draw(**guidance):
-        generator = torch.Generator().manual_seed(9)
-        return pipe.sample(net, (n, 2), torch.arange(n), 32, generator=generator, sampler="heun", **guidance)
+    def draw(cond, uncond=None, guidance_scale=1.0):
+        options = SamplingOptions(32, guidance_scale, sampler="heun", seed=9)
+        return pipe.sample(net, (n, 2), torch.arange(n), options, cond, uncond)
 
     unconditional, conditional = draw(cond=null), draw(cond=want)
     guided = draw(cond=want, uncond=null, guidance_scale=3.0)

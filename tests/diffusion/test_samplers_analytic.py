@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dfm.diffusion import build_pipeline
+from dfm.diffusion import SamplingOptions, build_pipeline
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/diffusion/conftest.py
 
@@ -112,9 +112,7 @@ def test_sampler_reproduces_gaussian_data(name, settings, sampler, steps):
         net,
         standard_noise(NUM_SAMPLES),
         torch.arange(NUM_SAMPLES),
-        steps,
-        sampler=sampler,
-        generator=torch.Generator().manual_seed(2),
+        SamplingOptions(steps, sampler=sampler, seed=2),
     )
     assert_matches_data(samples)
 
@@ -128,10 +126,10 @@ def mean_path_error(name: str, sampler: str, steps: int, n: int = 2000) -> float
     pipe = build_pipeline(name)
     noise = standard_noise(n, seed=3)
     if name == "edm":
-        samples = pipe.sample(edm_net(pipe), noise, torch.arange(n), steps, sampler=sampler)
+        samples = pipe.sample(edm_net(pipe), noise, torch.arange(n), SamplingOptions(steps, sampler=sampler))
         exact = edm_exact_endpoint(noise, pipe.settings.sigma_max)
     else:
-        samples = pipe.sample(flow_net(pipe), noise, torch.arange(n), steps, sampler=sampler)
+        samples = pipe.sample(flow_net(pipe), noise, torch.arange(n), SamplingOptions(steps, sampler=sampler))
         exact = flow_exact_endpoint(noise)
     return (samples - exact).norm(dim=1).mean().item()
 
@@ -172,17 +170,16 @@ def test_guidance_equals_sampling_the_guided_gaussian(name, sampler, scale):
     net = edm_net(pipe) if name == "edm" else flow_net(pipe)
     n, steps = 500, 16
     noise, ids = standard_noise(n, seed=4), torch.arange(n)
-    guided = pipe.sample(
-        net, noise, ids, steps, cond={"mean": MU}, uncond={"mean": MU_UNCOND}, guidance_scale=scale, sampler=sampler
-    )
+    options = SamplingOptions(steps, guidance_scale=scale, sampler=sampler)
+    guided = pipe.sample(net, noise, ids, options, cond={"mean": MU}, uncond={"mean": MU_UNCOND})
     guided_mean = MU_UNCOND + scale * (MU - MU_UNCOND)
-    reference = pipe.sample(net, noise, ids, steps, cond={"mean": guided_mean}, sampler=sampler)
+    reference = pipe.sample(net, noise, ids, SamplingOptions(steps, sampler=sampler), cond={"mean": guided_mean})
     torch.testing.assert_close(guided, reference, atol=1e-9, rtol=1e-9)
 
 
 def test_sampling_from_a_shape_is_deterministic_given_generator():
     pipe = build_pipeline("flow")
     ids = torch.arange(64)
-    a = pipe.sample(flow_net(pipe), (64, 2), ids, 4, generator=torch.Generator().manual_seed(7))
-    b = pipe.sample(flow_net(pipe), (64, 2), ids, 4, generator=torch.Generator().manual_seed(7))
+    a = pipe.sample(flow_net(pipe), (64, 2), ids, SamplingOptions(4, seed=7))
+    b = pipe.sample(flow_net(pipe), (64, 2), ids, SamplingOptions(4, seed=7))
     torch.testing.assert_close(a, b)

@@ -20,6 +20,7 @@ from dfm.checkpoint.__main__ import main as checkpoint_cli
 from dfm.checkpoint.load import load_checkpoint
 from dfm.checkpoint.manifest import checkpoint_files, describe_files, write_manifest
 from dfm.checkpoint.save import save_checkpoint
+from dfm.checkpoint.state import TrainingState
 from dfm.checkpoint.weights_only import load_pretrained
 from dfm.config.loader import config_to_dict
 from dfm.config.recipes import get_recipe
@@ -56,12 +57,13 @@ class Run:
 
     def save(self, root: Path) -> Path:
         ensure_adam_state(self.optimizer)  # as after a step: the checkpoint holds Adam's moments
-        return save_checkpoint(
-            str(root), 1, self.model, self.optimizer, self.scheduler, self.loader, config_to_dict(self.cfg), None
-        )
+        return save_checkpoint(str(root), 1, self.state(), config_to_dict(self.cfg))
 
     def resume(self, root: Path) -> int:
-        return load_checkpoint(str(root), self.model, self.optimizer, self.scheduler, self.loader)
+        return load_checkpoint(str(root), self.state())
+
+    def state(self) -> TrainingState:
+        return TrainingState(self.model, self.optimizer, self.scheduler, self.loader)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 
 from dfm.config.container import ModelConfig
 from dfm.data.patchify import unpatchify
-from dfm.diffusion.pipeline import build_pipeline
+from dfm.diffusion.pipeline import SamplingOptions, build_pipeline
 from dfm.inference.generation_batch import draw_noise, generation_batch, latent_shape_for, null_text_batch
 from dfm.inference.media import check_output_path, to_uint8_frames
 
@@ -60,7 +60,7 @@ def test_progress_total_counts_every_model_call(name, sampler, guided):
     sample_ids = torch.zeros(6, dtype=torch.long)
     cond, uncond = {"batch": "text"}, ({"batch": "null"} if guided else None)
     pipeline = build_pipeline(name)
-    pipeline.sample(net, (6, 4), sample_ids, 4, cond=cond, uncond=uncond, guidance_scale=2.0, sampler=sampler)
+    pipeline.sample(net, (6, 4), sample_ids, SamplingOptions(4, guidance_scale=2.0, sampler=sampler), cond, uncond)
     assert len(calls) == pipeline.sampler(sampler).model_calls(4, guided)
 
 

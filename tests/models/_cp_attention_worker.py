@@ -7,7 +7,9 @@ largest differences of outputs and input gradients per case to OUT_DIR/rank<R>.p
 
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -68,8 +70,19 @@ def max_diff(a, b) -> float:
     return (a - b).abs().max().item()
 
 
-def compare(name, kernel, params, strategy, split, q, k, v, grad_out, kv_split: bool, backward=True) -> dict:
-    """CP output and grads of this rank's tokens vs the reference's rows for them."""
+class Case(NamedTuple):
+    """One comparison: the CP ``strategy`` against the single-process ``kernel`` on the pack ``params``."""
+
+    name: str
+    kernel: Callable
+    params: PackedSegments
+    strategy: Callable
+
+
+def compare(case: Case, split, inputs, kv_split: bool, backward=True) -> dict:
+    """CP output and grads of this rank's tokens vs the reference's rows for them; inputs: (q, k, v, grad_out)."""
+    name, kernel, params, strategy = case
+    q, k, v, grad_out = inputs
     ref_out, ref_grads = reference(kernel, params, q, k, v, grad_out, backward)
     local = lambda t: split.local(t) if kv_split else t  # noqa: E731
     leaves = [t.detach().clone().requires_grad_(backward) for t in (split.local(q), local(k), local(v))]
@@ -95,19 +108,13 @@ def self_and_cross_cases() -> dict:
     for name, kv_lens, kv_padded, is_self in [("self", q_lens, q_padded, True), ("cross", [2, 7, 4], [3, 7, 6], False)]:
         params = segments(q_lens, q_padded, kv_lens, kv_padded)
         split = LAYOUT.sequence_split(params.cu_seqlens_q_padded)
-        q, k, v, grad_out = random_inputs(sum(q_padded), sum(kv_padded))
+        inputs = random_inputs(sum(q_padded), sum(kv_padded))
         strategy = local_query_attention(params, split, self_attention=is_self)
         for backend in ("sdpa", "flex"):  # FlexAttention has no CPU backward: forward only
             results |= compare(
-                f"{name}/{backend}",
-                kernel_of(backend),
-                params,
-                strategy,
+                Case(f"{name}/{backend}", kernel_of(backend), params, strategy),
                 split,
-                q,
-                k,
-                v,
-                grad_out,
+                inputs,
                 kv_split=is_self,
                 backward=backend == "sdpa",
             )
@@ -121,18 +128,12 @@ def factorized_cases() -> dict:
     offsets = cumulative(padded)
     layout = factorized_params(offsets, grids)
     split = LAYOUT.sequence_split(offsets)
-    q, k, v, grad_out = random_inputs(sum(padded), sum(padded), seed=1)
+    inputs = random_inputs(sum(padded), sum(padded), seed=1)
     for name, params in (("spatial", layout.spatial), ("temporal", layout.temporal)):
         results |= compare(
-            f"ulysses_{name}",
-            kernel_of("sdpa"),
-            params,
-            UlyssesAttention(split, params),
+            Case(f"ulysses_{name}", kernel_of("sdpa"), params, UlyssesAttention(split, params)),
             split,
-            q,
-            k,
-            v,
-            grad_out,
+            inputs,
             kv_split=True,
         )
     return results

@@ -14,7 +14,7 @@ from dfm.models.common.packed_attention import flex_document_attention, sdpa_per
 from dfm.models.common.varlen_attention import varlen_document_attention
 
 
-def reference_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale):
+def reference_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale):  # noqa: PLR0913 (torch's varlen_attn)
     """What torch's varlen flash kernel computes: q [t, h, d] segment j attends to k segment j;
     empty segments give nothing (a query segment without keys gives zeros)."""
     out = torch.zeros_like(query)

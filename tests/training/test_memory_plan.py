@@ -10,7 +10,7 @@ from megatron.core.transformer.module import Float16Module
 
 from dfm.config.container import ModelConfig
 from dfm.convert.pretrained import single_process_world
-from dfm.data.mock import MockDataSettings, MockPackedLoader
+from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking
 from dfm.models.build import build_model_chunk
 from dfm.training.memory_plan import activation_bytes
 
@@ -75,7 +75,7 @@ def measure(cfg: ModelConfig, video: tuple[int, int, int], samples: int = 2) -> 
         text_embed_dim=TEXT_DIM,
         pooled_text_dim=cfg.pooled_text_dim,
     )
-    batch = next(MockPackedLoader(settings, 0, 1, 10**6, samples_per_pack=samples))
+    batch = next(MockPackedLoader(settings, 0, 1, MockPacking(10**6, samples_per_pack=samples)))
     t = torch.rand(samples, generator=torch.Generator().manual_seed(0))
     extra = {"flux": torch.full((samples,), 3.5), "dit_adaln": torch.zeros(samples, dtype=torch.long)}
     with single_process_world(0):

@@ -13,6 +13,7 @@ import traceback
 import pytest
 import torch
 
+from dfm.checkpoint.state import TrainingState
 from dfm.config.loader import build_config
 from dfm.diffusion.pipeline import pipeline_from_config
 from dfm.parallel import ParallelLayout
@@ -81,9 +82,8 @@ def test_one_all_reduce_and_one_read_agree_on_finite_and_preemption(trainer, mon
         preemption._handle(signal.SIGTERM, None)
     DeviceTensor.reads = []
     step.iteration = 1
-    _, updated, _, preempt = train_step(
-        FakeDeviceLoss(step, nonfinite), data, model, optimizer, scheduler, n_micro, device, preemption
-    )
+    state = TrainingState(model, optimizer, scheduler, data)
+    _, updated, _, preempt = train_step(FakeDeviceLoss(step, nonfinite), state, n_micro, device, preemption)
     assert (updated, preempt) == (not nonfinite, signalled)
     assert [c for c in calls if c.startswith("training/")] == ["training/faults.py"], calls
     reads = [read for read in DeviceTensor.reads if " at training/" in read]

@@ -17,7 +17,7 @@ from dfm.convert.rules import to_dfm
 from dfm.convert.wan import parity_samples, rules
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import unpatchify
-from dfm.diffusion.pipeline import build_pipeline
+from dfm.diffusion.pipeline import SamplingOptions, build_pipeline
 from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model
 from tests.wan._tiny import TEXT_LEN, tiny_diffusers_wan, tiny_model_config
@@ -58,7 +58,7 @@ def test_dfm_sampler_matches_wan_pipeline(dist):
     pack = pack_samples([start])
     uncond = pack_samples([dataclasses.replace(start, text=negative.text)])
     flow = build_pipeline("flow", c_noise_scale=1000.0, shift=SHIFT)
-    ours = sample_latent(model, flow, "flow", pack, cfg, STEPS, GUIDANCE, "euler", uncond=uncond)
+    ours = sample_latent(model, flow, pack, cfg, SamplingOptions(STEPS, GUIDANCE, "euler"), uncond=uncond)
     c, t, h, w = start.latent_shape
     with torch.no_grad():
         theirs = wan_pipeline(transformer)(

@@ -3,6 +3,8 @@
 Megatron's checkpointing assumes the fused Adam of Apex/TE, which keeps ``step`` in the param groups.
 torch's Adam keeps ``step`` per parameter, and three places trip over it: one megatron method (wrapped
 at install time) and two states of the optimizer around a load (fixed by ``load_checkpoint``).
+dfm's own checkpoint format reads and writes each parameter's main weight and moments through
+megatron's private per-parameter accessors, under public names the registry adds (``calling``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from dfm.platform.compat.patch import MISSING, TargetChanged
 
 
 def copying_given_keys_only(original):
@@ -59,3 +63,20 @@ def _torch_optimizers(optimizer) -> list:
     """The torch optimizers inside a megatron optimizer (chained or not)."""
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     return [inner for inner in (getattr(opt, "optimizer", None) for opt in chained) if inner is not None]
+
+
+def calling(private: str):
+    """Builds a patch that adds a public method calling megatron's private method ``private``, so
+    dfm's use of it goes through the registry (whose source check guards the private method)."""
+
+    def build(original):
+        if original is not MISSING:
+            raise TargetChanged(f"the class already has the attribute this patch adds ({original!r})")
+
+        def method(self, *args):
+            return getattr(self, private)(*args)
+
+        method.__doc__ = f"megatron's ``{private}`` (added by dfm's compat registry)."
+        return method
+
+    return build

@@ -7,12 +7,13 @@ Megatron-FSDP builds its device meshes with a ``device_type="cuda"`` literal, na
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from dfm.platform.compat.devices import cpu_if_cuda, cpu_torch_view, running_inside, tensor_method_replaced
-from dfm.platform.compat.patch import TargetChanged
+from dfm.platform.compat.patch import MISSING, TargetChanged
 
 
 def cpu_device(*args, **kwargs) -> torch.device:
@@ -98,3 +99,31 @@ def forward_through_root_hooks(original):
             return self.module(*inputs, **kwargs)
 
     return forward
+
+
+def stand_in_parameters(original):
+    """Adds ``MegatronFSDP.stand_in_parameters(shapes)``: a context manager in which the module holds
+    its raw (non-DTensor) parameters, each with zero-memory data of the TP-local shape
+    ``shapes[name]``, and FSDP's state-dict pre-hook swaps nothing in. dfm's checkpoint builds its
+    sharded-state-dict templates in it (``dfm.checkpoint.fsdp_state``): megatron reads the shapes from
+    the module's parameters, whose buckets FSDP frees between steps. After it the raw parameters
+    hold their own data again."""
+    if original is not MISSING:
+        raise TargetChanged(f"MegatronFSDP already has an attribute 'stand_in_parameters' ({original!r})")
+
+    @contextlib.contextmanager
+    def stand_in(self, shapes: dict[str, torch.Size]):
+        self._replace_param_with_raw_if_needed()
+        raw = dict(self.module.named_parameters())
+        kept = {name: raw[name].data for name in shapes}
+        self.is_param_fsdp_distributed = True  # "already distributed": the pre-hook returns at once
+        try:
+            for name, shape in shapes.items():
+                raw[name].data = torch.empty((1,) * len(shape), dtype=raw[name].dtype).expand(shape)
+            yield
+        finally:
+            for name, data in kept.items():
+                raw[name].data = data
+            self.is_param_fsdp_distributed = False
+
+    return stand_in

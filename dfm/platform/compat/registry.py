@@ -6,7 +6,7 @@ docs/device_layer.md ("Adding a patch"). All module paths are megatron-core 0.16
 
 from __future__ import annotations
 
-from dfm.platform.compat import checkpointing, fsdp, moe, optimizer, p2p, rng, safe_loading
+from dfm.platform.compat import async_save, checkpointing, fsdp, moe, optimizer, p2p, rng, safe_loading
 from dfm.platform.compat.devices import cpu_torch_view
 from dfm.platform.compat.patch import Patch
 
@@ -360,7 +360,38 @@ MEGATRON_FSDP = (
         replace=fsdp.forward_through_root_hooks,
         cpu_only=False,
     ),
+    Patch(
+        name="megatron-fsdp-stand-in-parameters",
+        module=f"{MEGATRON_FSDP_SRC}.megatron_fsdp",
+        attribute="MegatronFSDP.stand_in_parameters",
+        why="dfm's checkpoint templates need the raw parameters at their TP-local shapes while FSDP's buckets "
+        "are freed, without the state-dict pre-hook swapping the DTensor shards back in",
+        relies_on=(
+            "def _replace_param_with_raw_if_needed(self): if not self.is_param_fsdp_distributed: return",
+            "def _replace_param_with_distributed_if_needed(self): if self.is_param_fsdp_distributed: return",
+            "register_state_dict_pre_hook( lambda *args, **kwargs: self._replace_param_with_distributed_if_needed() )",
+        ),
+        replace=fsdp.stand_in_parameters,
+        site="MegatronFSDP",
+        cpu_only=False,
+    ),
 )
+
+
+def _distopt_accessor(public: str, private: str, *relies_on: str) -> Patch:
+    """``DistributedOptimizer.<public>`` added, calling the private method ``private`` (a signature)
+    through which dfm's checkpoint reads and loads each parameter's main weight and Adam moments."""
+    return Patch(
+        name=f"distrib-optimizer-{public.replace('_', '-')}",
+        module="megatron.core.optimizer.distrib_optimizer",
+        attribute=f"DistributedOptimizer.{public}",
+        why=f"dfm's checkpoint needs the per-parameter state that only the private {private.split('(')[0]} gives",
+        relies_on=(f"def {private}:", *relies_on),
+        replace=checkpointing.calling(private.split("(")[0]),
+        site="DistributedOptimizer",
+        cpu_only=False,
+    )
+
 
 # Not about the device: megatron's checkpointing with torch's Adam (no Apex / TE), applied on CUDA too.
 CHECKPOINTING = (
@@ -371,6 +402,20 @@ CHECKPOINTING = (
         why="copies every optimizer-state key, but the fully-reshardable loader does not give torch Adam's 'step'",
         relies_on=('dst_tensors = {"param": main_param, **optim_state}', "dst_tensors[key].copy_(tensors[key])"),
         replace=checkpointing.copying_given_keys_only,
+        cpu_only=False,
+    ),
+    _distopt_accessor(
+        "param_states", "_get_main_param_and_optimizer_states(self, model_param)", 'tensors = {"param": main_param'
+    ),
+    _distopt_accessor("set_param_states", "_set_main_param_and_optimizer_states(self, model_param, tensors)"),
+    Patch(
+        name="async-save-results-queue",
+        module="megatron.core.dist_checkpointing.strategies.filesystem_async",
+        attribute="_get_write_results_queue",
+        why="spawns the writers' result-queue server lazily; dfm's own (dies with the rank, outlives stop "
+        "signals: dfm/platform/parent_watch.py) is to be used instead",
+        relies_on=("_results_queue = ctx.Manager().Queue()", "return _results_queue"),
+        replace=async_save.dfm_queue_first,
         cpu_only=False,
     ),
 )

@@ -13,7 +13,7 @@ written, so the 17 grey levels of the digits survive exactly once scaled back to
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -137,7 +137,12 @@ def prepare_clips_dataset(
     """Clip folder under ``root/raw`` -> energon dataset of [1, T, canvas, canvas] latents under ``root/dataset``."""
     root = Path(root)
     write_clip_folder(root / "raw", spec, limit)
-    settings = digit_prepare_settings(
-        root, Path(t5_dir), Path(vae_dir), patch_spatial, spec.canvas, spec.frames, "sidecar", CLIP_MAX_TEXT_LEN
+    settings = replace(
+        digit_prepare_settings(root, Path(t5_dir), Path(vae_dir), patch_spatial),
+        height=spec.canvas,
+        width=spec.canvas,
+        num_frames=spec.frames,
+        caption_format="sidecar",
+        max_text_len=CLIP_MAX_TEXT_LEN,
     )
     return root / "dataset", prepare_dataset(settings)

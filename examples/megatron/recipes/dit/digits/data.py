@@ -20,7 +20,6 @@ from PIL import Image
 
 from dfm.data.encoders.identity_vae import write_identity_vae
 from dfm.data.encoders.tiny import build_tiny_t5
-from dfm.data.prepare.captions import CaptionFormat
 from dfm.data.prepare.pipeline import PrepareReport, PrepareSettings, prepare_dataset
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -82,29 +81,20 @@ def build_digit_text_encoder(out_dir: str | Path, seed: int = 0) -> Path:
     return build_tiny_t5(Path(out_dir), seed, DIGIT_TEXT_DIM)
 
 
-def digit_prepare_settings(
-    root: Path,
-    t5_dir: Path,
-    vae_dir: Path,
-    patch_spatial: int,
-    size: int = DIGIT_SIZE,
-    num_frames: int = 1,
-    caption_format: CaptionFormat = "jsonl",
-    max_text_len: int = DIGIT_MAX_TEXT_LEN,
-) -> PrepareSettings:
-    """What ``prepare_energon_dataset.py --input_dir ROOT/raw --output_dir ROOT/dataset --height SIZE
-    --width SIZE --num_frames NUM_FRAMES --t5 T5_DIR --vae VAE_DIR --vae_subfolder '' --max_text_len LEN
-    --caption_format FORMAT --run_energon_prepare`` builds."""
+def digit_prepare_settings(root: Path, t5_dir: Path, vae_dir: Path, patch_spatial: int) -> PrepareSettings:
+    """What ``prepare_energon_dataset.py --input_dir ROOT/raw --output_dir ROOT/dataset --height 8
+    --width 8 --num_frames 1 --t5 T5_DIR --vae VAE_DIR --vae_subfolder '' --max_text_len 32
+    --caption_format jsonl --run_energon_prepare`` builds (clips replace the size, frames and captions)."""
     return PrepareSettings(
         input_dir=str(root / "raw"),
         output_dir=str(root / "dataset"),
-        caption_format=caption_format,
-        height=size,
-        width=size,
-        num_frames=num_frames,
+        caption_format="jsonl",
+        height=DIGIT_SIZE,
+        width=DIGIT_SIZE,
+        num_frames=1,
         patch_spatial=patch_spatial,
         t5_name_or_dir=str(t5_dir),
-        max_text_len=max_text_len,
+        max_text_len=DIGIT_MAX_TEXT_LEN,
         vae_name_or_dir=str(vae_dir),
         vae_subfolder=None,
         shard_maxcount=500,

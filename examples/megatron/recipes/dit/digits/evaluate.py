@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dfm.diffusion.pipeline import pipeline_from_config
+from dfm.diffusion.pipeline import SamplingOptions, pipeline_from_config
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
 from dfm.inference.encoders import Encoders, EncoderSources, check_encoders_match, load_encoders
 from dfm.inference.generation_batch import draw_noise, generation_pack, null_text_batch
@@ -97,17 +97,8 @@ def generate_digits(
     guidance = sampling.guidance_scale if conditional else 1.0
     if not conditional:
         batch = null_text_batch(batch)
-    latents = sample_latents(
-        model,
-        pipeline_from_config(cfg),
-        cfg.model.pipeline,
-        batch.to(device),
-        cfg.model,
-        sampling.steps,
-        guidance,
-        sampling.sampler,
-        sampling.seed,
-    )
+    options = SamplingOptions(sampling.steps, guidance, sampling.sampler, sampling.seed)
+    latents = sample_latents(model, pipeline_from_config(cfg), batch.to(device), cfg.model, options)
     video = encoders.vae.decode(torch.stack(latents))  # [N, 3, T, H, W] in [-1, 1]
     return video_to_digit_pixels(video.mean(dim=1).cpu().numpy())
 
