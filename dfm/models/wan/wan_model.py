@@ -45,7 +45,7 @@ class WanModel(DiTModel):
             )
         super().__init__(config, layer_spec, model_cfg, pre_process, post_process, vp_stage)
         h = config.hidden_size
-        # Built after the head, where checkpoints of earlier versions list it (parameter order).
+        # Registered after the head: the parameter order (grad buckets, norms) stays what it was.
         self.time_proj = replicate_across_stages(zero_init(nn.Linear(h, NUM_BLOCK_MODULATIONS * h)))
 
     def build_head(self, layer_spec) -> nn.Module:
