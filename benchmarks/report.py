@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from benchmarks.timing import Timing
-from dfm.models.dit.flops import dit_training_flops
+from dfm.models.flops import training_flops
 
 
 def side_metrics(cfg, timing: Timing, gpus_sharing: int, peak: float | None) -> dict:
@@ -26,7 +26,7 @@ def flops_by_tokens(cfg, timing: Timing, gpus_sharing: int) -> dict[str, float]:
     by_tokens: dict[str, float] = {}
     for video, text in zip(timing.video_lens, timing.text_lens):
         by_tokens[str(video)] = (
-            by_tokens.get(str(video), 0.0) + dit_training_flops(cfg.model, [video], [text]) / gpus_sharing
+            by_tokens.get(str(video), 0.0) + training_flops(cfg.model, [video], [text]) / gpus_sharing
         )
     return by_tokens
 

@@ -24,15 +24,15 @@ def _patched(module, name: str, value) -> Iterator[None]:
 
 def flex_mask_per_call() -> contextlib.AbstractContextManager:
     """Before the landed cache: build the FlexAttention block mask in every attention call."""
-    from dfm.models.common import packed_attention
+    from dfm.models.attention import flex
 
-    cached = packed_attention.document_block_mask
+    cached = flex.document_block_mask
 
     def uncached(params, sq, sk, device):
-        params._dfm_flex_mask = None
+        params.cache.pop("flex_mask", None)
         return cached(params, sq, sk, device)
 
-    return _patched(packed_attention, "document_block_mask", uncached)
+    return _patched(flex, "document_block_mask", uncached)
 
 
 def adaln_matmul_broadcast() -> contextlib.AbstractContextManager:
@@ -55,15 +55,14 @@ def adaln_matmul_broadcast() -> contextlib.AbstractContextManager:
 def adaln_gather_backward() -> contextlib.AbstractContextManager:
     """Before the landed ``rows_to_tokens``: per-sample adaLN rows reach tokens by plain indexing,
     whose backward scatters every token's grad into its sample's row (serialised on CUDA)."""
-    from dfm.models.common import adaln
-    from dfm.models.dit import dit_model
+    from dfm.models.common import adaln, final_layer
 
     def gather(rows, token_row_ids):
         return rows[token_row_ids]
 
     stack = contextlib.ExitStack()
     stack.enter_context(_patched(adaln, "rows_to_tokens", gather))
-    stack.enter_context(_patched(dit_model, "rows_to_tokens", gather))
+    stack.enter_context(_patched(final_layer, "rows_to_tokens", gather))
     return stack
 
 
@@ -77,7 +76,7 @@ def _uniform_segments_sdpa(fast_kernels_only: bool) -> contextlib.AbstractContex
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from dfm.data.packed_batch import segment_lengths
-    from dfm.models.common import packed_attention
+    from dfm.models import attention as packed_attention
 
     flex = packed_attention.flex_document_attention
 

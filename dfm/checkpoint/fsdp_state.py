@@ -16,7 +16,7 @@ import torch
 from megatron.core.utils import to_local_if_dtensor
 
 from dfm.checkpoint.pieces import MOMENTS, Owned, Piece, replica_on_every_shard
-from dfm.models.common.fsdp_shards import named_parameters, row_range, tp_local_shape
+from dfm.parallel.fsdp_shards import named_parameters, row_range, tp_local_shape
 
 
 def is_fsdp(chunk) -> bool:

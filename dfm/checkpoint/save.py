@@ -30,7 +30,7 @@ from dfm.checkpoint.files import (
 from dfm.checkpoint.manifest import FileEntry, checkpoint_files, describe_files, verify, write_manifest
 from dfm.checkpoint.run_settings import data_kind
 from dfm.checkpoint.state import TrainingState, full_sharded_state_dict, layout
-from dfm.models.common.fsdp_shards import inner_model
+from dfm.parallel.fsdp_shards import inner_model
 
 logger = logging.getLogger("dfm.checkpoint")
 

@@ -21,8 +21,8 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 
 from dfm.checkpoint import distopt_state, fsdp_state
 from dfm.checkpoint.pieces import without_empty
-from dfm.models.common.fsdp_shards import install_main_weights
 from dfm.models.common.param_names import global_layer_prefix
+from dfm.parallel.fsdp_shards import install_main_weights
 from dfm.parallel.layout import layout_of
 
 logger = logging.getLogger("dfm.checkpoint")

@@ -2,7 +2,7 @@
 
 Per transformer block a token costs about ``(12 h + 4 ffn) h`` FLOPs in linear layers (qkv and out
 projections 8 h^2, cross-attention query and out 4 h^2, the MLP's two matmuls 4 h ffn) and every
-pair of tokens of one sample ``4 h`` in self-attention (see ``dfm/models/dit/flops.py``). Divided
+pair of tokens of one sample ``4 h`` in self-attention (see ``dfm/models/dit/dit_flops.py``). Divided
 by ``4 h``: a pack of samples of lengths ``s_i`` costs ``linear * sum(s_i) + sum(s_i ** 2)`` with
 ``linear = 3 h + ffn``. Two packs of equal token count can then differ several-fold.
 """

@@ -1,4 +1,5 @@
-"""Model factory: the config picks the architecture and the attention backend's layer spec."""
+"""Model factory: the config picks the family (dfm/models/registry.py) and the attention backend
+(chosen here, ``resolve_attention_backend``), whose modules the family's layer spec is built on."""
 
 from __future__ import annotations
 
@@ -7,21 +8,13 @@ import importlib.util
 import torch
 from megatron.core import parallel_state
 
+from dfm.models.attention.modules import backend_modules
+from dfm.models.attention.varlen import varlen_available
 from dfm.models.common.init import init_params
 from dfm.models.common.materialise import materialise_
 from dfm.models.common.transformer_config import build_transformer_config
-from dfm.models.common.varlen_attention import varlen_available
-from dfm.models.dit.dit_model import DiTModel
-from dfm.models.dit.dit_spec import dit_layer_spec, local_modules, te_modules
-from dfm.models.flux.flux_model import FluxModel
-from dfm.models.flux.flux_spec import flux_layer_specs
-from dfm.models.wan.wan_model import WanModel
-from dfm.models.wan.wan_spec import wan_layer_spec
+from dfm.models.registry import family_of
 from dfm.parallel.layout import ParallelLayout
-
-ARCHITECTURES = ("dit_adaln", "dit_cross", "stdit", "moviegen", "flux", "wan")
-# Families with their own model class and block: architecture -> (model class, spec of modules).
-FAMILIES = {"flux": (FluxModel, flux_layer_specs), "wan": (WanModel, wan_layer_spec)}
 
 
 def transformer_engine_available() -> bool:
@@ -44,24 +37,11 @@ def resolve_attention_backend(requested: str, device: torch.device | str) -> str
 
 
 def layer_spec_for(model_cfg, layout: ParallelLayout, device: torch.device | str = "cpu"):
-    if model_cfg.architecture not in ARCHITECTURES:
-        raise NotImplementedError(f"model.architecture={model_cfg.architecture!r}; valid: {ARCHITECTURES}")
+    """The family's layer spec on the attention backend ``model_cfg`` resolves to on ``device``."""
+    family = family_of(model_cfg)
     backend = resolve_attention_backend(model_cfg.attention_backend, device)
-    if backend == "te" and model_cfg.architecture == "stdit" and layout.cp > 1:
-        # The all-to-all re-sharding wraps the local kernels; TE's CP splits per-sample segments only.
-        raise NotImplementedError(
-            f"stdit with {layout.key('cp')} > 1 runs on the local attention backends, not te: "
-            "set model.attention_backend=flex or sdpa"
-        )
-    if backend == "te" and model_cfg.architecture == "flux":
-        # FLUX's joint attention builds its own segments for the local kernels (joint_attention.py).
-        if model_cfg.attention_backend == "te":
-            raise NotImplementedError("flux runs on the local attention backends: set model.attention_backend=auto")
-        backend = "varlen" if varlen_available(device) else "flex"
-    modules = te_modules() if backend == "te" else local_modules(backend)
-    if model_cfg.architecture in FAMILIES:
-        return FAMILIES[model_cfg.architecture][1](modules)
-    return dit_layer_spec(model_cfg.architecture, modules, model_cfg.qk_layernorm, model_cfg.num_moe_experts)
+    backend = family.attention_backend(model_cfg, backend, layout, varlen_available(device))
+    return family.layer_spec(model_cfg, backend_modules(backend))
 
 
 def build_model(
@@ -76,11 +56,11 @@ def build_model(
     ``model_cfg`` on the running world. ``device``: where the model will run; it picks the
     attention backend of ``auto`` (the caller moves the model there)."""
     layout = layout or ParallelLayout.from_config(model_cfg, torch.distributed.get_world_size())
-    tconfig = build_transformer_config(model_cfg, layout, precision)
+    family = family_of(model_cfg)
+    tconfig = build_transformer_config(model_cfg, layout, precision, family.transformer_settings(model_cfg))
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    model_class = FAMILIES[model_cfg.architecture][0] if model_cfg.architecture in FAMILIES else DiTModel
-    model = model_class(
+    model = family.model(
         tconfig,
         layer_spec_for(model_cfg, layout, device),
         model_cfg,

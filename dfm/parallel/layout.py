@@ -34,8 +34,6 @@ CONFIG_FIELDS = {
     "sp": "sequence_parallel",
 }
 SIZES = ("tp", "pp", "vpp", "cp", "ep")
-# The TransformerConfig attribute the model's modules read their layout from (`layout_of`).
-_CONFIG_ATTRIBUTE = "parallel_layout"
 
 
 def launched_world_size() -> int:
@@ -126,10 +124,6 @@ class ParallelLayout:
             "vpp": self.chunks_per_stage,
         }
 
-    def attach_to(self, transformer_config) -> None:
-        """Store the layout on a megatron TransformerConfig, where the model reads it (`layout_of`)."""
-        setattr(transformer_config, _CONFIG_ATTRIBUTE, self)
-
     def pack_split(self, batch: PackedBatch) -> SequenceSplit:
         """This CP rank's share of ``batch``, built from its host offsets (no device sync)."""
         return self.sequence_split(batch.host_view().cu_seqlens_q_padded, batch.latents.device)
@@ -155,8 +149,8 @@ class ParallelLayout:
 
 
 def layout_of(transformer_config) -> ParallelLayout:
-    """The layout a model was built for (stored on its TransformerConfig by `attach_to`)."""
-    layout = getattr(transformer_config, _CONFIG_ATTRIBUTE, None)
+    """The layout a model was built for (the ``parallel_layout`` field of its DfmTransformerConfig)."""
+    layout = getattr(transformer_config, "parallel_layout", None)
     if layout is None:
         raise ValueError(
             "this TransformerConfig carries no ParallelLayout: build it with "

@@ -17,7 +17,7 @@ from megatron.core.utils import to_local_if_dtensor
 
 from dfm.checkpoint.pieces import Owned, without_empty
 from dfm.checkpoint.state import with_weights
-from dfm.models.common.fsdp_shards import install_main_weights, named_parameters
+from dfm.parallel.fsdp_shards import install_main_weights, named_parameters
 
 
 class WeightEMA:

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dfm.models.common.fsdp_shards import full_tensor, inner_model, named_parameters
 from dfm.models.common.init import gather_full
+from dfm.parallel.fsdp_shards import full_tensor, inner_model, named_parameters
 
 
 def finish_param_gather(model_chunks) -> None:

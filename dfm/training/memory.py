@@ -27,7 +27,7 @@ import torch
 from megatron.core.utils import to_local_if_dtensor
 
 from dfm.checkpoint.files import format_bytes
-from dfm.models.common.fsdp_shards import inner_model
+from dfm.parallel.fsdp_shards import inner_model
 from dfm.training.faults import grad_buffers
 
 logger = logging.getLogger("dfm.train")

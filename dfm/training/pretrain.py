@@ -23,7 +23,7 @@ from dfm.checkpoint.weights_only import load_pretrained
 from dfm.config.container import ConfigContainer
 from dfm.config.loader import config_to_dict, format_config, save_config_yaml
 from dfm.diffusion.pipeline import pipeline_from_config
-from dfm.models.dit.flops import dit_training_flops
+from dfm.models.flops import training_flops
 from dfm.parallel.layout import ParallelLayout, launched_world_size
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.platform.parent_watch import checkpoint_writer_queue_dies_with_us, die_with_launcher
@@ -344,7 +344,7 @@ class TrainLoop:
         frames = [t // self.cfg.model.patch_temporal for _, _, ts in window.packs for t in ts]
         # Every model-parallel rank of a replica sees the same packs; the replica's work is split over them.
         tokens_per_gpu = sum(video_lens) * dp / world
-        tflops = dit_training_flops(self.cfg.model, video_lens, text_lens, frames) * dp / world / elapsed / 1e12
+        tflops = training_flops(self.cfg.model, video_lens, text_lens, frames) * dp / world / elapsed / 1e12
         norm = float(grad_norm) if grad_norm is not None else None
         return {
             "iteration": iteration,

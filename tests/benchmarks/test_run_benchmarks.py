@@ -19,8 +19,9 @@ def test_every_rung_builds_a_valid_config(ladder):
 
 
 def test_every_rung_names_a_known_variant_and_variants_undo_their_patch():
-    from dfm.models.common import adaln, packed_attention
-    from dfm.models.dit import dit_model
+    from dfm.models import attention as packed_attention
+    from dfm.models.common import adaln
+    from dfm.models.common import final_layer as dit_model
 
     patched = [
         (adaln, "rows_to_tokens"),
@@ -84,7 +85,7 @@ def test_uniform_segment_variants_attend_like_the_per_segment_reference(variant)
     """Their batched call (cuDNN/flash on GPU; the CPU's flash kernel here) equals SDPA per segment."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from dfm.models.common import packed_attention
+    from dfm.models import attention as packed_attention
 
     cu = torch.tensor([0, 16, 32, 48], dtype=torch.int32)
     params = packed_attention.PackedSegments(

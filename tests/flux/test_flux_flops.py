@@ -6,7 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dfm.convert.flux import verification_pack
 from dfm.convert.pretrained import fill_weights, single_process_world
 from dfm.models.build import build_model
-from dfm.models.dit.flops import dit_training_flops
+from dfm.models.flops import training_flops
 from tests.flux._tiny import dfm_config_and_weights, tiny_diffusers_flux
 
 
@@ -18,5 +18,5 @@ def test_flux_flops_match_flop_counter():
         fill_weights(model, weights, "the converted weights")
         with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
             model(batch.latents, t, batch, guidance).square().mean().backward()
-    predicted = dit_training_flops(cfg.model, batch.host_sample_lengths(), batch.host_text_lengths())
+    predicted = training_flops(cfg.model, batch.host_sample_lengths(), batch.host_text_lengths())
     assert abs(predicted / counter.get_total_flops() - 1) < 0.05, (predicted, counter.get_total_flops())

@@ -20,8 +20,8 @@ from torch.utils._pytree import tree_leaves
 from dfm.config.loader import build_config
 from dfm.models.build import build_model_chunk
 from dfm.models.common import init
-from dfm.models.common.fsdp_shards import gather_rows, named_parameters
 from dfm.parallel import ParallelLayout
+from dfm.parallel.fsdp_shards import gather_rows, named_parameters
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.platform.process_exit import skip_final_gc_at_exit
 from dfm.training import setup

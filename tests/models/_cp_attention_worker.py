@@ -13,14 +13,14 @@ from typing import NamedTuple
 
 import torch
 
-from dfm.models.common.context_parallel import UlyssesAttention, local_query_attention
-from dfm.models.common.factorized_layout import factorized_params
-from dfm.models.common.packed_attention import (
+from dfm.models.attention import (
     PackedSegments,
     attend_in_segment_order,
     flex_document_attention,
     sdpa_per_segment,
 )
+from dfm.models.attention.context_parallel import UlyssesAttention, local_query_attention
+from dfm.models.common.factorized_layout import factorized_params
 from dfm.parallel import ParallelLayout
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.platform.process_exit import skip_final_gc_at_exit

@@ -11,7 +11,7 @@ from dfm.config.recipes import get_recipe
 from dfm.convert.pretrained import converted_model, save_pretrained_checkpoint
 from dfm.inference.checkpoint_loading import load_model, single_process_config
 from dfm.models import build
-from dfm.models.common.packed_attention import PackedDotProductAttention
+from dfm.models.attention.core import PackedDotProductAttention
 from dfm.parallel.layout import ParallelLayout
 from dfm.training import setup
 

@@ -6,7 +6,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from dfm.models.dit.flops import dit_training_flops
+from dfm.models.flops import training_flops
 from tests.models._helpers import (
     ARCHITECTURES,
     build_random_model,
@@ -35,5 +35,5 @@ def test_flops_function_matches_flop_counter(dist, name):
     video_lens = torch.diff(pack.cu_seqlens_q).tolist()
     text_lens = torch.diff(pack.cu_seqlens_kv).tolist()
     frames = (pack.latent_shape[:, 1] // cfg.patch_temporal).tolist()
-    predicted = dit_training_flops(cfg, video_lens, text_lens, frames)
+    predicted = training_flops(cfg, video_lens, text_lens, frames)
     assert abs(predicted / counted - 1) < 0.05, f"{name}: predicted {predicted:.4g}, counted {counted:.4g}"

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from dfm.models.common.packed_attention import flex_document_attention, sdpa_per_segment
-from dfm.models.common.varlen_attention import varlen_document_attention
+from dfm.models.attention import flex_document_attention, sdpa_per_segment
+from dfm.models.attention.varlen import varlen_document_attention
 
 
 def reference_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale):  # noqa: PLR0913 (torch's varlen_attn)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from dfm.models.common import varlen_attention
-from dfm.models.common.packed_attention import BACKENDS
+from dfm.models.attention import BACKENDS
+from dfm.models.attention import varlen as varlen_attention
 from dfm.platform.device import compute_device
 from tests.models._helpers import (
     ARCHITECTURES,

@@ -2,7 +2,7 @@
 real entry point, for DiT, ST-DiT, MovieGen, FLUX and Wan at DP=2 alone and with TP=2+SP and CP=2, and
 MovieGen with EP=2: the same losses, gradient norms and updated weights as one process
 (tests/parallel/equivalence.py).
-The full weights are gathered from the FSDP row shards (dfm.models.common.fsdp_shards)."""
+The full weights are gathered from the FSDP row shards (dfm.parallel.fsdp_shards)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dfm.models.common.packed_attention import PackedSegments
+from dfm.models.attention.segments import PackedSegments
 
 
 @dataclass

@@ -14,13 +14,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dfm.models.common.fsdp_shards import (
+from dfm.models.common.init import DECLARED_INIT, fill_initial, full_shape, mark_tensor_parallel_weights, tensor_split
+from dfm.parallel.fsdp_shards import (
     inner_model,
     named_parameters,
     row_range,
     tp_local_shape,
 )
-from dfm.models.common.init import DECLARED_INIT, fill_initial, full_shape, mark_tensor_parallel_weights, tensor_split
 
 
 def materialise_(model: nn.Module, device: torch.device) -> nn.Module:

@@ -1,6 +1,10 @@
-"""Our ModelConfig (+ parallel layout, precision) -> megatron-core TransformerConfig."""
+"""Our ModelConfig (+ parallel layout, precision) -> ``DfmTransformerConfig``: megatron-core's
+TransformerConfig plus the settings dfm's own modules read, declared as fields."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -8,13 +12,52 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from dfm.models.common.fused import activation
 from dfm.parallel.layout import ParallelLayout
 
+# megatron's own fused kernels, off: dfm's blocks fuse their elementwise regions themselves (fused.py).
+UNFUSED = dict.fromkeys(
+    (
+        "bias_activation_fusion",
+        "bias_dropout_fusion",
+        "masked_softmax_fusion",
+        "apply_rope_fusion",
+        "gradient_accumulation_fusion",
+        "persist_layer_norm",
+    ),
+    False,
+)
 
-def build_transformer_config(model, layout: ParallelLayout, precision: str = "fp32") -> TransformerConfig:
+
+@dataclass
+class DfmTransformerConfig(TransformerConfig):
+    """TransformerConfig with dfm's per-run settings as declared fields (not attributes set on
+    megatron's object)."""
+
+    parallel_layout: ParallelLayout | None = None  # read through `dfm.parallel.layout_of`
+    compile_regions: bool = False  # the blocks' fused regions (dfm/models/common/fused.py)
+    adaln_lora_dim: int | None = None  # low-rank adaLN projection (dfm/models/common/adaln.py)
+    cross_attention_dim: int | None = None  # text context width (dfm/models/dit/dit_layer.py)
+    # Timestep / text embedders are replicated on every pipeline stage; megatron's
+    # finalize_model_grads all-reduces grads of params marked `pipeline_parallel` across stages
+    # when this flag is set (dfm.models.common.packed_model.replicate_across_stages).
+    has_cond_embedder: bool = True
+
+
+def build_transformer_config(
+    model, layout: ParallelLayout, precision: str = "fp32", family_settings: dict[str, Any] | None = None
+) -> DfmTransformerConfig:
     """``model`` is a dfm.config ModelConfig; ``precision`` in fp32 | bf16 | fp16. The config
-    carries ``layout`` for the model's modules (`dfm.parallel.layout_of`)."""
+    carries ``layout`` for the model's modules (`dfm.parallel.layout_of`); ``family_settings``:
+    the block fields the model's family sets otherwise (``Family.transformer_settings``)."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    llama_style = model.architecture == "moviegen"
-    config = TransformerConfig(
+    block = {
+        "normalization": "RMSNorm" if model.normalization == "rmsnorm" else "LayerNorm",
+        "gated_linear_unit": False,
+        "activation_func": activation(gated=False, compile=model.compile),
+        "add_bias_linear": model.add_bias_linear,
+        "qk_layernorm": model.qk_layernorm,
+        "rotary_interleaved": False,
+    }
+    block.update(family_settings or {})
+    return DfmTransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -31,14 +74,7 @@ def build_transformer_config(model, layout: ParallelLayout, precision: str = "fp
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         layernorm_epsilon=model.layernorm_epsilon,
-        normalization="RMSNorm" if llama_style or model.normalization == "rmsnorm" else "LayerNorm",
-        gated_linear_unit=llama_style,
-        activation_func=activation(gated=llama_style, compile=model.compile),
-        add_bias_linear=model.add_bias_linear and not llama_style,
-        # megatron sums the grads of q/k norms over TP, as if they were per head and replicated: Wan's
-        # are across heads and TP-sharded (dfm/models/wan/norms.py), so its spec adds them instead.
-        qk_layernorm=model.qk_layernorm and model.architecture != "wan",
-        rotary_interleaved=model.architecture == "wan",  # Wan rotates channel pairs (2i, 2i+1)
+        **block,
         init_method_std=model.init_method_std,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -49,22 +85,12 @@ def build_transformer_config(model, layout: ParallelLayout, precision: str = "fp
         perform_initialization=False,
         # Packs vary in length: pipeline stages exchange shapes before tensors.
         variable_seq_lengths=True,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **UNFUSED,
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method if model.recompute_granularity == "full" else None,
         recompute_num_layers=(model.recompute_num_layers or 1) if model.recompute_granularity == "full" else None,
+        parallel_layout=layout,
+        compile_regions=model.compile,
+        adaln_lora_dim=model.adaln_lora_dim,
+        cross_attention_dim=model.context_width,
     )
-    # Timestep / text embedders are replicated on every pipeline stage; megatron all-reduces
-    # grads of params marked `pipeline_parallel` across stages when this flag is set.
-    config.has_cond_embedder = True
-    # Read by the DiT blocks (dfm/models/dit/dit_layer.py, dfm/models/common/adaln.py).
-    config.adaln_lora_dim = model.adaln_lora_dim
-    config.cross_attention_dim = model.context_width
-    config.compile_regions = model.compile  # read by the blocks (dfm/models/common/fused.py)
-    layout.attach_to(config)
-    return config

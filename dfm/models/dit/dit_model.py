@@ -1,26 +1,20 @@
-"""DiT on megatron-core: patch embed -> DiT blocks (built from a ModuleSpec) -> adaLN final layer.
+"""DiT on the packed scaffold (dfm/models/common/packed_model.py): patch embed -> DiT blocks
+(dit_spec.py) -> adaLN final layer. Serves dit_adaln (class-conditioned), dit_cross (text
+cross-attention), stdit (factorized spatial / temporal attention) and moviegen (Llama-style blocks).
 
-Inputs are THD packs (see dfm/data/packed_batch.py): tokens of several samples concatenated,
-b == 1. The timestep and text embedders live on every pipeline stage (their grads are
-all-reduced across stages by megatron), the patch embedding on the first, the final layer on the last.
+The timestep, class and text embedders live on every pipeline stage, the patch embedding on the
+first, the final layer on the last.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer.enums import ModelType
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from torch import Tensor, nn
 
 from dfm.data.packed_batch import PackedBatch
-from dfm.models.common.adaln import AdaLNNorm, modulate, rows_to_tokens
-from dfm.models.common.context_parallel import UlyssesAttention, local_query_attention
+from dfm.models.attention.context_parallel import UlyssesAttention, local_query_attention
+from dfm.models.attention.segments import PackedSegments
 from dfm.models.common.embeddings import (
     FactorizedLearned3DEmbedding,
     TimestepEmbedder,
@@ -28,29 +22,11 @@ from dfm.models.common.embeddings import (
     sincos_3d,
 )
 from dfm.models.common.factorized_layout import factorized_params, sample_grids
-from dfm.models.common.init import zero_init
+from dfm.models.common.final_layer import FinalLayer
 from dfm.models.common.pack_inputs import PackInputs
-from dfm.models.common.packed_attention import PackedSegments
-from dfm.models.common.param_names import global_param_name
-from dfm.models.common.recompute import forward_layers, layer_runs
+from dfm.models.common.packed_model import PackedDiffusionModel
 from dfm.models.dit.dit_layer import block_norm
-from dfm.parallel.layout import layout_of
 from dfm.parallel.sequence_split import SequenceSplit
-
-
-class FinalLayer(nn.Module):
-    """adaLN-modulated norm + linear to patch features; zero-initialised as in DiT."""
-
-    def __init__(self, hidden_size: int, out_features: int, eps: float, norm: type = AdaLNNorm):
-        super().__init__()
-        self.norm = norm(hidden_size, eps)
-        self.adaln = zero_init(nn.Linear(hidden_size, 2 * hidden_size))
-        self.linear = zero_init(nn.Linear(hidden_size, out_features))
-
-    def forward(self, hidden: Tensor, cond: Tensor, token_sample_ids: Tensor) -> Tensor:
-        """hidden [s, b, h], cond [N, h] -> [s, b, out]."""
-        shift, scale = rows_to_tokens(self.adaln(F.silu(cond)), token_sample_ids).unsqueeze(1).chunk(2, dim=-1)
-        return self.linear(modulate(self.norm(hidden), shift, scale))
 
 
 class TextEmbedder(nn.Module):
@@ -65,11 +41,6 @@ class TextEmbedder(nn.Module):
 
     def forward(self, context: Tensor) -> Tensor:
         return self.mlp(context)
-
-
-def _mark_replicated_across_stages(module: nn.Module) -> None:
-    for param in module.parameters():
-        param.pipeline_parallel = True
 
 
 def packed_seq_params(batch: PackedBatch, cross: bool, split: SequenceSplit | None = None) -> PackedSeqParams:
@@ -94,65 +65,43 @@ def packed_seq_params(batch: PackedBatch, cross: bool, split: SequenceSplit | No
     return params
 
 
-class DiTModel(MegatronModule):
-    """Packed DiT: (x_in [S, D], c_noise [N], batch) -> raw prediction [S, D] (last stage)."""
+class DiTModel(PackedDiffusionModel):
+    """Packed DiT: (x_in [S, D], c_noise [N], batch, class labels [N] | None) -> raw prediction [S, D]."""
 
-    def __init__(
-        self,
-        config,
-        layer_spec: ModuleSpec,
-        model_cfg,
-        pre_process: bool = True,
-        post_process: bool = True,
-        vp_stage: int | None = None,
-    ):
-        super().__init__(config=config)
-        self.model_type = ModelType.encoder_or_decoder
-        self.share_embeddings_and_output_weights = False  # read by megatron finalize_model_grads
-        self.model_cfg = model_cfg
-        self.layout = layout_of(config)
-        self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
-        h = config.hidden_size
-        patch_volume = model_cfg.patch_temporal * model_cfg.patch_spatial**2
-        self.patch_dim = model_cfg.in_channels * patch_volume
-        # DiT's learned-sigma head predicts 2x channels; forward returns the first patch_dim (the mean).
-        self.out_dim = (model_cfg.out_channels or model_cfg.in_channels) * patch_volume
-        self.cross = model_cfg.architecture != "dit_adaln"
-        self.input_tensor: Tensor | None = None
+    @property
+    def cross(self) -> bool:
+        """Text-conditioned (cross-attention) blocks."""
+        return self.model_cfg.architecture != "dit_adaln"
 
-        self.t_embedder = TimestepEmbedder(h)
-        _mark_replicated_across_stages(self.t_embedder)
+    @property
+    def out_dim(self) -> int:
+        """DiT's learned-sigma head predicts 2x channels; forward returns the first patch_dim (the mean)."""
+        cfg = self.model_cfg
+        return (cfg.out_channels or cfg.in_channels) * cfg.patch_temporal * cfg.patch_spatial**2
+
+    def build_conditioning(self) -> dict[str, nn.Module | None]:
+        cfg, h = self.model_cfg, self.config.hidden_size
+        modules = {"t_embedder": TimestepEmbedder(h)}
         if self.cross:
-            self.text_embedder = TextEmbedder(model_cfg.text_embed_dim, model_cfg.context_width)
-            _mark_replicated_across_stages(self.text_embedder)
-        if model_cfg.num_classes:
+            modules["text_embedder"] = TextEmbedder(cfg.text_embed_dim, cfg.context_width)
+        if cfg.num_classes:
             # One extra row is the null class for classifier-free guidance.
-            self.class_embedder = nn.Embedding(model_cfg.num_classes + 1, h)
-            _mark_replicated_across_stages(self.class_embedder)
-        if pre_process:
-            self.x_embedder = nn.Linear(self.patch_dim, h)
-            if model_cfg.pos_embedding == "learned3d":
-                self.pos_embedder = FactorizedLearned3DEmbedding(tuple(model_cfg.max_latent_thw), h)
+            modules["class_embedder"] = nn.Embedding(cfg.num_classes + 1, h)
+        return modules
 
-        self.layer_offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-        num_local = get_num_layers_to_build(config, vp_stage=vp_stage)
-        self.layers = nn.ModuleList(
-            build_module(layer_spec, config=config, layer_number=self.layer_offset + i + 1) for i in range(num_local)
-        )
-        if post_process:
-            self.final_layer = FinalLayer(
-                h, self.out_dim, config.layernorm_epsilon, block_norm(config, layer_spec.submodules.norm)
-            )
+    def build_embedding(self) -> dict[str, nn.Module]:
+        cfg, h = self.model_cfg, self.config.hidden_size
+        modules = {"x_embedder": nn.Linear(self.patch_dim, h)}
+        if cfg.pos_embedding == "learned3d":
+            modules["pos_embedder"] = FactorizedLearned3DEmbedding(tuple(cfg.max_latent_thw), h)
+        return modules
 
-    def set_input_tensor(self, input_tensor) -> None:
-        """Pipeline schedules hand the previous stage's output in here."""
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0]
-        self.input_tensor = input_tensor
+    def build_head(self, layer_spec) -> nn.Module:
+        norm = block_norm(self.config, layer_spec.submodules.norm)
+        return FinalLayer(self.config.hidden_size, self.out_dim, self.config.layernorm_epsilon, norm)
 
-    def global_param_name(self, name: str) -> str:
-        """Local parameter name -> its name in the whole (unpipelined, one expert rank) model."""
-        return global_param_name(name, self.layer_offset, self.config.num_moe_experts)
+    def condition(self, noise_level: Tensor, batch: PackedBatch, extra: Tensor | None) -> Tensor:
+        return self.conditioning(noise_level, extra)
 
     def conditioning(self, c_noise: Tensor, class_labels: Tensor | None) -> Tensor:
         """[N] noise levels (+ [N] labels; None: the null class) -> [N, h]."""
@@ -163,6 +112,9 @@ class DiTModel(MegatronModule):
             cond = cond + self.class_embedder(class_labels)
         return cond
 
+    def embed(self, x_local: Tensor, batch: PackedBatch, split: SequenceSplit) -> Tensor:
+        return self.scatter_sequence(self.embed_patches(x_local, split.local(batch.pos_ids)))
+
     def embed_patches(self, x_in: Tensor, pos_ids: Tensor) -> Tensor:
         """[S, D] -> [S, 1, h] with absolute positions added when configured."""
         hidden = self.x_embedder(x_in.to(self.x_embedder.weight.dtype))
@@ -172,33 +124,13 @@ class DiTModel(MegatronModule):
             hidden = hidden + self.pos_embedder(pos_ids)
         return hidden.unsqueeze(1)
 
-    def forward(self, x_in: Tensor, c_noise: Tensor, batch: PackedBatch, class_labels: Tensor | None = None) -> Tensor:
-        """Under context parallelism each rank runs its share of the tokens (``split``) and the
-        output is gathered: every CP rank returns the whole [S, D]."""
-        sp = self.config.sequence_parallel
-        split = self.layout.pack_split(batch)
-        token_ids = split.local(batch.token_sample_ids())
-        inputs = self.pack_inputs(batch, split, self.conditioning(c_noise, class_labels), token_ids)
-        if self.pre_process:
-            hidden = self.embed_patches(split.local(x_in), split.local(batch.pos_ids))
-            if sp:
-                hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)
-        else:
-            hidden = self.input_tensor
-        hidden = self.run_layers(hidden, inputs)
-        if not self.post_process:
-            return hidden
-        if sp:
-            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-        out = self.final_layer(hidden, inputs.cond, token_ids)[:, 0, : self.patch_dim]
-        # The loss is computed on the gathered output by every CP rank alike: keep own rows' grads.
-        return split.gather(out, grad_is_partial=False)
+    def head_output(self, hidden: Tensor, inputs: PackInputs, token_ids: Tensor) -> Tensor:
+        return self.final_layer(self.gather_sequence(hidden), inputs.cond, token_ids)[:, 0, : self.patch_dim]
 
     def pack_inputs(
         self, batch: PackedBatch, split: SequenceSplit, cond: Tensor, token_ids: Tensor | None = None
     ) -> PackInputs:
-        """The blocks' inputs for this rank's share of ``batch``; cond [N, h]; token_ids [s_cp]: the
-        CP-local token sample ids when the caller has them already."""
+        """The blocks' inputs for this rank's share of ``batch``; cond [N, h]."""
         if token_ids is None:
             token_ids = split.local(batch.token_sample_ids())
         inputs = PackInputs(
@@ -209,9 +141,10 @@ class DiTModel(MegatronModule):
         )
         if self.cross:
             context = self.text_embedder(batch.context.to(cond.dtype)).unsqueeze(1)
-            if self.config.sequence_parallel:
-                context = tensor_parallel.scatter_to_sequence_parallel_region(context)
-            inputs.context, inputs.cross_attention = context, packed_seq_params(batch, True, split)
+            inputs.context, inputs.cross_attention = (
+                self.scatter_sequence(context),
+                packed_seq_params(batch, True, split),
+            )
         if self.model_cfg.pos_embedding == "rope3d":
             inputs.rotary_pos_emb = rope_3d_freqs(
                 split.local(batch.pos_ids), self.config.kv_channels, interleaved=self.config.rotary_interleaved
@@ -231,8 +164,3 @@ class DiTModel(MegatronModule):
             for segments in (params.spatial, params.temporal):
                 segments.context_parallel = UlyssesAttention(split, segments)
         return params
-
-    def run_layers(self, hidden: Tensor, inputs: PackInputs) -> Tensor:
-        """hidden [s, b, h] through this stage's blocks (recomputed as the config says)."""
-        runs = layer_runs(len(self.layers), self.config, self.training)
-        return forward_layers(self.layers, runs, hidden, inputs)

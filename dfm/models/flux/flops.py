@@ -1,4 +1,4 @@
-"""FLUX forward FLOPs of a pack (2 per multiply-add, real tokens only), as dfm/models/dit/flops.py
+"""FLUX forward FLOPs of a pack (2 per multiply-add, real tokens only), as dfm/models/dit/dit_flops.py
 counts the DiT family: each sample's joint sequence of L = n image + m text tokens."""
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ def embedding_flops(model_cfg, n: int, m: int) -> float:
     return 2 * (2 * n * patch * h + m * model_cfg.text_embed_dim * h + per_sample_mlps)
 
 
-def flux_forward_flops(model_cfg, image_lens: Sequence[int], text_lens: Sequence[int]) -> float:
-    """Forward FLOPs of one pack of samples with ``image_lens`` image and ``text_lens`` text tokens."""
+def flux_forward_flops(
+    model_cfg, image_lens: Sequence[int], text_lens: Sequence[int], frames: Sequence[int] | None = None
+) -> float:
+    """Forward FLOPs of one pack of samples with ``image_lens`` image and ``text_lens`` text tokens
+    (images: ``frames`` is not read)."""
     h, ffn = model_cfg.hidden_size, model_cfg.effective_ffn_hidden_size
     single = model_cfg.num_single_layers
     double = model_cfg.num_layers - single

@@ -51,35 +51,29 @@ class FluxLayerSubmodules:
     mlp: ModuleSpec | None = None  # double block only
 
 
+def _parallel_linear(linear: type, config, sizes: tuple[int, int], init_method, **extra):
+    """A megatron parallel linear with bias, not an expert's."""
+    return build_module(linear, *sizes, config=config, init_method=init_method, bias=True, is_expert=False, **extra)
+
+
 def column_linear(submodules: FluxLayerSubmodules, config, input_size: int, output_size: int, **extra):
     """A column-parallel linear with bias (output split over TP ranks)."""
-    return build_module(
+    return _parallel_linear(
         submodules.column_linear,
-        input_size,
-        output_size,
-        config=config,
-        init_method=config.init_method,
-        bias=True,
+        config,
+        (input_size, output_size),
+        config.init_method,
         gather_output=False,
         skip_bias_add=False,
-        is_expert=False,
         **extra,
     )
 
 
 def row_linear(submodules: FluxLayerSubmodules, config, input_size: int, output_size: int):
     """A row-parallel linear whose bias is returned apart (added with the gate)."""
-    return build_module(
-        submodules.row_linear,
-        input_size,
-        output_size,
-        config=config,
-        init_method=config.output_layer_init_method,
-        bias=True,
-        input_is_parallel=True,
-        skip_bias_add=True,
-        is_expert=False,
-    )
+    sizes = (input_size, output_size)
+    init = config.output_layer_init_method
+    return _parallel_linear(submodules.row_linear, config, sizes, init, input_is_parallel=True, skip_bias_add=True)
 
 
 class HeadProjection(MegatronModule):

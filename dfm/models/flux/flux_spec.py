@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from dfm.models.attention.modules import BackendModules
 from dfm.models.common.adaln import QKRMSNorm
-from dfm.models.dit.dit_spec import BackendModules, mlp_spec
+from dfm.models.common.block_specs import mlp_spec
 from dfm.models.flux.flux_layer import FluxDoubleLayer, FluxLayerSubmodules, FluxSingleLayer
 
 
-def flux_layer_specs(modules: BackendModules) -> tuple[ModuleSpec, ModuleSpec]:
+def flux_layer_specs(model_cfg, modules: BackendModules) -> tuple[ModuleSpec, ModuleSpec]:
     """(double-stream block, single-stream block)."""
 
     def spec(layer: type, mlp: ModuleSpec | None) -> ModuleSpec:

@@ -21,7 +21,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from dfm.data.packed_batch import PackedBatch
-from dfm.models.common.packed_attention import PackedSegments
+from dfm.models.attention.segments import PackedSegments
 from dfm.models.flux.rope import apply_interleaved_rope, rope_cos_sin
 from dfm.parallel.sequence_split import SequenceSplit
 

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from dfm.data.packed_batch import PackedBatch
 from dfm.models.common.init import zero_init
 from dfm.models.common.pack_inputs import PackInputs
-from dfm.models.dit.dit_model import DiTModel, _mark_replicated_across_stages
+from dfm.models.common.packed_model import replicate_across_stages
+from dfm.models.dit.dit_model import DiTModel
 from dfm.models.wan.text_padding import pad_text_per_sample
 from dfm.models.wan.wan_head import WanHead
 from dfm.models.wan.wan_layer import NUM_BLOCK_MODULATIONS
@@ -44,10 +45,11 @@ class WanModel(DiTModel):
             )
         super().__init__(config, layer_spec, model_cfg, pre_process, post_process, vp_stage)
         h = config.hidden_size
-        self.time_proj = zero_init(nn.Linear(h, NUM_BLOCK_MODULATIONS * h))
-        _mark_replicated_across_stages(self.time_proj)
-        if post_process:
-            self.final_layer = WanHead(h, self.out_dim, config.layernorm_epsilon)
+        # Registered after the head: the parameter order (grad buckets, norms) stays what it was.
+        self.time_proj = replicate_across_stages(zero_init(nn.Linear(h, NUM_BLOCK_MODULATIONS * h)))
+
+    def build_head(self, layer_spec) -> nn.Module:
+        return WanHead(self.config.hidden_size, self.out_dim, self.config.layernorm_epsilon)
 
     def conditioning(self, c_noise: Tensor, class_labels: Tensor | None = None) -> Tensor:
         """[N] timesteps (1000 t) -> [N, 7, h]: temb, then time_proj(silu(temb)) as 6 rows."""

@@ -6,9 +6,10 @@ import dataclasses
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from dfm.models.attention.modules import BackendModules
 from dfm.models.common.adaln import AdaLNNorm
+from dfm.models.common.block_specs import cross_attention_spec, mlp_spec, self_attention_spec
 from dfm.models.dit.dit_layer import DiTLayerSubmodules
-from dfm.models.dit.dit_spec import BackendModules, cross_attention_spec, mlp_spec, self_attention_spec
 from dfm.models.wan.norms import AcrossHeadsRMSNorm
 from dfm.models.wan.wan_layer import WanCrossAttention, WanCrossAttentionSubmodules, WanLayer, WanModulation
 
@@ -29,7 +30,7 @@ def wan_cross_attention_spec(modules: BackendModules) -> ModuleSpec:
     return dataclasses.replace(spec, module=WanCrossAttention, submodules=submodules)
 
 
-def wan_layer_spec(modules: BackendModules) -> ModuleSpec:
+def wan_layer_spec(model_cfg, modules: BackendModules) -> ModuleSpec:
     """Self- and cross-attention with q/k RMSNorm across heads, a dense GELU-tanh MLP."""
     return ModuleSpec(
         module=WanLayer,

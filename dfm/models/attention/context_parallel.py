@@ -21,7 +21,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import all_to_all
 from torch import Tensor
 
-from dfm.models.common.packed_attention import document_ids_on_device, host_segments
+from dfm.models.attention.segments import document_ids_on_device, host_segments
 from dfm.parallel.sequence_split import SequenceSplit
 
 Kernel = Callable[[Tensor, Tensor, Tensor, PackedSeqParams], Tensor]  # q, k, v [s, b, np, hn] -> [s, b, np, hn]

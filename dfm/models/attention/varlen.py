@@ -23,7 +23,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
-from dfm.models.common.packed_attention import cached_per_pack, query_is_real, segment_bounds
+from dfm.models.attention.segments import cached_per_pack, query_is_real, segment_bounds
 
 
 @dataclass(frozen=True)
@@ -76,10 +76,10 @@ def varlen_segments(params: PackedSeqParams, q_total: int, k_total: int, device:
             max_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
         )
 
-    return cached_per_pack(params, "_dfm_varlen", (q_total, k_total, device), build)
+    return cached_per_pack(params, "varlen", (q_total, k_total, device), build)
 
 
-def torch_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale):
+def torch_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale):  # noqa: PLR0913 (torch's varlen_attn)
     """torch's kernel; imported late so CPU-only installs without it still import this module.
 
     Older torch releases take no ``scale``: there only the default 1/sqrt(head dim) is possible.

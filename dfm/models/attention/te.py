@@ -18,7 +18,7 @@ import dataclasses
 from megatron.core.extensions.transformer_engine import TEDotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from dfm.models.common.packed_attention import attend_in_segment_order
+from dfm.models.attention.segments import attend_in_segment_order
 from dfm.parallel.layout import layout_of
 
 

@@ -1,4 +1,4 @@
-"""Model FLOPs of a pack: forward + backward (3x forward), attention included, recompute excluded.
+"""DiT-family forward FLOPs of a pack (dfm/models/flops.py sums them for training).
 
 2 FLOPs per multiply-add, real tokens only (padding is not useful work). Counted per
 architecture from the same pieces the model is built of; a test checks the total against
@@ -8,8 +8,6 @@ architecture from the same pieces the model is built of; a test checks the total
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from dfm.models.flux.flops import flux_forward_flops
 
 TIMESTEP_FREQUENCY_DIM = 256  # dfm.models.common.embeddings.TimestepEmbedder
 
@@ -67,19 +65,8 @@ def dit_forward_flops(
     model_cfg, video_lens: Sequence[int], text_lens: Sequence[int], frames: Sequence[int] | None = None
 ) -> float:
     """Forward FLOPs of one pack. ``frames``: per-sample token-grid T (ST-DiT needs it; default 1)."""
-    if model_cfg.architecture == "flux":
-        return flux_forward_flops(model_cfg, video_lens, text_lens)
     frames = frames if frames is not None else [1] * len(video_lens)
-    if model_cfg.architecture == "wan":  # Wan attends to each sample's text padded to max_text_len
-        text_lens = [model_cfg.max_text_len] * len(video_lens)
     return sum(
         model_cfg.num_layers * layer_flops(model_cfg, n, m, t) + embedding_flops(model_cfg, n, m)
         for n, m, t in zip(video_lens, text_lens, frames)
     )
-
-
-def dit_training_flops(
-    model_cfg, video_lens: Sequence[int], text_lens: Sequence[int], frames: Sequence[int] | None = None
-) -> float:
-    """Forward + backward FLOPs of one pack (backward = 2x forward)."""
-    return 3.0 * dit_forward_flops(model_cfg, video_lens, text_lens, frames)
