@@ -11,6 +11,7 @@ from typing import Literal
 
 from dfm.diffusion.edm import EDMSettings
 from dfm.diffusion.flow import FlowSettings
+from dfm.peft.config import PeftConfig
 
 Architecture = Literal["dit_cross", "dit_adaln", "stdit", "moviegen", "flux", "wan"]
 PosEmbedding = Literal["rope3d", "sincos3d", "learned3d"]
@@ -238,3 +239,5 @@ class ConfigContainer:
     # Diffusion settings of the pipeline model.pipeline names (training noise levels, sampler).
     edm: EDMSettings = field(default_factory=EDMSettings)
     flow: FlowSettings = field(default_factory=FlowSettings)
+    # LoRA adapters (dfm/peft, docs/lora.md); lora_rank=0: none.
+    peft: PeftConfig = field(default_factory=PeftConfig)
