@@ -64,6 +64,10 @@ def load_model(cfg: ConfigContainer, directory: Path, device: torch.device, use_
     # Built on meta and given uninitialised storage: every parameter is loaded below (strict), so no random
     # init runs and the weights are held once.
     model, _ = empty_model(cfg.model, cfg.mixed_precision.precision, device, cast=True)
+    if cfg.peft.enabled:  # a LoRA run's checkpoint: its adapters, unmerged (dfm/peft)
+        from dfm.peft.inject import add_lora
+
+        add_lora(model, cfg.peft, cfg.model, cfg.rng.seed)
     # Only the model part is requested: optimizer, RNG and data states stay on disk.
     request = {"model0": model_sharded_state_dict(model)}
     with_ema = use_ema and bool(dist_checkpointing.load_common_state_dict(str(directory)).get("has_ema"))

@@ -92,8 +92,8 @@ class LoraAdapter(nn.Module):
 
     def _local_order(self, part_rows: list[Tensor], base: nn.Module) -> Tensor | None:
         """Index into cat(local part outputs) giving this rank's base output rows in order; None: identity."""
-        if len(part_rows) == 1:
-            return None  # one part: B is split as W, its local rows are W's local rows
+        if len(part_rows) == 1 and torch.equal(part_rows[0], torch.arange(len(part_rows[0]))):
+            return None  # W's own rows: B is split as W, its local rows are W's local rows
         full = torch.cat(part_rows)  # cat(parts)[j] is full row full[j]
         position = torch.empty_like(full)
         position[full] = torch.arange(len(full))  # full row -> its place in cat(parts)

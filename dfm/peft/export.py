@@ -15,7 +15,7 @@ from torch import Tensor
 
 from dfm.peft.config import PeftConfig
 from dfm.peft.errors import PeftError
-from dfm.peft.inject import ADAPTER, is_adapter_param
+from dfm.peft.names import ADAPTER, is_adapter_param
 from dfm.peft.targets import LoraTarget, lora_targets
 
 PREFIX = "transformer"  # the pipeline component the LoRA belongs to

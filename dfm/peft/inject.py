@@ -14,13 +14,8 @@ from dfm.models.common.init import init_params, mark_tensor_parallel_weights
 from dfm.peft.adapter import LoraAdapter, add_output, linear_kind
 from dfm.peft.config import PeftConfig
 from dfm.peft.errors import PeftError
+from dfm.peft.names import ADAPTER, is_adapter_param
 from dfm.peft.targets import lora_targets
-
-ADAPTER = "lora"  # the adapter's attribute on its linear: parameters '<linear>.lora.A.<part>', '.B.<part>'
-
-
-def is_adapter_param(name: str) -> bool:
-    return f".{ADAPTER}." in f".{name}"
 
 
 def global_module_name(model: nn.Module, name: str) -> str:
