@@ -1,7 +1,8 @@
 """``convert_<family>.py import|export``: a published model's diffusers folder to a dfm checkpoint and back.
 
     import --diffusers DIR --output CKPT [--recipe NAME] [--verify] [--overwrite] [key=value ...]
-    export --checkpoint CKPT --output DIR [--ema] [--dtype bf16|fp32] [--overwrite]
+    export --checkpoint CKPT --output DIR [--ema] [--dtype bf16|fp32] [--overwrite] [--merge-lora]
+    export-lora --checkpoint CKPT --output DIR [--ema] [--dtype bf16|fp32] [--overwrite]
 
 DIR is a model folder or a pipeline folder (its ``transformer/``). Both directions read and write one
 tensor at a time into a model built on meta, and write into a fresh folder next to the output that
@@ -127,6 +128,9 @@ def export_model(family: Family, args: argparse.Namespace) -> Path:
         raise ConversionError(
             f"{args.checkpoint} holds a model.architecture={cfg.model.architecture} model, not {family.architecture}"
         )
+    from dfm.peft.export import base_or_merged
+
+    weights = base_or_merged(weights, cfg, args.merge_lora, str(args.checkpoint))
     dtype, rules, source = export_dtype(args.dtype, common, weights), family.rules(cfg.model), str(args.checkpoint)
     shapes = {name: torch.empty(tensor.shape, dtype=dtype, device="meta") for name, tensor in weights.items()}
     plan = {name: (dtype, tuple(t.shape)) for name, t in convert_stream(shapes.get, shapes, rules, "dfm", source)}
@@ -157,6 +161,13 @@ def parser_for(family: Family) -> argparse.ArgumentParser:
     exp.add_argument("--ema", action="store_true", help="export the EMA weights (when the checkpoint has them)")
     exp.add_argument("--overwrite", action="store_true", help="replace an earlier export at --output")
     exp.add_argument("--dtype", choices=sorted(DTYPES), help="default: the dtype the imported model had")
+    exp.add_argument("--merge-lora", action="store_true", help="a LoRA run's checkpoint: base + adapters merged")
+    lora = commands.add_parser("export-lora", help="a LoRA run's adapters -> a diffusers LoRA file (docs/lora.md)")
+    lora.add_argument("--checkpoint", required=True, help="an iter_N directory or a root of a peft.lora_rank > 0 run")
+    lora.add_argument("--output", required=True, help="folder to write pytorch_lora_weights.safetensors into")
+    lora.add_argument("--ema", action="store_true", help="export the EMA adapters (when the checkpoint has them)")
+    lora.add_argument("--overwrite", action="store_true", help="replace an earlier export at --output")
+    lora.add_argument("--dtype", choices=sorted(DTYPES), help="default: the adapters' dtype")
     return parser
 
 
@@ -167,8 +178,11 @@ def main(family: Family, argv: Sequence[str] | None = None) -> int:
         args.overrides = list(args.overrides) + [
             f"model.{size}={getattr(args, size)}" for size in RECORDED_SIZES if getattr(args, size)
         ]
+    from dfm.peft.export import export_lora
+
+    commands = {"import": import_model, "export": export_model, "export-lora": export_lora}
     try:
-        (import_model if args.command == "import" else export_model)(family, args)
+        commands[args.command](family, args)
     except (ConversionError, ConfigError, FileNotFoundError) as error:
         print(f"error: {error}")
         return 2

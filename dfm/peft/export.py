@@ -84,3 +84,33 @@ def merged_weights(weights: dict[str, Tensor], model_cfg, peft: PeftConfig) -> d
         delta = _delta(target, pairs, base.shape[0], base.shape[1], peft.scaling)
         merged[f"{module}.weight"] = (base.float() + delta).to(base.dtype)
     return merged
+
+
+def base_or_merged(weights: dict[str, Tensor], cfg, merge: bool, source: str) -> dict[str, Tensor]:
+    """What ``export`` converts: ``weights`` as they are, or with the adapters merged (``--merge-lora``);
+    a LoRA checkpoint without ``--merge-lora`` is refused (its adapters have no diffusers model key)."""
+    has_adapters = any(is_adapter_param(name) for name in weights)
+    if merge:
+        return merged_weights(weights, cfg.model, cfg.peft)
+    if has_adapters:
+        raise PeftError(f"{source} holds LoRA adapters: export --merge-lora for a merged model, or export-lora")
+    return weights
+
+
+def export_lora(family, args) -> Path:
+    """``convert_<family>.py export-lora``: the checkpoint's adapters -> ``<output>/pytorch_lora_weights.safetensors``."""
+    from dfm.convert.cli import DTYPES, dtype_name
+    from dfm.convert.output_folder import check_target, diffusers_folder_problem, fresh_folder
+    from dfm.convert.pretrained import read_checkpoint_weights
+
+    target = Path(args.output)
+    check_target(target, args.overwrite, diffusers_folder_problem)
+    cfg, _, weights = read_checkpoint_weights(args.checkpoint, use_ema=args.ema)
+    if cfg.model.architecture != family.architecture:
+        raise PeftError(f"{args.checkpoint} holds a {cfg.model.architecture} model, not {family.architecture}")
+    dtype = DTYPES[args.dtype] if args.dtype else next(t.dtype for n, t in weights.items() if is_adapter_param(n))
+    with fresh_folder(target) as staging:
+        path = write_lora_file(weights, cfg.model, cfg.peft, staging / FILE_NAME, dtype)
+        count = len(lora_state_dict(weights, cfg.model, cfg.peft))
+    print(f"wrote {target / path.name}: {count} {dtype_name(dtype)} tensors; load it with pipeline.load_lora_weights")
+    return target

@@ -15,6 +15,7 @@ from dfm.peft.adapter import LoraAdapter, add_output, linear_kind
 from dfm.peft.config import PeftConfig
 from dfm.peft.errors import PeftError
 from dfm.peft.names import ADAPTER, is_adapter_param
+from dfm.peft.sharded import shard_adapters_in_checkpoints
 from dfm.peft.targets import lora_targets
 
 
@@ -65,6 +66,8 @@ def add_lora(model: nn.Module, peft: PeftConfig, model_cfg, seed: int, std: floa
         )
         module.add_module(ADAPTER, adapter)
         module.register_forward_hook(add_output)
+        if kind != "plain":
+            shard_adapters_in_checkpoints(module)
         if module.weight.device.type != "meta":
             init_params(adapter, seed, lambda local, prefix=name: f"{prefix}.{ADAPTER}.{local}", std)
         done.append(name)

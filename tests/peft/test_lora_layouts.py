@@ -1,11 +1,21 @@
 """LoRA training through the real entry point (tiny Wan, base frozen): TP=2 + SP, PP=2 and
 Megatron-FSDP at DP=2 give the same losses, gradient norms and weights (adapters trained, base
-untouched) as one process (tests/parallel/equivalence.py: how runs are compared, tolerances)."""
+untouched) as one process (tests/parallel/equivalence.py: how runs are compared, tolerances).
+The TP=2 + SP run's checkpoint (adapters split over TP) goes through ``convert_wan.py export-lora``
+and ``export --merge-lora``: the files hold the one-process run's adapters and merged weights."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from dfm.convert.cli import main
+from dfm.convert.diffusers_folder import DiffusersWeights
+from dfm.convert.rules import to_diffusers
+from dfm.convert.wan import WAN, rules
+from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory
+from dfm.peft.export import FILE_NAME, lora_state_dict, merged_weights
 from tests.parallel.equivalence import (
     DP_DATA,
     FSDP,
@@ -25,7 +35,8 @@ LORA = [
     "optimizer.lr=1e-3",
     *DP_DATA,
 ]
-LAYOUTS = {"tp2_sp": [TP2, SP], "pp2": [PP2], "fsdp_dp2": FSDP}
+SAVE = ["checkpoint.save_interval=3"]
+LAYOUTS = {"tp2_sp": [TP2, SP, *SAVE], "pp2": [PP2], "fsdp_dp2": FSDP}
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +46,26 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_lora_layout_trains_like_one_process(tmp_path, reference, layout):
-    run = train(tmp_path, "wan_tiny", 2, [*LORA, *LAYOUTS[layout]])
+    saving = [f"checkpoint.save={tmp_path / 'ckpt'}"] if SAVE[0] in LAYOUTS[layout] else []
+    run = train(tmp_path, "wan_tiny", 2, [*LORA, *LAYOUTS[layout], *saving])
     assert_same_metrics(reference.metrics, run.metrics)
     assert_same_weights(reference.weights, run.weights)
     adapters = [name for name in run.weights if ".lora." in name]
     assert adapters and any(run.weights[name].abs().max() > 0 for name in adapters if ".lora.B." in name)
+    if saving:
+        check_exports(tmp_path, reference.weights)
+
+
+def check_exports(tmp_path, expected) -> None:
+    """export-lora and export --merge-lora of the run's checkpoint hold ``expected``'s adapters, merged weights."""
+    ckpt = tmp_path / "ckpt"
+    cfg = checkpoint_config(checkpoint_directory(ckpt))
+    assert main(WAN, ["export-lora", "--checkpoint", str(ckpt), "--output", str(tmp_path / "lora")]) == 0
+    written, wanted = load_file(tmp_path / "lora" / FILE_NAME), lora_state_dict(expected, cfg.model, cfg.peft)
+    assert sorted(written) == sorted(wanted)
+    for key, tensor in wanted.items():
+        torch.testing.assert_close(written[key], tensor, rtol=0, atol=1e-6)
+    assert main(WAN, ["export", "--checkpoint", str(ckpt), "--output", str(tmp_path / "merged"), "--merge-lora"]) == 0
+    folder = DiffusersWeights(tmp_path / "merged")
+    for key, tensor in to_diffusers(merged_weights(expected, cfg.model, cfg.peft), rules(cfg.model)).items():
+        torch.testing.assert_close(folder.read(key), tensor, rtol=0, atol=1e-6)
