@@ -6,6 +6,8 @@ and ``export --merge-lora``: the files hold the one-process run's adapters and m
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -26,6 +28,7 @@ from tests.parallel.equivalence import (
     assert_same_weights,
     train,
 )
+from tests.peft.test_lora_memory import assert_measured_matches_formula
 
 # Fused (q/k/v: q and v only), row-parallel and MLP targets; 3 Adam steps at lr 1e-3 move B by ~3e-3.
 LORA = [
@@ -39,9 +42,16 @@ SAVE = ["checkpoint.save_interval=3"]
 LAYOUTS = {"tp2_sp": [TP2, SP, *SAVE], "pp2": [PP2], "fsdp_dp2": FSDP}
 
 
+def log_dir(tmp: Path) -> Path:
+    return next(tmp.glob("*/memory_per_rank.json")).parent
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("lora_ref"), "wan_tiny", 1, LORA)
+    tmp = tmp_path_factory.mktemp("lora_ref")
+    run = train(tmp, "wan_tiny", 1, LORA)
+    assert_measured_matches_formula(log_dir(tmp))
+    return run
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -52,6 +62,8 @@ def test_lora_layout_trains_like_one_process(tmp_path, reference, layout):
     assert_same_weights(reference.weights, run.weights)
     adapters = [name for name in run.weights if ".lora." in name]
     assert adapters and any(run.weights[name].abs().max() > 0 for name in adapters if ".lora.B." in name)
+    if layout != "fsdp_dp2":  # FSDP shards whole rows: tests/parallel/test_fsdp_memory.py's measure
+        assert_measured_matches_formula(log_dir(tmp_path))
     if saving:
         check_exports(tmp_path, reference.weights)
 
