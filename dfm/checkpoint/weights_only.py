@@ -20,7 +20,7 @@ from dfm.checkpoint.save import failures_named, finalize_save
 from dfm.checkpoint.select import choose_checkpoint
 from dfm.checkpoint.state import WEIGHTS_ONLY, layout, model_sharded_state_dict
 from dfm.config.container import ModelConfig
-from dfm.peft.names import is_adapter_param
+from dfm.config.peft import is_adapter_param
 
 logger = logging.getLogger("dfm.checkpoint")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dfm.config.peft import PeftConfig
 from dfm.diffusion.edm import EDMSettings
 from dfm.diffusion.flow import FlowSettings
-from dfm.peft.config import PeftConfig
 
 Architecture = Literal["dit_cross", "dit_adaln", "stdit", "moviegen", "flux", "wan"]
 PosEmbedding = Literal["rope3d", "sincos3d", "learned3d"]

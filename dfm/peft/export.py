@@ -13,9 +13,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dfm.peft.config import PeftConfig
+from dfm.config.peft import ADAPTER, PeftConfig, is_adapter_param
 from dfm.peft.errors import PeftError
-from dfm.peft.names import ADAPTER, is_adapter_param
 from dfm.peft.targets import LoraTarget, lora_targets
 
 PREFIX = "transformer"  # the pipeline component the LoRA belongs to
@@ -23,11 +22,12 @@ FILE_NAME = "pytorch_lora_weights.safetensors"  # diffusers' default name, found
 METADATA_KEY = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
 
 
-def _pairs(weights: dict[str, Tensor], model_cfg, peft: PeftConfig):
-    """(target, part index, A [r, in], B [n_s, r]) of every adapter in ``weights`` (global names, full tensors)."""
+def _pairs(weights: dict[str, Tensor], model_cfg, peft: PeftConfig, rules):
+    """(target, part index, A [r, in], B [n_s, r]) of every adapter in ``weights`` (global names, full
+    tensors); ``rules``: the family's conversion rules."""
     if not any(is_adapter_param(name) for name in weights):
         raise PeftError("the checkpoint holds no LoRA adapters (was it trained with peft.lora_rank > 0?)")
-    for target in lora_targets(model_cfg, peft.target_modules, []).values():
+    for target in lora_targets(model_cfg, peft.target_modules, [], rules).values():
         for index, hit in enumerate(target.targeted):
             if hit:
                 a, b = (f"{target.module}.{ADAPTER}.{m}.{index}" for m in "AB")
@@ -36,10 +36,10 @@ def _pairs(weights: dict[str, Tensor], model_cfg, peft: PeftConfig):
                 yield target, index, weights[a], weights[b]
 
 
-def lora_state_dict(weights: dict[str, Tensor], model_cfg, peft: PeftConfig) -> dict[str, Tensor]:
+def lora_state_dict(weights: dict[str, Tensor], model_cfg, peft: PeftConfig, rules) -> dict[str, Tensor]:
     """{diffusers LoRA key: tensor} of the adapters in ``weights``."""
     out = {}
-    for target, index, a, b in _pairs(weights, model_cfg, peft):
+    for target, index, a, b in _pairs(weights, model_cfg, peft, rules):
         module = f"{PREFIX}.{target.parts[index]}"
         out[f"{module}.lora_A.weight"], out[f"{module}.lora_B.weight"] = a.contiguous(), b.contiguous()
     return out
@@ -53,11 +53,11 @@ def lora_metadata(state: dict[str, Tensor], peft: PeftConfig) -> dict[str, str]:
     return {"format": "pt", METADATA_KEY: json.dumps(config, sort_keys=True)}
 
 
-def write_lora_file(weights: dict[str, Tensor], model_cfg, peft: PeftConfig, path: str | Path, dtype) -> Path:
-    """The diffusers LoRA file of the adapters in ``weights``, at ``path`` (a .safetensors file)."""
+def write_lora_file(state: dict[str, Tensor], peft: PeftConfig, path: str | Path, dtype) -> Path:
+    """The diffusers LoRA file of ``state`` (``lora_state_dict``), at ``path`` (a .safetensors file)."""
     from safetensors.torch import save_file
 
-    state = {key: tensor.to(dtype) for key, tensor in lora_state_dict(weights, model_cfg, peft).items()}
+    state = {key: tensor.to(dtype) for key, tensor in state.items()}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path), metadata=lora_metadata(state, peft))
@@ -73,10 +73,10 @@ def _delta(target: LoraTarget, pairs, out_features: int, in_features: int, scali
     return delta
 
 
-def merged_weights(weights: dict[str, Tensor], model_cfg, peft: PeftConfig) -> dict[str, Tensor]:
+def merged_weights(weights: dict[str, Tensor], model_cfg, peft: PeftConfig, rules) -> dict[str, Tensor]:
     """The base weights of ``weights`` with every adapter's scaling B A added (adapters dropped)."""
     by_module: dict[str, tuple[LoraTarget, list]] = {}
-    for target, index, a, b in _pairs(weights, model_cfg, peft):
+    for target, index, a, b in _pairs(weights, model_cfg, peft, rules):
         by_module.setdefault(target.module, (target, []))[1].append((index, a, b))
     merged = {name: tensor for name, tensor in weights.items() if not is_adapter_param(name)}
     for module, (target, pairs) in by_module.items():
@@ -84,33 +84,3 @@ def merged_weights(weights: dict[str, Tensor], model_cfg, peft: PeftConfig) -> d
         delta = _delta(target, pairs, base.shape[0], base.shape[1], peft.scaling)
         merged[f"{module}.weight"] = (base.float() + delta).to(base.dtype)
     return merged
-
-
-def base_or_merged(weights: dict[str, Tensor], cfg, merge: bool, source: str) -> dict[str, Tensor]:
-    """What ``export`` converts: ``weights`` as they are, or with the adapters merged (``--merge-lora``);
-    a LoRA checkpoint without ``--merge-lora`` is refused (its adapters have no diffusers model key)."""
-    has_adapters = any(is_adapter_param(name) for name in weights)
-    if merge:
-        return merged_weights(weights, cfg.model, cfg.peft)
-    if has_adapters:
-        raise PeftError(f"{source} holds LoRA adapters: export --merge-lora for a merged model, or export-lora")
-    return weights
-
-
-def export_lora(family, args) -> Path:
-    """``convert_<family>.py export-lora``: the checkpoint's adapters -> ``<output>/pytorch_lora_weights.safetensors``."""
-    from dfm.convert.cli import DTYPES, dtype_name
-    from dfm.convert.output_folder import check_target, diffusers_folder_problem, fresh_folder
-    from dfm.convert.pretrained import read_checkpoint_weights
-
-    target = Path(args.output)
-    check_target(target, args.overwrite, diffusers_folder_problem)
-    cfg, _, weights = read_checkpoint_weights(args.checkpoint, use_ema=args.ema)
-    if cfg.model.architecture != family.architecture:
-        raise PeftError(f"{args.checkpoint} holds a {cfg.model.architecture} model, not {family.architecture}")
-    dtype = DTYPES[args.dtype] if args.dtype else next(t.dtype for n, t in weights.items() if is_adapter_param(n))
-    with fresh_folder(target) as staging:
-        path = write_lora_file(weights, cfg.model, cfg.peft, staging / FILE_NAME, dtype)
-        count = len(lora_state_dict(weights, cfg.model, cfg.peft))
-    print(f"wrote {target / path.name}: {count} {dtype_name(dtype)} tensors; load it with pipeline.load_lora_weights")
-    return target

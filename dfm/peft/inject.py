@@ -10,11 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dfm.config.peft import ADAPTER, PeftConfig, is_adapter_param
 from dfm.models.common.init import init_params, mark_tensor_parallel_weights
 from dfm.peft.adapter import LoraAdapter, add_output, linear_kind
-from dfm.peft.config import PeftConfig
 from dfm.peft.errors import PeftError
-from dfm.peft.names import ADAPTER, is_adapter_param
 from dfm.peft.sharded import shard_adapters_in_checkpoints
 from dfm.peft.targets import lora_targets
 
@@ -36,16 +35,17 @@ def _kind(module: nn.Module) -> str | None:
         return None
 
 
-def add_lora(model: nn.Module, peft: PeftConfig, model_cfg, seed: int, std: float = 0.02) -> list[str]:
+def add_lora(model: nn.Module, peft: PeftConfig, model_cfg, rules, seed: int, std: float = 0.02) -> list[str]:
     """Adapters on ``model``'s targeted linears (this stage's), base frozen when ``peft.freeze_base``;
     adapters are initialised unless the model is on meta (FSDP initialises its shards itself).
-    Returns the global names of the linears given adapters."""
+    ``rules``: the family's conversion rules (``dfm.convert.lora.family_rules``). Returns the global
+    names of the linears given adapters."""
     if peft.lora_dropout and _tp() > 1:
         # A column-parallel adapter's input is whole on every TP rank: per-rank masks would differ.
         raise PeftError("peft.lora_dropout > 0 runs at model.tensor_model_parallel_size=1 only")
     mark_tensor_parallel_weights(model)  # the adapters copy their base weight's TP split
     linears = _linears(model)
-    targets = lora_targets(model_cfg, peft.target_modules, list(linears))
+    targets = lora_targets(model_cfg, peft.target_modules, list(linears), rules)
     by_global = {global_module_name(model, name): module for name, module in model.named_modules()}
     done = []
     for name, target in targets.items():

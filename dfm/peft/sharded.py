@@ -13,8 +13,8 @@ from megatron.core import parallel_state
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
 
+from dfm.config.peft import ADAPTER
 from dfm.models.flux.strided import strided_factory
-from dfm.peft.names import ADAPTER
 
 
 def split_adapter_entries(linear: nn.Module, prefix: str, sharded_offsets, metadata) -> dict:

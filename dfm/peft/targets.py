@@ -54,19 +54,6 @@ class LoraTarget:
         return rows
 
 
-def family_rules(architecture: str, model_cfg) -> list | None:
-    """The conversion rules of a family with a diffusers counterpart, else None."""
-    if architecture == "wan":
-        from dfm.convert.wan import rules
-
-        return rules(model_cfg)
-    if architecture == "flux":
-        from dfm.convert.flux import flux_rules
-
-        return flux_rules(model_cfg)
-    return None
-
-
 def rule_targets(rules, target_modules: Sequence[str]) -> tuple[dict[str, LoraTarget], set[str]]:
     """({dfm module: target} for every rule of a weight whose diffusers modules a target names,
     the diffusers modules matched)."""
@@ -83,10 +70,12 @@ def rule_targets(rules, target_modules: Sequence[str]) -> tuple[dict[str, LoraTa
     return found, matched
 
 
-def lora_targets(model_cfg, target_modules: Sequence[str], module_names: Sequence[str]) -> dict[str, LoraTarget]:
-    """{dfm global module name: target}. ``module_names``: the global names of the model's linears
-    (every block, from any pipeline stage), used where the family has no rules (names are dfm's)."""
-    rules = family_rules(model_cfg.architecture, model_cfg)
+def lora_targets(
+    model_cfg, target_modules: Sequence[str], module_names: Sequence[str], rules: Sequence | None
+) -> dict[str, LoraTarget]:
+    """{dfm global module name: target}. ``rules``: the family's conversion rules (dfm/convert), None
+    for a family without a diffusers counterpart, whose targets are dfm's names among ``module_names``
+    (the global names of the model's linears)."""
     if rules is None:
         found = {name: LoraTarget(name, (name,), (True,)) for name in module_names if matches(name, target_modules)}
         matched = set(found)

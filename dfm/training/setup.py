@@ -66,9 +66,10 @@ def with_adapters(chunk, cfg: ConfigContainer):
     ``peft.lora_rank`` > 0: before DDP / FSDP wrap it, so only trainable parameters get gradient
     buffers and optimizer state."""
     if cfg.peft.enabled:
+        from dfm.convert.lora import family_rules
         from dfm.peft.inject import add_lora
 
-        add_lora(chunk, cfg.peft, cfg.model, cfg.rng.seed, cfg.model.init_method_std)
+        add_lora(chunk, cfg.peft, cfg.model, family_rules(cfg.model), cfg.rng.seed, cfg.model.init_method_std)
     return chunk
 
 

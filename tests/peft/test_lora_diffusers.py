@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dfm.config.peft import PeftConfig
 from dfm.convert.pretrained import fill_weights
 from dfm.convert.rules import to_diffusers
 from dfm.inference.empty_model import empty_model
-from dfm.peft.config import PeftConfig
 from dfm.peft.export import lora_metadata, lora_state_dict, merged_weights
 from dfm.peft.inject import add_lora
 from tests.flux._tiny import dfm_config_and_weights, tiny_diffusers_flux
@@ -124,13 +124,13 @@ def trained(request, dist, tmp_path_factory):  # noqa: F811
     fill_weights(model, family.weights, "the tiny weights")
     with torch.no_grad():
         base = family.dfm(model)
-        add_lora(model, peft, family.cfg, seed=0)
+        add_lora(model, peft, family.cfg, family.rules, seed=0)
         zero = family.dfm(model)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     train_adapters(family, model)
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
     weights = {model.global_param_name(n): p.detach() for n, p in model.named_parameters()}
-    state = lora_state_dict(weights, family.cfg, peft)
+    state = lora_state_dict(weights, family.cfg, peft, family.rules)
     path = tmp_path_factory.mktemp("lora") / "pytorch_lora_weights.safetensors"
     save_file(state, str(path), metadata=lora_metadata(state, peft))
     return family, peft, base, zero, model, weights, path
@@ -157,7 +157,7 @@ def test_trained_lora_equals_diffusers_with_the_exported_file_loaded(trained):
 @torch.no_grad()
 def test_merged_export_equals_the_lora_loaded_diffusers_model(trained):
     family, peft, _, _, model, weights, path = trained
-    merged = to_diffusers(merged_weights(weights, family.cfg, peft), family.rules)
+    merged = to_diffusers(merged_weights(weights, family.cfg, peft, family.rules), family.rules)
     plain = type(family.reference).from_config(family.reference.config).eval()
     plain.load_state_dict(merged)
     pipeline = family.pipeline(family.reference)

@@ -73,11 +73,16 @@ def check_exports(tmp_path, expected) -> None:
     ckpt = tmp_path / "ckpt"
     cfg = checkpoint_config(checkpoint_directory(ckpt))
     assert main(WAN, ["export-lora", "--checkpoint", str(ckpt), "--output", str(tmp_path / "lora")]) == 0
-    written, wanted = load_file(tmp_path / "lora" / FILE_NAME), lora_state_dict(expected, cfg.model, cfg.peft)
+    written, wanted = (
+        load_file(tmp_path / "lora" / FILE_NAME),
+        lora_state_dict(expected, cfg.model, cfg.peft, rules(cfg.model)),
+    )
     assert sorted(written) == sorted(wanted)
     for key, tensor in wanted.items():
         torch.testing.assert_close(written[key], tensor, rtol=0, atol=1e-6)
     assert main(WAN, ["export", "--checkpoint", str(ckpt), "--output", str(tmp_path / "merged"), "--merge-lora"]) == 0
     folder = DiffusersWeights(tmp_path / "merged")
-    for key, tensor in to_diffusers(merged_weights(expected, cfg.model, cfg.peft), rules(cfg.model)).items():
+    for key, tensor in to_diffusers(
+        merged_weights(expected, cfg.model, cfg.peft, rules(cfg.model)), rules(cfg.model)
+    ).items():
         torch.testing.assert_close(folder.read(key), tensor, rtol=0, atol=1e-6)

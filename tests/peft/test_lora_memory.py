@@ -12,15 +12,18 @@ import json
 from pathlib import Path
 
 from dfm.config.container import ModelConfig
+from dfm.config.peft import PeftConfig
 from dfm.config.presets import PRESETS
-from dfm.peft.config import PeftConfig
-from dfm.peft.memory import lora_parameter_counts, state_bytes
+from dfm.convert.lora import family_rules
+from dfm.peft.memory import lora_parameter_counts
+from dfm.training.lora_memory import state_bytes
 from tests.models.conftest import dist  # noqa: F401  (one-process megatron state)
 
 
 def test_wan_1_3b_lora_optimizer_state_is_under_2_percent_of_a_full_fine_tune(dist):  # noqa: F811
     model_cfg = ModelConfig(**{**PRESETS["Wan2.1-T2V-1.3B"], "attention_backend": "sdpa"})
-    total, adapters = lora_parameter_counts(model_cfg, dataclasses.replace(PeftConfig(), lora_rank=32))
+    peft = dataclasses.replace(PeftConfig(), lora_rank=32)
+    total, adapters = lora_parameter_counts(model_cfg, peft, family_rules(model_cfg))
     # 30 blocks x 2 attentions x 4 projections x r (1536 + 1536)
     assert adapters == 30 * 2 * 4 * 32 * (1536 + 1536)
     for layout, shards in (("ddp", 1), ("distributed_optimizer", 8), ("optim_grads_params", 8)):

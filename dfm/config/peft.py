@@ -1,4 +1,4 @@
-"""The ``peft`` config section: LoRA rank, scaling, dropout and which linears get adapters."""
+"""The ``peft`` config section (LoRA rank, scaling, dropout, targets) and how adapter parameters are named."""
 
 from __future__ import annotations
 
@@ -32,3 +32,11 @@ class PeftConfig:
     def scaling(self) -> float:
         """alpha / rank: the factor on B A x."""
         return (self.lora_alpha if self.lora_alpha is not None else self.lora_rank) / self.lora_rank
+
+
+ADAPTER = "lora"  # an adapter's attribute on its linear: parameters '<linear>.lora.A.<part>', '.B.<part>'
+
+
+def is_adapter_param(name: str) -> bool:
+    """A LoRA adapter's parameter (or state-dict key), by name (dfm/peft)."""
+    return f".{ADAPTER}." in f".{name}"
