@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from megatron.core import dist_checkpointing
 
+from dfm.checkpoint.errors import CheckpointError
 from dfm.checkpoint.select import resolve_load_dir
 from dfm.checkpoint.state import model_sharded_state_dict, with_weights
 from dfm.config.container import ConfigContainer
@@ -69,6 +70,11 @@ def load_model(
     model, _ = empty_model(cfg.model, cfg.mixed_precision.precision, device, cast=True)
     if prepare is not None:
         prepare(model)
+    elif cfg.peft.enabled:  # loading it without its adapters would silently give the base model
+        raise CheckpointError(
+            f"{directory} is a LoRA run's checkpoint (peft.lora_rank={cfg.peft.lora_rank}): merge it first with "
+            "convert_<family>.py export --merge-lora and import that, or load its adapters in diffusers (docs/lora.md)"
+        )
     # Only the model part is requested: optimizer, RNG and data states stay on disk.
     request = {"model0": model_sharded_state_dict(model)}
     with_ema = use_ema and bool(dist_checkpointing.load_common_state_dict(str(directory)).get("has_ema"))

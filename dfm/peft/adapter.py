@@ -97,27 +97,19 @@ class LoraAdapter(nn.Module):
         full = torch.cat(part_rows)  # cat(parts)[j] is full row full[j]
         position = torch.empty_like(full)
         position[full] = torch.arange(len(full))  # full row -> its place in cat(parts)
-        tp, rank = (
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_rank(),
-        )
-        local_rows = (
-            take_shard(torch.arange(len(full)), base.weight) if self.kind == COLUMN else torch.arange(len(full))
-        )
-        # Each part's local rows are its rank-th contiguous chunk; their place in cat(local parts):
-        starts, local_starts, offset, local_offset = [], [], 0, 0
-        for size in self.part_sizes:
-            starts.append(offset), local_starts.append(local_offset)
-            offset, local_offset = offset + size, local_offset + size // tp
-        order = []
-        for row in local_rows.tolist():
-            at = int(position[row])
-            part = max(i for i, start in enumerate(starts) if start <= at)
-            within = at - starts[part] - rank * (self.part_sizes[part] // tp)
-            if not 0 <= within < self.part_sizes[part] // tp:
-                raise PeftError("a fused linear whose parts do not split evenly over TP: no LoRA there")
-            order.append(local_starts[part] + within)
-        return torch.tensor(order)
+        column = self.kind == COLUMN
+        tp = parallel_state.get_tensor_model_parallel_world_size() if column else 1
+        rank = parallel_state.get_tensor_model_parallel_rank() if column else 0
+        local_rows = take_shard(torch.arange(len(full)), base.weight) if column else torch.arange(len(full))
+        # Each part's local rows are its rank-th contiguous chunk; where they sit in cat(local parts):
+        sizes = torch.tensor(self.part_sizes)
+        starts, local_starts = sizes.cumsum(0) - sizes, (sizes // tp).cumsum(0) - sizes // tp
+        at = position[local_rows]
+        part = torch.bucketize(at, starts, right=True) - 1
+        within = at - starts[part] - rank * (sizes[part] // tp)
+        if ((within < 0) | (within >= sizes[part] // tp)).any():
+            raise PeftError("a fused linear whose parts do not split evenly over TP: no LoRA there")
+        return local_starts[part] + within
 
     def forward(self, x: Tensor) -> Tensor:
         """x: the base linear's input -> what to add to its output (same shape)."""
