@@ -1,8 +1,9 @@
-"""LoRA training through the real entry point (tiny Wan, base frozen): TP=2 + SP, PP=2 and
-Megatron-FSDP at DP=2 give the same losses, gradient norms and weights (adapters trained, base
-untouched) as one process (tests/parallel/equivalence.py: how runs are compared, tolerances).
-The TP=2 + SP run's checkpoint (adapters split over TP) goes through ``convert_wan.py export-lora``
-and ``export --merge-lora``: the files hold the one-process run's adapters and merged weights."""
+"""LoRA training through the real entry point (tiny Wan, base frozen): TP=2 + SP x PP=2 (4 processes,
+both dimensions in one run) and Megatron-FSDP at DP=2 give the same losses, gradient norms and
+weights (adapters trained, base untouched) as one process (tests/parallel/equivalence.py: how runs
+are compared, tolerances). The TP x PP run's checkpoint (adapters split over TP, blocks over stages)
+goes through ``convert_wan.py export-lora`` and ``export --merge-lora``: the files hold the
+one-process run's adapters and merged weights."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tests.parallel.equivalence import (
     assert_same_metrics,
     assert_same_weights,
     train,
+    world_size,
 )
 from tests.peft.test_lora_memory import assert_measured_matches_formula
 
@@ -39,7 +41,7 @@ LORA = [
     *DP_DATA,
 ]
 SAVE = ["checkpoint.save_interval=3"]
-LAYOUTS = {"tp2_sp": [TP2, SP, *SAVE], "pp2": [PP2], "fsdp_dp2": FSDP}
+LAYOUTS = {"tp2_sp_pp2": [TP2, SP, PP2, *SAVE], "fsdp_dp2": FSDP}
 
 
 def log_dir(tmp: Path) -> Path:
@@ -57,7 +59,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_lora_layout_trains_like_one_process(tmp_path, reference, layout):
     saving = [f"checkpoint.save={tmp_path / 'ckpt'}"] if SAVE[0] in LAYOUTS[layout] else []
-    run = train(tmp_path, "wan_tiny", 2, [*LORA, *LAYOUTS[layout], *saving])
+    run = train(tmp_path, "wan_tiny", world_size(LAYOUTS[layout]), [*LORA, *LAYOUTS[layout], *saving])
     assert_same_metrics(reference.metrics, run.metrics)
     assert_same_weights(reference.weights, run.weights)
     adapters = [name for name in run.weights if ".lora." in name]
