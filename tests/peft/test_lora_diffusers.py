@@ -65,6 +65,8 @@ class Wan:
 
 
 class Flux:
+    """The FLUX family's model, inputs and diffusers run."""
+
     targets = FLUX_TARGETS
 
     def __init__(self):
@@ -77,9 +79,10 @@ class Flux:
         self.batch, self.t, self.guidance = verification_pack(self.cfg)
 
     def dfm(self, model) -> list[torch.Tensor]:
-        out, starts = model(self.batch.latents, self.t, self.batch, self.guidance), self.batch.host_view()
-        lengths = starts.sample_lengths.tolist()
-        return [out[s : s + n] for s, n in zip(starts.cu_seqlens_q_padded.tolist(), lengths)]
+        """Each sample's rows [L_i, D] of the packed output."""
+        out, host = model(self.batch.latents, self.t, self.batch, self.guidance), self.batch.host_view()
+        starts, lengths = host.cu_seqlens_q_padded.tolist(), host.sample_lengths.tolist()
+        return [out[start : start + n] for start, n in zip(starts, lengths)]
 
     def diffusers(self, transformer) -> list[torch.Tensor]:
         from dfm.convert.flux import diffusers_outputs
