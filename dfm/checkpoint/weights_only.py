@@ -20,6 +20,7 @@ from dfm.checkpoint.save import failures_named, finalize_save
 from dfm.checkpoint.select import choose_checkpoint
 from dfm.checkpoint.state import WEIGHTS_ONLY, layout, model_sharded_state_dict
 from dfm.config.container import ModelConfig
+from dfm.config.peft import is_adapter_param
 
 logger = logging.getLogger("dfm.checkpoint")
 
@@ -41,6 +42,11 @@ def save_weights_only(root: str | Path, model_chunks, config_dict: dict, extra: 
     return target
 
 
+def base_weights(state: dict) -> dict:
+    """``state`` without LoRA adapters: what a pretrained (base) checkpoint provides."""
+    return {key: value for key, value in state.items() if not is_adapter_param(key)}
+
+
 def load_pretrained(path: str | Path, model, model_config: ModelConfig | None = None) -> Path:
     """Fill the DDP-wrapped ``model`` chunks with the model weights of the checkpoint at ``path`` (any layout).
 
@@ -52,10 +58,17 @@ def load_pretrained(path: str | Path, model, model_config: ModelConfig | None = 
     common = dist_checkpointing.load_common_state_dict(str(directory))
     if model_config is not None:
         check_same_model(common, directory, model_config)
-    request = {f"model{index}": model_sharded_state_dict(chunk.module) for index, chunk in enumerate(model)}
+    request = {
+        f"model{index}": base_weights(model_sharded_state_dict(chunk.module)) for index, chunk in enumerate(model)
+    }
     loaded = dist_checkpointing.load(request, str(directory))
     for index, chunk in enumerate(model):
-        chunk.module.load_state_dict(loaded[f"model{index}"], strict=True)
+        # strict but for LoRA adapters (dfm/peft): a base checkpoint has none, they keep their init
+        missing, unexpected = chunk.module.load_state_dict(loaded[f"model{index}"], strict=False)
+        if unexpected or [key for key in missing if not is_adapter_param(key)]:
+            raise CheckpointError(
+                f"{directory} does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
+            )
     if rank() == 0:
         logger.info("initial weights from %s (checkpoint.pretrained; optimizer and schedule start fresh)", directory)
     return directory

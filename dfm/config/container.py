@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dfm.config.peft import PeftConfig
 from dfm.diffusion.edm import EDMSettings
 from dfm.diffusion.flow import FlowSettings
 
@@ -238,3 +239,5 @@ class ConfigContainer:
     # Diffusion settings of the pipeline model.pipeline names (training noise levels, sampler).
     edm: EDMSettings = field(default_factory=EDMSettings)
     flow: FlowSettings = field(default_factory=FlowSettings)
+    # LoRA adapters (dfm/peft, docs/lora.md); lora_rank=0: none.
+    peft: PeftConfig = field(default_factory=PeftConfig)

@@ -131,6 +131,9 @@ RANGES: dict[str, Range] = {
     "flow.shift": POSITIVE,
     "flow.sigma_min": DROPOUT,
     "flow.c_noise_scale": POSITIVE,
+    "peft.lora_rank": NON_NEGATIVE,
+    "peft.lora_alpha": Range(low=0, low_open=True, optional=True),
+    "peft.lora_dropout": DROPOUT,
 }
 
 

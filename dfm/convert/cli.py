@@ -1,7 +1,8 @@
 """``convert_<family>.py import|export``: a published model's diffusers folder to a dfm checkpoint and back.
 
     import --diffusers DIR --output CKPT [--recipe NAME] [--verify] [--overwrite] [key=value ...]
-    export --checkpoint CKPT --output DIR [--ema] [--dtype bf16|fp32] [--overwrite]
+    export --checkpoint CKPT --output DIR [--ema] [--dtype bf16|fp32] [--overwrite] [--merge-lora]
+    export-lora --checkpoint CKPT --output DIR [--ema] [--dtype bf16|fp32] [--overwrite]
 
 DIR is a model folder or a pipeline folder (its ``transformer/``). Both directions read and write one
 tensor at a time into a model built on meta, and write into a fresh folder next to the output that
@@ -28,6 +29,7 @@ from dfm.config.loader import apply_overrides, set_key
 from dfm.config.recipes import get_recipe
 from dfm.config.validate import validate_config
 from dfm.convert.diffusers_folder import DiffusersWeights, read_config, write_diffusers_folder_streaming
+from dfm.convert.lora import base_or_merged, export_lora
 from dfm.convert.output_folder import check_target, diffusers_folder_problem, fresh_folder, weights_only_root_problem
 from dfm.convert.pretrained import read_checkpoint_weights, save_pretrained_checkpoint
 from dfm.convert.rules import ConversionError, Rule, check_keys, convert_stream
@@ -127,6 +129,7 @@ def export_model(family: Family, args: argparse.Namespace) -> Path:
         raise ConversionError(
             f"{args.checkpoint} holds a model.architecture={cfg.model.architecture} model, not {family.architecture}"
         )
+    weights = base_or_merged(weights, cfg, args.merge_lora, str(args.checkpoint))
     dtype, rules, source = export_dtype(args.dtype, common, weights), family.rules(cfg.model), str(args.checkpoint)
     shapes = {name: torch.empty(tensor.shape, dtype=dtype, device="meta") for name, tensor in weights.items()}
     plan = {name: (dtype, tuple(t.shape)) for name, t in convert_stream(shapes.get, shapes, rules, "dfm", source)}
@@ -136,6 +139,15 @@ def export_model(family: Family, args: argparse.Namespace) -> Path:
     loader = f"diffusers.{family.diffusers_class}.from_pretrained"
     print(f"wrote {target}: {len(plan)} {dtype_name(dtype)} tensors; load it with {loader}")
     return target
+
+
+def export_arguments(command: argparse.ArgumentParser, output: str, dtype: str) -> None:
+    """What ``export`` and ``export-lora`` read and write."""
+    command.add_argument("--checkpoint", required=True, help="an iter_N directory or a root")
+    command.add_argument("--output", required=True, help=output)
+    command.add_argument("--ema", action="store_true", help="export the EMA weights (when the checkpoint has them)")
+    command.add_argument("--overwrite", action="store_true", help="replace an earlier export at --output")
+    command.add_argument("--dtype", choices=sorted(DTYPES), help=dtype)
 
 
 def parser_for(family: Family) -> argparse.ArgumentParser:
@@ -152,11 +164,10 @@ def parser_for(family: Family) -> argparse.ArgumentParser:
         imp.add_argument(f"--{size}", type=int, help="recorded in the checkpoint's config; any layout loads it")
     imp.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. mixed_precision.precision=bf16")
     exp = commands.add_parser("export", help="a dfm checkpoint (any layout) -> a diffusers folder")
-    exp.add_argument("--checkpoint", required=True, help="an iter_N directory or a root")
-    exp.add_argument("--output", required=True, help="folder to write")
-    exp.add_argument("--ema", action="store_true", help="export the EMA weights (when the checkpoint has them)")
-    exp.add_argument("--overwrite", action="store_true", help="replace an earlier export at --output")
-    exp.add_argument("--dtype", choices=sorted(DTYPES), help="default: the dtype the imported model had")
+    export_arguments(exp, "folder to write", "default: the dtype the imported model had")
+    exp.add_argument("--merge-lora", action="store_true", help="a LoRA run's checkpoint: base + adapters merged")
+    lora = commands.add_parser("export-lora", help="a LoRA run's adapters -> a diffusers LoRA file (docs/lora.md)")
+    export_arguments(lora, "folder to write pytorch_lora_weights.safetensors into", "default: the adapters' dtype")
     return parser
 
 
@@ -167,8 +178,9 @@ def main(family: Family, argv: Sequence[str] | None = None) -> int:
         args.overrides = list(args.overrides) + [
             f"model.{size}={getattr(args, size)}" for size in RECORDED_SIZES if getattr(args, size)
         ]
+    commands = {"import": import_model, "export": export_model, "export-lora": export_lora}
     try:
-        (import_model if args.command == "import" else export_model)(family, args)
+        commands[args.command](family, args)
     except (ConversionError, ConfigError, FileNotFoundError) as error:
         print(f"error: {error}")
         return 2

@@ -13,6 +13,7 @@ from torch import Tensor
 from dfm.checkpoint.weights_only import save_weights_only
 from dfm.config.container import ConfigContainer
 from dfm.config.loader import config_to_dict
+from dfm.convert.lora import adapters_of
 from dfm.convert.rules import ConversionError
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
 from dfm.inference.empty_model import empty_model
@@ -104,7 +105,7 @@ def read_checkpoint_weights(path: str | Path, use_ema: bool = False) -> tuple[Co
     cfg = checkpoint_config(directory)
     single = single_process_config(cfg)
     with single_process_world(cfg.rng.seed):
-        model = load_model(single, directory, torch.device("cpu"), use_ema=use_ema)
+        model = load_model(single, directory, torch.device("cpu"), use_ema=use_ema, prepare=adapters_of(single))
         weights = {model.global_param_name(name): p.detach() for name, p in model.named_parameters()}
     return cfg, dist_checkpointing.load_common_state_dict(str(directory)), weights
 

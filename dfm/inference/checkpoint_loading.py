@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from megatron.core import dist_checkpointing
 
+from dfm.checkpoint.errors import CheckpointError
 from dfm.checkpoint.select import resolve_load_dir
 from dfm.checkpoint.state import model_sharded_state_dict, with_weights
 from dfm.config.container import ConfigContainer
@@ -55,8 +56,11 @@ def single_process_config(cfg: ConfigContainer) -> ConfigContainer:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **SINGLE_PROCESS_LAYOUT))
 
 
-def load_model(cfg: ConfigContainer, directory: Path, device: torch.device, use_ema: bool = True) -> torch.nn.Module:
+def load_model(
+    cfg: ConfigContainer, directory: Path, device: torch.device, use_ema: bool = True, prepare=None
+) -> torch.nn.Module:
     """Build the (TP=1, PP=1) model of ``cfg`` and fill it with the checkpoint's weights; eval mode.
+    ``prepare(model)`` runs on the empty model first (a LoRA run's adapters: dfm.convert.lora.adapters_of).
 
     The EMA weights replace the trained ones when the checkpoint has them and ``use_ema``.
     Needs megatron's parallel state initialised (``initialize_distributed()``).
@@ -64,6 +68,13 @@ def load_model(cfg: ConfigContainer, directory: Path, device: torch.device, use_
     # Built on meta and given uninitialised storage: every parameter is loaded below (strict), so no random
     # init runs and the weights are held once.
     model, _ = empty_model(cfg.model, cfg.mixed_precision.precision, device, cast=True)
+    if prepare is not None:
+        prepare(model)
+    elif cfg.peft.enabled:  # loading it without its adapters would silently give the base model
+        raise CheckpointError(
+            f"{directory} is a LoRA run's checkpoint (peft.lora_rank={cfg.peft.lora_rank}): merge it first with "
+            "convert_<family>.py export --merge-lora and import that, or load its adapters in diffusers (docs/lora.md)"
+        )
     # Only the model part is requested: optimizer, RNG and data states stay on disk.
     request = {"model0": model_sharded_state_dict(model)}
     with_ema = use_ema and bool(dist_checkpointing.load_common_state_dict(str(directory)).get("has_ema"))

@@ -92,6 +92,17 @@ def formula_bytes(count: int, per: BytesPerParameter, layout: str, shards: int) 
     return RankBytes(count * per.params // split[0], count * per.grads // split[1], count * per.optimizer // split[2])
 
 
+def state_formula(count: int, per: BytesPerParameter, layout: str, shards: int, trainable: int | None = None):
+    """``formula_bytes`` with gradients and optimizer state for the ``trainable`` parameters only
+    (a LoRA run: the adapters; None: all ``count``). Frozen parameters get neither (megatron's DDP,
+    Megatron-FSDP and optimizer skip parameters that do not require grad)."""
+    full = formula_bytes(count, per, layout, shards)
+    if trainable is None or trainable == count:
+        return full
+    tuned = formula_bytes(trainable, per, layout, shards)
+    return RankBytes(full.params, tuned.grads, tuned.optimizer)
+
+
 def shape_bytes(shapes: list[tuple[int, ...]], per: BytesPerParameter, layout: str, shards: int) -> RankBytes:
     """Rank 0's bytes from the real parameter shapes: a sharded parameter ``[rows, ...]`` gives each
     rank whole rows (as Megatron-FSDP does), rank 0 the most: ``ceil(rows / shards)``."""
@@ -146,6 +157,16 @@ def local_parameter_count(model) -> int:
     return sum(getattr(p, "orig_param", p).numel() for chunk in model for p in inner_model(chunk).parameters())
 
 
+def trainable_parameter_count(model) -> int:
+    """Of ``local_parameter_count``, the parameters that train (all but a LoRA run's frozen base)."""
+    return sum(
+        getattr(p, "orig_param", p).numel()
+        for chunk in model
+        for p in inner_model(chunk).parameters()
+        if p.requires_grad
+    )
+
+
 def log_memory(cfg, layout, model, optimizer) -> None:
     """Start-up log (rank 0): every rank's measured bytes, and the formula for rank 0's share; the
     same figures, unrounded, in ``<log_dir>/memory_per_rank.json``."""
@@ -153,14 +174,16 @@ def log_memory(cfg, layout, model, optimizer) -> None:
     name = layout_name(ddp.use_megatron_fsdp, ddp.data_parallel_sharding_strategy, ddp.use_distributed_optimizer)
     measured = measured_bytes(model, optimizer, cfg.optimizer.optimizer)
     counts = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(counts, (measured, local_parameter_count(model)))
+    torch.distributed.all_gather_object(
+        counts, (measured, local_parameter_count(model), trainable_parameter_count(model))
+    )
     if torch.distributed.get_rank() != 0:
         return
     per = bytes_per_parameter(
         cfg.mixed_precision.precision, ddp.grad_reduce_in_fp32, cfg.optimizer.optimizer, ddp.use_megatron_fsdp
     )
-    lines = [f"rank {rank}: {held.describe()}" for rank, (held, _) in enumerate(counts)]
-    formula = formula_bytes(counts[0][1], per, name, layout.dp * layout.cp)
+    lines = [f"rank {rank}: {held.describe()}" for rank, (held, *_) in enumerate(counts)]
+    formula = state_formula(counts[0][1], per, name, layout.dp * layout.cp, counts[0][2])
     write_memory_record(cfg.logger.log_dir, name, layout.dp * layout.cp, counts, per)
     logger.info(
         "memory per rank (%s, %d parameters on rank 0, sharded over %d DP x CP ranks):\n  %s\n  formula, rank 0: %s",
@@ -171,10 +194,10 @@ def log_memory(cfg, layout, model, optimizer) -> None:
         formula.describe(),
     )
     # One machine-readable line (benchmarks.memory_phases reads it).
-    logger.info("%s %s", STATE_LOG_KEY, json.dumps([held.total for held, _ in counts]))
+    logger.info("%s %s", STATE_LOG_KEY, json.dumps([held.total for held, *_ in counts]))
     from dfm.training.memory_plan import log_plan  # it builds on this module
 
-    log_plan(cfg, layout, counts[0][1], next(model[0].parameters()).device)
+    log_plan(cfg, layout, counts[0][1], next(model[0].parameters()).device, trainable=counts[0][2])
 
 
 def write_memory_record(log_dir: str | None, layout_name_: str, shards: int, counts, per: BytesPerParameter) -> None:
@@ -185,10 +208,11 @@ def write_memory_record(log_dir: str | None, layout_name_: str, shards: int, cou
     ranks = [
         {
             "parameters": count,
+            "trainable": trainable,
             "measured": asdict(held),
-            "formula": asdict(formula_bytes(count, per, layout_name_, shards)),
+            "formula": asdict(state_formula(count, per, layout_name_, shards, trainable)),
         }
-        for held, count in counts
+        for held, count, trainable in counts
     ]
     record = {"layout": layout_name_, "shards": shards, "ranks": ranks}
     Path(log_dir).mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from dfm.checkpoint.files import format_bytes
-from dfm.training.memory import RankBytes, bytes_per_parameter, formula_bytes, layout_name
+from dfm.training.memory import RankBytes, bytes_per_parameter, layout_name, state_formula
 
 BUILD_CHUNK = 256 * 2**20  # the meta-device build's largest materialised chunk
 IO_BUFFER = 256 * 2**20  # one bounded staging / read buffer of the sharded save and load
@@ -131,20 +131,23 @@ class PhasePlan:
         return self.peak() <= device_bytes * (1 - DEVICE_RESERVE)
 
 
-def rank_plan(cfg, layout, share: int, tokens: int, text_tokens: int, in_flight: int = 1) -> PhasePlan:
-    """The plan of a rank holding ``share`` parameters (its TP / PP slice before data-parallel sharding)."""
+def rank_plan(
+    cfg, layout, share: int, tokens: int, text_tokens: int, in_flight: int = 1, trainable: int | None = None
+) -> PhasePlan:
+    """The plan of a rank holding ``share`` parameters (its TP / PP slice before data-parallel sharding),
+    ``trainable`` of them trained (LoRA: the adapters; None: all)."""
     ddp, model_cfg = cfg.ddp, cfg.model
     name = layout_name(ddp.use_megatron_fsdp, ddp.data_parallel_sharding_strategy, ddp.use_distributed_optimizer)
     shards = layout.dp * layout.cp
     per = bytes_per_parameter(
         cfg.mixed_precision.precision, ddp.grad_reduce_in_fp32, cfg.optimizer.optimizer, ddp.use_megatron_fsdp
     )
-    state = formula_bytes(share, per, name, shards)
+    state = state_formula(share, per, name, shards, trainable)
     stage_layers = model_cfg.num_layers // layout.pp
     activations = activation_bytes(model_cfg, tokens, text_tokens, in_flight, slice(0, stage_layers))
     block = share // max(stage_layers, 1)
     fsdp = 2 * block * per.params + block * per.grads if name == "optim_grads_params" else 0
-    own_shard = share * (per.params + per.optimizer) // shards
+    own_shard = (share * per.params + (share if trainable is None else trainable) * per.optimizer) // shards
     checkpoint_io = state.total + own_shard + IO_BUFFER
     return PhasePlan(state.params + BUILD_CHUNK, state, activations, fsdp, checkpoint_io, checkpoint_io)
 
@@ -182,13 +185,13 @@ def describe(plan: PhasePlan, device_bytes: int | None) -> list[str]:
     return lines
 
 
-def config_plan(cfg, layout, share: int, samples_per_pack: int = 1) -> PhasePlan:
+def config_plan(cfg, layout, share: int, samples_per_pack: int = 1, trainable: int | None = None) -> PhasePlan:
     """The plan of the first pipeline stage's ranks (they hold the most micro-batches in flight)."""
     from dfm.config.validate import micro_batches_per_step
 
     tokens, text_tokens = tokens_per_rank(cfg, layout, samples_per_pack)
     in_flight = pipeline_in_flight(layout, micro_batches_per_step(cfg.train, layout))
-    return rank_plan(cfg, layout, share, tokens, text_tokens, in_flight)
+    return rank_plan(cfg, layout, share, tokens, text_tokens, in_flight, trainable)
 
 
 def device_memory(device: torch.device) -> int | None:
@@ -198,10 +201,10 @@ def device_memory(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).total_memory
 
 
-def log_plan(cfg, layout, share: int, device: torch.device) -> None:
-    """Start-up log: the plan's phases for this rank's share; a warning before the first step when
-    the device memory is known and the plan does not fit it."""
-    plan = config_plan(cfg, layout, share)
+def log_plan(cfg, layout, share: int, device: torch.device, trainable: int | None = None) -> None:
+    """Start-up log: the plan's phases for this rank's share (``trainable`` of it trained); a warning
+    before the first step when the device memory is known and the plan does not fit it."""
+    plan = config_plan(cfg, layout, share, trainable=trainable)
     total = device_memory(device)
     logger.info("memory plan per rank (first pipeline stage):\n  %s", "\n  ".join(describe(plan, total)))
     if total is not None and not plan.fits(total):

@@ -51,7 +51,7 @@ def build_model(cfg: ConfigContainer, layout: ParallelLayout, device: torch.devi
             device,
             params_dtype_everywhere=True,
         )
-        chunks.append(chunk)
+        chunks.append(with_adapters(chunk, cfg))
     wrapped = [
         DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
@@ -59,6 +59,18 @@ def build_model(cfg: ConfigContainer, layout: ParallelLayout, device: torch.devi
     for chunk in wrapped:
         chunk.broadcast_params()
     return wrapped, tconfig
+
+
+def with_adapters(chunk, cfg: ConfigContainer):
+    """``chunk`` with LoRA adapters on its targeted linears and its base frozen (dfm/peft), when
+    ``peft.lora_rank`` > 0: before DDP / FSDP wrap it, so only trainable parameters get gradient
+    buffers and optimizer state."""
+    if cfg.peft.enabled:
+        from dfm.convert.lora import family_rules
+        from dfm.peft.inject import add_lora
+
+        add_lora(chunk, cfg.peft, cfg.model, family_rules(cfg.model), cfg.rng.seed, cfg.model.init_method_std)
+    return chunk
 
 
 def vp_stages(layout: ParallelLayout) -> list[int | None]:
@@ -74,7 +86,7 @@ def fully_sharded_chunks(cfg: ConfigContainer, layout: ParallelLayout, ddp_confi
             cfg.model, cfg.mixed_precision.precision, vp_stage, layout, params_dtype_everywhere=True, device=device
         )
         tconfig.init_model_with_meta_device = True
-        chunk = fully_sharded(defer_to_fsdp(meta), tconfig, ddp_config, device, index > 0)
+        chunk = fully_sharded(defer_to_fsdp(with_adapters(meta, cfg)), tconfig, ddp_config, device, index > 0)
         init_fsdp_shards(chunk, cfg.rng.seed, meta.global_param_name, cfg.model.init_method_std)
         chunks.append(chunk)
     return chunks, tconfig
@@ -104,20 +116,23 @@ def fully_sharded(chunk, tconfig, ddp_config, device: torch.device, disable_buck
     whose weights are gathered just before it runs and freed after."""
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
+    from dfm.peft.fsdp import frozen_params_without_grad_hooks
+
     shards_params = ddp_config.data_parallel_sharding_strategy == "optim_grads_params"
     units = sorted({type(layer) for layer in chunk.layers}, key=lambda cls: cls.__name__) if shards_params else []
     if units:
         ddp_config = dataclasses.replace(ddp_config, suggested_communication_unit_size=two_units(chunk))
     # No broadcast_params(): megatron's broadcasts a DTensor, which c10d rejects; the layout-independent
     # init (dfm.models.common.init) already gives every DP rank the same weights.
-    return FullyShardedDataParallel(
-        config=tconfig,
-        ddp_config=ddp_config,
-        module=chunk,
-        fsdp_unit_modules=units,
-        disable_bucketing=disable_bucketing,
-        device=device,
-    )
+    with frozen_params_without_grad_hooks():  # a LoRA run's frozen base (dfm/peft/fsdp.py)
+        return FullyShardedDataParallel(
+            config=tconfig,
+            ddp_config=ddp_config,
+            module=chunk,
+            fsdp_unit_modules=units,
+            disable_bucketing=disable_bucketing,
+            device=device,
+        )
 
 
 def two_units(chunk) -> int:

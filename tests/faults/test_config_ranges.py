@@ -45,6 +45,7 @@ def test_the_walk_finds_every_section():
         "rng",
         "edm",
         "flow",
+        "peft",
     }
 
 
