@@ -167,6 +167,8 @@ class DatasetConfig:
     mock_text_len_range: list[int] = field(default_factory=lambda: [8, 32])
     mock_samples_per_pack: int | None = None  # None: fill each pack up to seq_length
     cfg_dropout_prob: float = 0.1
+    # HunyuanVideo 1.5: the probability a sample trains image-to-video (first-frame condition), else text-to-video.
+    i2v_prob: float = 0.0
 
 
 @dataclass

@@ -116,6 +116,7 @@ RANGES: dict[str, Range] = {
     "dataset.mock_image_fraction": PROBABILITY,
     "dataset.mock_samples_per_pack": OPTIONAL_COUNT,
     "dataset.cfg_dropout_prob": PROBABILITY,
+    "dataset.i2v_prob": PROBABILITY,
     "checkpoint.save_interval": OPTIONAL_COUNT,
     "checkpoint.keep_last": OPTIONAL_COUNT,
     "logger.log_interval": COUNT,
@@ -133,6 +134,7 @@ RANGES: dict[str, Range] = {
     "flow.logit_mean": ANY,
     "flow.logit_std": POSITIVE,
     "flow.shift": POSITIVE,
+    "flow.uniform_mix": PROBABILITY,
     "flow.sigma_min": DROPOUT,
     "flow.c_noise_scale": POSITIVE,
 }

@@ -24,6 +24,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify, unpatchify
 from dfm.data.sample import DiffusionSample
+from dfm.models.hunyuan.condition import condition_of
 
 DIFFUSERS_CLASS = "HunyuanVideo15Transformer3DModel"
 
@@ -142,16 +143,6 @@ def diffusers_config(model: ModelConfig) -> dict:
 # (latent (T, H, W), Qwen tokens, ByT5 tokens, image-to-video) of the parity clips: t2v and i2v mixed.
 PARITY_CLIPS = (((3, 4, 6), 5, 3, True), ((2, 6, 4), 7, 2, False), ((1, 4, 4), 4, 4, True), ((2, 4, 5), 3, 1, False))
 IMAGE_TOKENS = 5  # SigLIP tokens per image in the parity clips (729 in the published model)
-
-
-def condition_of(latent: Tensor, image_to_video: bool) -> Tensor:
-    """latent [C, T, H, W] -> condition [C + 1, T, H, W]: text-to-video zeros; image-to-video the
-    first frame's latent and mask 1 on frame 0 (HunyuanVideo15ImageToVideoPipeline's layout)."""
-    condition = torch.zeros(latent.shape[0] + 1, *latent.shape[1:], dtype=latent.dtype)
-    if image_to_video:
-        condition[:-1, 0] = latent[:, 0]
-        condition[-1, 0] = 1.0
-    return condition
 
 
 def parity_samples(model: ModelConfig, clips=PARITY_CLIPS, seed: int = 0) -> list[DiffusionSample]:

@@ -40,3 +40,28 @@ def dfm_config_and_weights(reference):
     """(validated ConfigContainer, {global name: tensor}) of ``reference`` as the import makes them."""
     cfg = import_config(HUNYUAN, dict(reference.config), None, ["model.attention_backend=sdpa"])
     return cfg, to_dfm(reference.state_dict(), hunyuan_rules(cfg.model))
+
+
+# (latent (T, H, W), Qwen tokens, ByT5 tokens) of the tiny training clips; ByT5 0: a caption without quoted text.
+TRAIN_CLIPS = (((2, 4, 6), 5, 3), ((3, 4, 4), 7, 0), ((1, 6, 4), 4, 2), ((2, 4, 4), 6, 1))
+
+
+def write_hunyuan_shards(folder, model, image_tokens: int = 5):
+    """An energon dataset of ``TRAIN_CLIPS`` in HunyuanVideo 1.5's shard layout (random parts of the
+    model's widths), indexed by the real ``energon prepare``."""
+    from dfm.data.prepare.energon_prepare import run_energon_prepare
+    from dfm.data.prepare.shards import BYT5_PART, FIRST_FRAME_PART, IMAGE_PART, AtomicShardWriter, encode_sample_parts
+
+    gen = torch.Generator().manual_seed(0)
+    with AtomicShardWriter(folder, "rank000", maxcount=100) as writer:
+        for index, ((t, h, w), qwen, byt5) in enumerate(TRAIN_CLIPS):
+            latent = torch.randn(model.in_channels, t, h, w, generator=gen)
+            extra = {
+                BYT5_PART: torch.randn(byt5, model.text_embed_2_dim, generator=gen),
+                FIRST_FRAME_PART: latent[:, :1] + 0.1 * torch.randn(model.in_channels, 1, h, w, generator=gen),
+                IMAGE_PART: torch.randn(image_tokens, model.image_embed_dim, generator=gen),
+            }
+            text = torch.randn(qwen, model.text_embed_dim, generator=gen)
+            writer.write(encode_sample_parts(f"{index:08d}", latent, text, {"caption": f"clip {index}"}, None, extra))
+    run_energon_prepare(folder)
+    return folder

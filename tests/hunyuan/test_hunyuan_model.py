@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,8 +18,11 @@ from dfm.convert.hunyuan import diffusers_inputs, diffusers_outputs, hunyuan_rul
 from dfm.convert.pretrained import fill_weights, single_process_world
 from dfm.convert.rules import to_dfm, to_diffusers
 from dfm.data.patchify import patchify
+from dfm.diffusion.flow import FlowPipeline, FlowSettings
+from dfm.diffusion.pipeline import build_pipeline
 from dfm.models.build import build_model
 from dfm.models.presets_cli import preset_parameter_counts
+from dfm.training.forward_step import DiffusionForwardStep
 from tests.hunyuan._tiny import dfm_config_and_weights, tiny_diffusers_hunyuan
 
 TOLERANCE = 1e-5
@@ -85,3 +90,34 @@ def test_presets_have_the_diffusers_parameter_count():
     # diffusers HunyuanVideo15Transformer3DModel() (the default config) on the meta device.
     counts = preset_parameter_counts(["HunyuanVideo-1.5-T2V-720p", "HunyuanVideo-1.5-I2V-720p"])
     assert counts == {"HunyuanVideo-1.5-T2V-720p": 8_326_608_160, "HunyuanVideo-1.5-I2V-720p": 8_326_608_160}
+
+
+def test_training_step_picks_text_or_image_to_video_per_sample(tiny):
+    """i2v_prob 0: every sample text-to-video (condition and image embedding zero); 1: the pack as is;
+    0.5: a per-sample draw, the same for the same (seed, iteration, sample)."""
+    _, cfg, _ = tiny
+    batch, _ = verification_pack(cfg.model)
+    batch = dataclasses.replace(batch, condition=batch.condition + 1.0, image_embeds=batch.image_embeds + 1.0)
+
+    def prepared(i2v_prob: float, iteration: int = 0):
+        step = DiffusionForwardStep(build_pipeline("flow"), 1, 0.0, torch.device("cpu"), i2v_prob)
+        step.iteration = iteration
+        return step.prepare(batch)[0]
+
+    ids = batch.token_sample_ids()
+    none, every, half = prepared(0.0), prepared(1.0), prepared(0.5)
+    assert not none.condition.any() and not none.image_embeds.any()
+    assert torch.equal(every.condition, batch.condition) and torch.equal(every.image_embeds, batch.image_embeds)
+    image_to_video = half.image_embeds.flatten(1).any(1)
+    for i, chosen in enumerate(image_to_video.tolist()):
+        assert torch.equal(
+            half.condition[ids == i], batch.condition[ids == i] if chosen else 0 * batch.condition[ids == i]
+        )
+    draws = torch.stack([prepared(0.5, it).image_embeds.flatten(1).any(1) for it in range(8)])
+    assert torch.equal(draws[0], image_to_video) and 0 < draws.float().mean() < 1
+
+
+def test_flow_uniform_mix_draws_some_uniform_times():
+    flow = FlowPipeline(FlowSettings(logit_std=0.01, uniform_mix=0.25))  # logit-normal: all near 0.5
+    t = flow.draw_t(4000, torch.Generator().manual_seed(0))
+    assert abs(float(((t - 0.5).abs() > 0.05).float().mean()) - 0.25 * 0.9) < 0.03
