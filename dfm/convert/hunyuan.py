@@ -24,7 +24,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify, unpatchify
 from dfm.data.sample import DiffusionSample
-from dfm.models.hunyuan.condition import condition_of
+from dfm.data.video_condition import condition_of
 
 DIFFUSERS_CLASS = "HunyuanVideo15Transformer3DModel"
 

@@ -9,8 +9,8 @@ from functools import partial
 import torch
 
 from dfm.data.packed_batch import PackedBatch
+from dfm.data.video_condition import as_text_to_video, text_to_video_samples
 from dfm.diffusion.pipeline import DiffusionPipeline, cfg_drop_mask, null_dropped_context
-from dfm.models.hunyuan.condition import as_text_to_video, text_to_video_samples
 
 
 def sample_noise_generator(seed: int, iteration: int, sample_index: int) -> torch.Generator:

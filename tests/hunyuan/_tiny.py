@@ -42,26 +42,26 @@ def dfm_config_and_weights(reference):
     return cfg, to_dfm(reference.state_dict(), hunyuan_rules(cfg.model))
 
 
-# (latent (T, H, W), Qwen tokens, ByT5 tokens) of the tiny training clips; ByT5 0: a caption without quoted text.
-TRAIN_CLIPS = (((2, 4, 6), 5, 3), ((3, 4, 4), 7, 0), ((1, 6, 4), 4, 2), ((2, 4, 4), 6, 1))
+# Captions of the tiny clips: the first has quoted text (ByT5 glyph tokens), the second none.
+CAPTIONS = {"bars": 'a sign saying "OPEN" slides left', "dots": "a dot moving up"}
 
 
-def write_hunyuan_shards(folder, model, image_tokens: int = 5):
-    """An energon dataset of ``TRAIN_CLIPS`` in HunyuanVideo 1.5's shard layout (random parts of the
-    model's widths), indexed by the real ``energon prepare``."""
-    from dfm.data.prepare.energon_prepare import run_energon_prepare
-    from dfm.data.prepare.shards import BYT5_PART, FIRST_FRAME_PART, IMAGE_PART, AtomicShardWriter, encode_sample_parts
+def prepare_with_hunyuan_encoders(tmp_path):
+    """Energon shards of two tiny captioned clips (5 frames, 32 x 48) through prepare_energon_dataset.py
+    with the tiny HunyuanVideo 1.5 encoders (``--encoders hunyuan_video15``) and the real ``energon prepare``."""
+    import importlib.util
+    import json
 
-    gen = torch.Generator().manual_seed(0)
-    with AtomicShardWriter(folder, "rank000", maxcount=100) as writer:
-        for index, ((t, h, w), qwen, byt5) in enumerate(TRAIN_CLIPS):
-            latent = torch.randn(model.in_channels, t, h, w, generator=gen)
-            extra = {
-                BYT5_PART: torch.randn(byt5, model.text_embed_2_dim, generator=gen),
-                FIRST_FRAME_PART: latent[:, :1] + 0.1 * torch.randn(model.in_channels, 1, h, w, generator=gen),
-                IMAGE_PART: torch.randn(image_tokens, model.image_embed_dim, generator=gen),
-            }
-            text = torch.randn(qwen, model.text_embed_dim, generator=gen)
-            writer.write(encode_sample_parts(f"{index:08d}", latent, text, {"caption": f"clip {index}"}, None, extra))
-    run_energon_prepare(folder)
-    return folder
+    from tests.training.entry import RECIPE_DIR
+    from tests.wan._tiny import write_tiny_videos
+
+    script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
+    module = importlib.util.module_from_spec(script)
+    script.loader.exec_module(module)
+    write_tiny_videos(tmp_path / "videos")
+    for name, caption in CAPTIONS.items():
+        (tmp_path / "videos" / f"{name}.json").write_text(json.dumps({"caption": caption}))
+    args = ["--input_dir", str(tmp_path / "videos"), "--output_dir", str(tmp_path / "shards"), "--height", "32"]
+    args += ["--width", "48", "--num_frames", "5", "--patch_spatial", "1", "--caption_format", "sidecar"]
+    assert module.main([*args, "--encoders", "hunyuan_video15", "--tiny_random_encoders", "--run_energon_prepare"]) == 0
+    return tmp_path / "shards"

@@ -28,6 +28,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify
 from dfm.data.sample import DiffusionSample
+from dfm.data.video_condition import first_frame_condition
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,6 @@ def sample_metadata(batch: PackedBatch) -> list[dict[str, Any]]:
 def image_condition_fields(sample: CookedDiffusionSample) -> dict:
     """DiffusionSample's HunyuanVideo 1.5 fields: the condition is the image-to-video one (the
     training step zeroes it for the samples it trains text-to-video)."""
-    from dfm.models.hunyuan.condition import first_frame_condition
-
     parts = {
         "'.byt5.pth'": sample.text_2,
         "'.first_frame.pth'": sample.first_frame,
