@@ -92,10 +92,12 @@ class HunyuanEncoders:
         return (latent[0] * self.vae.config.scaling_factor).float().cpu()
 
     @torch.no_grad()
-    def encode_first_frame(self, image) -> tuple[torch.Tensor, torch.Tensor]:
-        """PIL image (the clip's first frame, at the bucket size) -> (latent [C, 1, H', W'], SigLIP [L_img, D_img])."""
+    def encode_first_frame(self, image, height: int | None = None, width: int | None = None):
+        """PIL image (a clip's first frame) -> (its latent at ``height`` x ``width`` pixels (default: its
+        size) [C, 1, H', W'], its SigLIP embedding [L_img, D_img])."""
         processor = HunyuanVideo15ImageProcessor(vae_scale_factor=self.vae.spatial_compression_ratio)
-        latent = Pipeline._get_image_latents(self.vae, processor, image, image.height, image.width, self.device)
+        height, width = height or image.height, width or image.width
+        latent = Pipeline._get_image_latents(self.vae, processor, image, height, width, self.device)
         embeds = Pipeline._get_image_embeds(self.siglip, self.siglip_processor, image, self.device)
         return latent[0].float().cpu(), embeds[0].float().cpu()
 
