@@ -21,6 +21,8 @@ from tests.hunyuan._tiny import dfm_config_and_weights, tiny_diffusers_hunyuan
 
 STEPS, GUIDANCE, SHIFT, FRAMES, HEIGHT, WIDTH = 3, 4.0, 5.0, 5, 32, 48
 PROMPT = 'a sign reading "HELLO" in the rain'
+# Shorter than the pipelines' (1000, 256, 729): diffusers runs the padding through the model.
+QWEN_LEN, BYT5_LEN, IMAGE_TOKENS = 448, 16, 4
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,8 @@ def setup(tmp_path_factory):
     reference = tiny_diffusers_hunyuan()
     cfg, weights = dfm_config_and_weights(reference)
     cfg = dataclasses.replace(cfg, flow=dataclasses.replace(cfg.flow, shift=SHIFT))
-    encoders = HunyuanEncoders.from_folder(build_tiny_hunyuan_encoders(tmp_path_factory.mktemp("encoders")))
+    folder = build_tiny_hunyuan_encoders(tmp_path_factory.mktemp("encoders"))
+    encoders = HunyuanEncoders.from_folder(folder, qwen_max_length=QWEN_LEN, byt5_max_length=BYT5_LEN)
     return reference, cfg, weights, encoders
 
 
@@ -45,11 +48,14 @@ def diffusers_pipeline(kind, reference, encoders):
         guider=ClassifierFreeGuidance(guidance_scale=GUIDANCE),
     )
     if kind == "t2v":
-        return diffusers.HunyuanVideo15Pipeline(**common)
-    pipeline = diffusers.HunyuanVideo15ImageToVideoPipeline(
-        **common, image_encoder=e.siglip, feature_extractor=e.siglip_processor
-    )
+        pipeline = diffusers.HunyuanVideo15Pipeline(**common)
+    else:
+        pipeline = diffusers.HunyuanVideo15ImageToVideoPipeline(
+            **common, image_encoder=e.siglip, feature_extractor=e.siglip_processor
+        )
     pipeline.target_size = 40  # the image's (H, W) bucket: 32 x 48 pixels for the 32 x 48 image
+    pipeline.tokenizer_max_length, pipeline.tokenizer_2_max_length = QWEN_LEN, BYT5_LEN
+    pipeline.vision_num_semantic_tokens = IMAGE_TOKENS  # t2v: its all-zero (masked) image tokens
     return pipeline
 
 

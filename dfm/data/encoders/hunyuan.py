@@ -53,9 +53,12 @@ class HunyuanEncoders:
     siglip_processor: SiglipImageProcessor
     vae: AutoencoderKLHunyuanVideo15
     name: str
+    # The pipeline's tokenizer_max_length / tokenizer_2_max_length (set both alike to change them).
+    qwen_max_length: int = QWEN_MAX_LENGTH
+    byt5_max_length: int = BYT5_MAX_LENGTH
 
     @classmethod
-    def from_folder(cls, folder: str | Path, device: str = "cpu") -> HunyuanEncoders:
+    def from_folder(cls, folder: str | Path, device: str = "cpu", **lengths) -> HunyuanEncoders:
         """A HunyuanVideo 1.5 image-to-video pipeline folder (text_encoder, tokenizer, text_encoder_2,
         tokenizer_2, image_encoder, feature_extractor, vae), or the tiny ones' folder of the same layout."""
         folder = Path(folder)
@@ -68,6 +71,7 @@ class HunyuanEncoders:
             siglip_processor=SiglipImageProcessor.from_pretrained(folder / "feature_extractor"),
             vae=AutoencoderKLHunyuanVideo15.from_pretrained(folder / "vae").to(device).eval(),
             name=str(folder),
+            **lengths,
         )
 
     @property
@@ -78,10 +82,10 @@ class HunyuanEncoders:
     def encode_text(self, caption: str) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (Qwen [L, D], ByT5 [L2, D2]), each its real tokens only."""
         qwen, qwen_mask = Pipeline._get_mllm_prompt_embeds(
-            self.qwen, self.qwen_tokenizer, caption, self.device, QWEN_MAX_LENGTH, crop_start=QWEN_CROP_START
+            self.qwen, self.qwen_tokenizer, caption, self.device, self.qwen_max_length, crop_start=QWEN_CROP_START
         )
         byt5, byt5_mask = Pipeline._get_byt5_prompt_embeds(
-            self.byt5_tokenizer, self.byt5, caption, self.device, BYT5_MAX_LENGTH
+            self.byt5_tokenizer, self.byt5, caption, self.device, self.byt5_max_length
         )
         return qwen[0][qwen_mask[0].bool()].float().cpu(), byt5[0][byt5_mask[0].bool()].float().cpu()
 
