@@ -4,6 +4,9 @@ against the negative prompt, as HunyuanVideo15(ImageToVideo)Pipeline)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from dfm.data.encoders.hunyuan import HunyuanEncoders
@@ -43,19 +46,25 @@ def hunyuan_pack(encoders: HunyuanEncoders, prompt: str, noise: torch.Tensor, im
     return pack_samples([sample])
 
 
-def sample_hunyuan(
-    model,
-    cfg,
-    encoders: HunyuanEncoders,
-    prompt: str,
-    noise: torch.Tensor,
-    steps: int,
-    guidance_scale: float,
-    image=None,
-    negative_prompt: str = "",
-) -> torch.Tensor:
-    """The clean latent [C, T, H, W] for ``prompt`` from ``noise`` (``image``: its first frame)."""
-    batch = hunyuan_pack(encoders, prompt, noise, image)
-    uncond = hunyuan_pack(encoders, negative_prompt, noise, image) if guidance_scale != 1.0 else None
+@dataclass
+class HunyuanRequest:
+    """One generation: noise [C, T, H, W] (T latent frames), the prompt, and for image-to-video the first frame."""
+
+    prompt: str
+    noise: torch.Tensor
+    steps: int
+    guidance_scale: float
+    image: Any = None  # PIL image: image-to-video; None: text-to-video
+    negative_prompt: str = ""
+
+
+def sample_hunyuan(model, cfg, encoders: HunyuanEncoders, request: HunyuanRequest) -> torch.Tensor:
+    """The clean latent [C, T, H, W] of ``request``."""
+    batch = hunyuan_pack(encoders, request.prompt, request.noise, request.image)
+    uncond = None
+    if request.guidance_scale != 1.0:
+        uncond = hunyuan_pack(encoders, request.negative_prompt, request.noise, request.image)
     pipeline = pipeline_from_config(cfg)
-    return sample_latent(model, pipeline, "flow", batch, cfg.model, steps, guidance_scale, "euler", 0, uncond)
+    return sample_latent(
+        model, pipeline, "flow", batch, cfg.model, request.steps, request.guidance_scale, "euler", 0, uncond
+    )

@@ -16,7 +16,7 @@ from diffusers.guiders import ClassifierFreeGuidance
 
 from dfm.convert.pretrained import converted_model
 from dfm.data.encoders.hunyuan import HunyuanEncoders, build_tiny_hunyuan_encoders
-from dfm.inference.hunyuan import sample_hunyuan
+from dfm.inference.hunyuan import HunyuanRequest, sample_hunyuan
 from tests.hunyuan._tiny import dfm_config_and_weights, tiny_diffusers_hunyuan
 
 STEPS, GUIDANCE, SHIFT, FRAMES, HEIGHT, WIDTH = 3, 4.0, 5.0, 5, 32, 48
@@ -84,7 +84,7 @@ def test_dfm_sampling_equals_the_diffusers_pipeline(setup, kind):
     with torch.no_grad():
         expected = pipeline(**kwargs).frames[0]
     with converted_model(cfg.model, weights, cfg.rng.seed) as model:
-        latent = sample_hunyuan(model, cfg, encoders, PROMPT, noise, STEPS, GUIDANCE, image)
+        latent = sample_hunyuan(model, cfg, encoders, HunyuanRequest(PROMPT, noise, STEPS, GUIDANCE, image))
     diff = float((latent - expected).abs().max())
     print(f"HunyuanVideo 1.5 {kind} sampling vs diffusers: max abs diff latents {diff:.2e}")
     assert float(expected.abs().max()) > 0.1 and diff <= 1e-4
