@@ -15,7 +15,7 @@ from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify
 from dfm.data.sample import DiffusionSample
 from dfm.data.video_condition import first_frame_condition
-from dfm.diffusion.pipeline import pipeline_from_config
+from dfm.diffusion.pipeline import SamplingOptions, pipeline_from_config
 from dfm.inference.sampling import sample_latent
 
 
@@ -64,7 +64,5 @@ def sample_hunyuan(model, cfg, encoders: HunyuanEncoders, request: HunyuanReques
     uncond = None
     if request.guidance_scale != 1.0:
         uncond = hunyuan_pack(encoders, request.negative_prompt, request.noise, request.image)
-    pipeline = pipeline_from_config(cfg)
-    return sample_latent(
-        model, pipeline, "flow", batch, cfg.model, request.steps, request.guidance_scale, "euler", 0, uncond
-    )
+    options = SamplingOptions(request.steps, request.guidance_scale, "euler")
+    return sample_latent(model, pipeline_from_config(cfg), batch, cfg.model, options, uncond)

@@ -19,27 +19,12 @@ from dfm.convert.flux import per_sample_max_abs_diff
 from dfm.convert.hunyuan import diffusers_inputs, hunyuan_rules, verification_pack
 from dfm.convert.rules import to_dfm
 from dfm.data.patchify import patchify
-from dfm.models.build import build_model_chunk
 from dfm.models.common.init import take_shard
 from dfm.models.hunyuan.text_stream import text_stream_plan
-from dfm.parallel import ParallelLayout
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.platform.process_exit import skip_final_gc_at_exit
 from tests.hunyuan._tiny import dfm_config_and_weights, tiny_diffusers_hunyuan
-
-LAYOUTS = {
-    "tp2_sp": ParallelLayout(world_size=2, tp=2, sp=True),
-    "cp2": ParallelLayout(world_size=2, cp=2),
-    "pp2": ParallelLayout(world_size=2, pp=2),
-}
-
-
-@torch.no_grad()
-def sharded_model(model_cfg, layout, weights):
-    model, _ = build_model_chunk(model_cfg, "fp32", seed=0, layout=layout)
-    for name, param in model.named_parameters():
-        param.copy_(take_shard(weights[model.global_param_name(name)], param))
-    return model.eval()
+from tests.wan._layouts_worker import LAYOUTS, sharded_model
 
 
 def packed(per_sample: list, batch) -> torch.Tensor:
