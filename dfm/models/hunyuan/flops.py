@@ -10,7 +10,9 @@ from collections.abc import Sequence
 from dfm.models.flux.flops import double_block_flops
 
 
-def hunyuan_forward_flops(model_cfg, video_lens: Sequence[int], text_lens: Sequence[int]) -> float:
+def hunyuan_forward_flops(
+    model_cfg, video_lens: Sequence[int], text_lens: Sequence[int], frames: Sequence[int] | None = None
+) -> float:
     h, ffn, c = model_cfg.hidden_size, model_cfg.effective_ffn_hidden_size, model_cfg.in_channels
     return sum(
         model_cfg.num_layers * double_block_flops(h, ffn, n + m) + 2 * n * h * ((2 * c + 1) + c)

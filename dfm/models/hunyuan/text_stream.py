@@ -19,7 +19,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from dfm.data.packed_batch import PackedBatch
-from dfm.models.common.packed_attention import PackedSegments
+from dfm.models.attention.segments import PackedSegments
 
 
 def _cumulative(lengths: list[int]) -> Tensor:
