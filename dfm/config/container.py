@@ -13,7 +13,7 @@ from dfm.config.peft import PeftConfig
 from dfm.diffusion.edm import EDMSettings
 from dfm.diffusion.flow import FlowSettings
 
-Architecture = Literal["dit_cross", "dit_adaln", "stdit", "moviegen", "flux", "wan"]
+Architecture = Literal["dit_cross", "dit_adaln", "stdit", "moviegen", "flux", "wan", "hunyuan_video15"]
 PosEmbedding = Literal["rope3d", "sincos3d", "learned3d"]
 AttentionBackend = Literal["auto", "varlen", "flex", "sdpa", "te"]
 DiffusionPipeline = Literal["edm", "flow"]
@@ -84,6 +84,12 @@ class ModelConfig:
     guidance_embeds: bool = False
     guidance: float = 1.0
     rope_axes_dim: list[int] = field(default_factory=lambda: [16, 56, 56])
+    # HunyuanVideo 1.5 (architecture=hunyuan_video15): ByT5 glyph text and SigLIP image-embedding widths
+    # (the Qwen2.5-VL text is text_embed_dim), the text token refiner's depth and the RoPE base.
+    text_embed_2_dim: int | None = None
+    image_embed_dim: int | None = None
+    num_refiner_layers: int = 2
+    rope_theta: float = 10000.0
 
     @property
     def context_width(self) -> int:
@@ -162,6 +168,8 @@ class DatasetConfig:
     mock_text_len_range: list[int] = field(default_factory=lambda: [8, 32])
     mock_samples_per_pack: int | None = None  # None: fill each pack up to seq_length
     cfg_dropout_prob: float = 0.1
+    # HunyuanVideo 1.5: the probability a sample trains image-to-video (first-frame condition), else text-to-video.
+    i2v_prob: float = 0.0
 
 
 @dataclass

@@ -53,6 +53,28 @@ _FLUX1 = dict(
 _WAN = dict(architecture="wan", max_text_len=512, pos_embedding="rope3d", **_FLOW_16_CHANNELS)
 
 
+# Tencent HunyuanVideo 1.5 (diffusers HunyuanVideo15Transformer3DModel): 54 dual-stream blocks of 16 x 128,
+# 32-channel latents in 1x1x1 patches (+ 32 condition channels and a mask), Qwen2.5-VL text (3584) through
+# a 2-block refiner, ByT5 glyph text (1472), SigLIP image tokens (1152); RoPE base 256 on (t, h, w).
+# The T2V and I2V checkpoints share the shape.
+_HUNYUAN15 = dict(
+    architecture="hunyuan_video15",
+    ffn_hidden_size=8192,
+    in_channels=32,
+    out_channels=32,
+    patch_spatial=1,
+    patch_temporal=1,
+    text_embed_dim=3584,
+    text_embed_2_dim=1472,
+    image_embed_dim=1152,
+    max_text_len=1000,
+    rope_axes_dim=[16, 56, 56],
+    rope_theta=256.0,
+    qk_layernorm=True,
+    pipeline="flow",
+)
+
+
 def _shape(layers: int, hidden: int, heads: int, **extra) -> dict:
     return dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, **extra)
 
@@ -94,13 +116,24 @@ PRESETS = MappingProxyType(
         "FLUX.1-schnell": _shape(57, 3072, 24, guidance_embeds=False, max_text_len=256, **_FLUX1),
         "Wan2.1-T2V-1.3B": _shape(30, 1536, 12, ffn_hidden_size=8960, **_WAN),
         "Wan2.1-T2V-14B": _shape(40, 5120, 40, ffn_hidden_size=13824, **_WAN),
+        "HunyuanVideo-1.5-T2V-720p": _shape(54, 2048, 16, **_HUNYUAN15),
+        "HunyuanVideo-1.5-I2V-720p": _shape(54, 2048, 16, **_HUNYUAN15),
     }
 )
 
 # What a preset's recipe sets beyond the model: {section: {field: value}}. Wan embeds the timestep
 # 1000 t and samples with shift 5 (Wan's generate.py default for text-to-video).
 _WAN_SETTINGS = {"flow": {"c_noise_scale": 1000.0, "shift": 5.0}}
-PRESET_SETTINGS = MappingProxyType({"Wan2.1-T2V-1.3B": _WAN_SETTINGS, "Wan2.1-T2V-14B": _WAN_SETTINGS})
+# HunyuanVideo 1.5 embeds 1000 t too; fine-tuning draws t logit-normal, shifted by 3.
+_HUNYUAN15_SETTINGS = {"flow": {"c_noise_scale": 1000.0, "shift": 3.0}}
+PRESET_SETTINGS = MappingProxyType(
+    {
+        "Wan2.1-T2V-1.3B": _WAN_SETTINGS,
+        "Wan2.1-T2V-14B": _WAN_SETTINGS,
+        "HunyuanVideo-1.5-T2V-720p": _HUNYUAN15_SETTINGS,
+        "HunyuanVideo-1.5-I2V-720p": _HUNYUAN15_SETTINGS,
+    }
+)
 
 
 def preset_names() -> list[str]:

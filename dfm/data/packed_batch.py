@@ -35,6 +35,13 @@ class PackedBatch:
     latent_shape: torch.Tensor  # [N, 4] long, (C, T, H, W) of each sample's latent
     sample_index: torch.Tensor  # [N] long, global sample index (seeds noise, proves layout independence)
     pooled_text: torch.Tensor | None = None  # [N, D_pool] one pooled text vector per sample (FLUX); None: none
+    # HunyuanVideo 1.5: per-token condition features (condition latents + mask), a second text (ByT5)
+    # laid out as ``context`` with its own cu_seqlens, and image embeddings per sample (all zero: none).
+    condition: torch.Tensor | None = None  # [S, D_cond]
+    context_2: torch.Tensor | None = None  # [S_kv2, D_text2]
+    cu_seqlens_kv2: torch.Tensor | None = None  # [N+1] int32
+    cu_seqlens_kv2_padded: torch.Tensor | None = None  # [N+1] int32; [-1] == S_kv2
+    image_embeds: torch.Tensor | None = None  # [N, L_img, D_img]
     # The host original of a device copy (set by .to()); None when this batch is the original.
     host: PackedBatch | None = field(default=None, repr=False, compare=False)
 

@@ -43,6 +43,27 @@ def stack_pooled_text(samples: Sequence[DiffusionSample]) -> torch.Tensor | None
     return torch.stack(pooled).float()
 
 
+def condition_parts(samples: Sequence[DiffusionSample], q_offsets: torch.Tensor, total_multiple: int) -> dict:
+    """PackedBatch's HunyuanVideo 1.5 fields of ``samples`` (empty when no sample has them); the
+    second text is padded as the first."""
+    if all(s.condition is None and s.text_2 is None and s.image_embeds is None for s in samples):
+        return {}
+    missing = [s.metadata.get("key", s.sample_index) for s in samples if s.condition is None or s.text_2 is None]
+    if missing or any(s.image_embeds is None for s in samples):
+        raise ValueError(
+            f"samples {missing} lack condition / text_2 / image_embeds while others in their pack have them"
+        )
+    kv2_lens = [int(s.text_2.shape[0]) for s in samples]
+    kv2_offsets = _cumulative(padded_lengths(kv2_lens, 1, total_multiple))
+    return dict(
+        condition=_scatter_segments([s.condition.float() for s in samples], q_offsets, int(q_offsets[-1])),
+        context_2=_scatter_segments([s.text_2 for s in samples], kv2_offsets, int(kv2_offsets[-1])),
+        cu_seqlens_kv2=_cumulative(kv2_lens),
+        cu_seqlens_kv2_padded=kv2_offsets,
+        image_embeds=torch.stack([s.image_embeds for s in samples]).float(),
+    )
+
+
 def pack_samples(samples: Sequence[DiffusionSample], segment_multiple: int = 1, total_multiple: int = 1) -> PackedBatch:
     """Pack samples along the sequence.
 
@@ -71,4 +92,5 @@ def pack_samples(samples: Sequence[DiffusionSample], segment_multiple: int = 1, 
         latent_shape=torch.tensor([list(s.latent_shape) for s in samples], dtype=torch.long),
         sample_index=torch.tensor([s.sample_index for s in samples], dtype=torch.long),
         pooled_text=stack_pooled_text(samples),
+        **condition_parts(samples, q_offsets, total_multiple),
     )

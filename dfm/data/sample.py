@@ -17,6 +17,10 @@ class DiffusionSample:
     sample_index: int  # global index in the data stream
     metadata: dict[str, Any] = field(default_factory=dict)
     pooled_text: torch.Tensor | None = None  # [D_pool] pooled text vector (FLUX); None: none
+    # HunyuanVideo 1.5 (see PackedBatch): per-token condition features, the ByT5 text, image embeddings.
+    condition: torch.Tensor | None = None  # [L, D_cond]
+    text_2: torch.Tensor | None = None  # [L_kv2, D_text2] unpadded
+    image_embeds: torch.Tensor | None = None  # [L_img, D_img]; all zero: none (text-to-video)
 
     @property
     def seq_len_q(self) -> int:

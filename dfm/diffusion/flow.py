@@ -45,6 +45,8 @@ class FlowSettings:
     timestep_sampling: str = "logit_normal"  # training distribution of t before the shift
     logit_mean: float = 0.0  # logit_normal: logit(t) ~ N(logit_mean, logit_std^2)
     logit_std: float = 1.0
+    # logit_normal: this fraction of the draws uniform instead (HunyuanVideo 1.5's fine-tuning mixes them).
+    uniform_mix: float = 0.0
     shift: float = 1.0  # training and sampling; see shift_for_num_tokens for a resolution-aware value
     # Training: shift each sample's t by shift_for_num_tokens(its token count) instead of ``shift``
     # (FLUX's resolution-dependent shift; dfm's forward step draws one sample at a time).
@@ -63,6 +65,8 @@ class FlowSettings:
                 f"unknown timestep_sampling {self.timestep_sampling!r}; valid: {', '.join(TIMESTEP_SAMPLINGS)}"
             )
         sampler_for(FlowPipeline.name, self.sampler)
+        if not 0 <= self.uniform_mix <= 1:
+            raise ValueError(f"flow.uniform_mix={self.uniform_mix} must be in [0, 1]")
         if self.shift <= 0 or not 0 <= self.sigma_min < 1:
             raise ValueError(f"need shift > 0 and 0 <= sigma_min < 1, got {self.shift}, {self.sigma_min}")
 
@@ -134,6 +138,10 @@ class FlowPipeline(DiffusionPipeline):
             t = torch.rand(num_samples, generator=generator, device=device)
         else:
             t = torch.sigmoid(s.logit_mean + s.logit_std * torch.randn(num_samples, generator=generator, device=device))
+            if s.uniform_mix > 0:
+                uniform = torch.rand(num_samples, generator=generator, device=device)
+                mixed = torch.rand(num_samples, generator=generator, device=device) < s.uniform_mix
+                t = torch.where(mixed, uniform, t)
         return shift_timesteps(t, s.shift if shift is None else shift)
 
     # --- training pieces -------------------------------------------------------------------------

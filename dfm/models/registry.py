@@ -7,6 +7,7 @@ from __future__ import annotations
 from dfm.models.common.family import Family
 from dfm.models.dit.family import DIT
 from dfm.models.flux.family import FLUX
+from dfm.models.hunyuan.family import HUNYUAN
 from dfm.models.wan.family import WAN
 
 FAMILIES: dict[str, Family] = {
@@ -16,6 +17,7 @@ FAMILIES: dict[str, Family] = {
     "moviegen": DIT,
     "flux": FLUX,
     "wan": WAN,
+    "hunyuan_video15": HUNYUAN,
 }
 ARCHITECTURES = tuple(FAMILIES)
 

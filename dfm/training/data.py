@@ -68,6 +68,7 @@ def energon_settings(cfg: ConfigContainer, layout: ParallelLayout):
         in_channels=m.in_channels,
         text_embed_dim=m.text_embed_dim,
         pooled_text_dim=m.pooled_text_dim,
+        image_conditions=m.architecture == "hunyuan_video15",
     )
     return EnergonDataSettings(
         path=d.path,

@@ -9,6 +9,7 @@ from functools import partial
 import torch
 
 from dfm.data.packed_batch import PackedBatch
+from dfm.data.video_condition import as_text_to_video, text_to_video_samples
 from dfm.diffusion.pipeline import DiffusionPipeline, cfg_drop_mask, null_dropped_context
 
 
@@ -38,8 +39,16 @@ def draw_pack_noise(
 class DiffusionForwardStep:
     """Callable as megatron's forward_step_func(data_iterator, model); ``iteration`` is set by the loop."""
 
-    def __init__(self, pipeline: DiffusionPipeline, seed: int, cfg_dropout_prob: float, device: torch.device):
+    def __init__(
+        self,
+        pipeline: DiffusionPipeline,
+        seed: int,
+        cfg_dropout_prob: float,
+        device: torch.device,
+        i2v_prob: float = 0.0,
+    ):
         self.pipeline = pipeline
+        self.i2v_prob = i2v_prob  # HunyuanVideo 1.5: image-to-video samples' share
         self.seed = seed
         self.cfg_dropout_prob = cfg_dropout_prob
         self.device = device
@@ -51,8 +60,17 @@ class DiffusionForwardStep:
         pooled = batch.pooled_text
         if pooled is not None:  # the pooled text vector (FLUX) is dropped with its sample's text
             pooled = torch.where(dropped[:, None], torch.zeros_like(pooled), pooled)
-        batch = dataclasses.replace(batch, context=context, pooled_text=pooled).to(self.device)
-        return batch, noise.to(self.device), level.to(self.device)
+        batch = dataclasses.replace(batch, context=context, pooled_text=pooled, **self.conditions(batch, dropped))
+        return batch.to(self.device), noise.to(self.device), level.to(self.device)
+
+    def conditions(self, batch: PackedBatch, dropped: torch.Tensor) -> dict:
+        """HunyuanVideo 1.5 packs: each sample text- or image-to-video (``i2v_prob``), its ByT5 text
+        dropped with its text; other packs: nothing to change."""
+        if batch.condition is None:
+            return {}
+        text_to_video = text_to_video_samples(batch, self.seed, self.iteration, self.i2v_prob)
+        context_2 = null_dropped_context(batch.context_2, batch.cu_seqlens_kv2_padded, dropped)
+        return dict(context_2=context_2, **as_text_to_video(batch, text_to_video))
 
     def __call__(self, data_iterator, model):
         return self.run(model, *self.prepare(next(data_iterator)))

@@ -60,12 +60,15 @@ FAMILY = {
     "wan": Coefficients(90.0, 3.7, 16.8, 8.4, 4.6),
     "flux": Coefficients(63.8, 2.9, 0.0, 8.5, 3.0, single_token_h=41.9, single_token_ffn=4.5),
 }
+# HunyuanVideo 1.5's blocks are FLUX's double-stream blocks: FLUX's coefficients (not counted apart).
+FAMILY["hunyuan_video15"] = FAMILY["flux"]
+JOINT = ("flux", "hunyuan_video15")  # text counts as tokens of the joint sequence
 
 
 def layer_activation_bytes(model_cfg, tokens: int, text_tokens: int) -> list[float]:
     """Bytes one micro-batch's forward keeps in each block (no recompute), in block order."""
     c, h, f = FAMILY[model_cfg.architecture], model_cfg.hidden_size, model_cfg.effective_ffn_hidden_size
-    if model_cfg.architecture == "flux":
+    if model_cfg.architecture in JOINT:
         joint = tokens + text_tokens
         double = joint * (c.token_h * h + c.token_ffn * f)
         single = joint * (c.single_token_h * h + c.single_token_ffn * f)
@@ -97,7 +100,7 @@ def activation_bytes(model_cfg, tokens: int, text_tokens: int, in_flight: int = 
     c = FAMILY[model_cfg.architecture]
     layers = layer_activation_bytes(model_cfg, tokens, text_tokens)[stage_layers or slice(None)]
     h = model_cfg.hidden_size
-    joint = tokens + text_tokens if model_cfg.architecture == "flux" else tokens
+    joint = tokens + text_tokens if model_cfg.architecture in JOINT else tokens
     n_recomputed = recomputed_layers(model_cfg, len(layers))
     chunk = (model_cfg.recompute_num_layers or 1) if n_recomputed else 0
     # uniform: one kept input per chunk of ``chunk`` blocks; block: each of the first blocks alone.

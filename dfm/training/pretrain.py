@@ -202,7 +202,9 @@ def run(context: RunContext, preemption: PreemptionSignal) -> None:
     if start == 0 and cfg.checkpoint.pretrained:
         start_from_pretrained(cfg, model, optimizer, state.ema)
     warn_if_little_room(cfg.checkpoint.save, model, state.ema)
-    forward_step = DiffusionForwardStep(pipeline_from_config(cfg), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
+    forward_step = DiffusionForwardStep(
+        pipeline_from_config(cfg), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device, cfg.dataset.i2v_prob
+    )
     TrainLoop(context, state, forward_step, preemption).run(start)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from megatron.energon import Cooker, Sample, basic_sample_keys, edataclass, stateless
 
-from dfm.data.prepare.shards import POOLED_PART
+from dfm.data.prepare.shards import BYT5_PART, FIRST_FRAME_PART, IMAGE_PART, POOLED_PART
 
 LATENT_PART = "pth"
 TEXT_PART = "pickle"
@@ -37,6 +37,10 @@ class CookedDiffusionSample(Sample):
     text_embeddings: torch.Tensor  # [L, D], unpadded
     metadata: dict
     pooled_text: torch.Tensor | None = None  # [D_pool] CLIP's pooled text vector (FLUX); None: no such part
+    # HunyuanVideo 1.5 (None: no such part): ByT5 text [L2, D2], first-frame latent [C, 1, H, W], SigLIP [L_img, D_img]
+    text_2: torch.Tensor | None = None
+    first_frame: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
 
 
 def sample_location(shard: Any, key: Any) -> str:
@@ -113,6 +117,9 @@ def cook_diffusion_sample(crude: dict) -> CookedDiffusionSample:
         text_embeddings=read_tensor(crude, TEXT_PART, 2, "text embeddings"),
         metadata=decode_metadata(crude_part(crude, METADATA_PART), describe_source(crude)),
         pooled_text=read_optional_tensor(crude, POOLED_PART, 1, "pooled text"),
+        text_2=read_optional_tensor(crude, BYT5_PART, 2, "ByT5 text embeddings"),
+        first_frame=read_optional_tensor(crude, FIRST_FRAME_PART, 4, "first-frame latent"),
+        image_embeds=read_optional_tensor(crude, IMAGE_PART, 2, "image embeddings"),
     )
 
 

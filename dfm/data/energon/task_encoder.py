@@ -19,7 +19,7 @@ from typing import Any
 from megatron.energon import TaskEncoder, WorkerConfig, stateless
 
 from dfm.data.energon.bad_samples import BadSampleLog
-from dfm.data.energon.cooker import BadSampleError, CookedDiffusionSample, diffusion_cookers
+from dfm.data.energon.cooker import BadSampleError, CookedDiffusionSample, diffusion_cookers, source_description
 from dfm.data.energon.part_decoding import decode_parts
 from dfm.data.energon.sample_checks import check_cooked_sample
 from dfm.data.pack_cost import PackCost
@@ -28,6 +28,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify
 from dfm.data.sample import DiffusionSample
+from dfm.data.video_condition import first_frame_condition
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class PackingSettings:
     # Set (FLUX): every sample must carry a pooled text vector this wide, packed into PackedBatch.pooled_text;
     # None: pooled vectors in the shards are ignored.
     pooled_text_dim: int | None = None
+    # HunyuanVideo 1.5: every sample must carry the ByT5 text, first-frame latent and image embedding parts.
+    image_conditions: bool = False
 
     def __post_init__(self) -> None:
         if self.seq_length <= 0:
@@ -60,6 +63,22 @@ class PackingSettings:
 def sample_metadata(batch: PackedBatch) -> list[dict[str, Any]]:
     """Per-sample metadata attached by DiffusionTaskEncoder ([] for batches built elsewhere)."""
     return list(getattr(batch, "sample_metadata", []))
+
+
+def image_condition_fields(sample: CookedDiffusionSample) -> dict:
+    """DiffusionSample's HunyuanVideo 1.5 fields: the condition is the image-to-video one (the
+    training step zeroes it for the samples it trains text-to-video)."""
+    parts = {
+        "'.byt5.pth'": sample.text_2,
+        "'.first_frame.pth'": sample.first_frame,
+        "'.image.pth'": sample.image_embeds,
+    }
+    missing = [name for name, part in parts.items() if part is None]
+    if missing:
+        where = source_description(sample.__key__, sample.__sources__)
+        raise BadSampleError(where, f"no {', '.join(missing)} (HunyuanVideo 1.5 trains on them)")
+    condition = first_frame_condition(sample.first_frame, sample.latent.shape[1])
+    return dict(condition=patchify(condition, 1, 1)[0], text_2=sample.text_2, image_embeds=sample.image_embeds)
 
 
 def encode_cooked_sample(
@@ -77,6 +96,7 @@ def encode_cooked_sample(
         sample_index=sample_index,
         metadata={**sample.metadata, "key": sample.__key__},
         pooled_text=sample.pooled_text if settings.pooled_text_dim is not None else None,
+        **(image_condition_fields(sample) if settings.image_conditions else {}),
     )
     # energon keeps buffered samples restorable through these keys (packing buffer state).
     encoded.__key__ = sample.__key__

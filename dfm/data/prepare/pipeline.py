@@ -23,6 +23,13 @@ import torch
 from tqdm import tqdm
 
 from dfm.data.encoders.clip import CLIPPooledEncoder
+from dfm.data.encoders.hunyuan import (
+    HunyuanEncoders,
+    HunyuanTextAdapter,
+    HunyuanVAEAdapter,
+    build_tiny_hunyuan_encoders,
+    hunyuan_parts,
+)
 from dfm.data.encoders.t5 import T5TextEncoder
 from dfm.data.encoders.tiny import TinyEncoderPaths, build_tiny_random_encoders, is_tiny_random
 from dfm.data.encoders.vae import VideoVAE
@@ -40,7 +47,9 @@ DEFAULT_T5 = "google/t5-v1_1-xxl"
 DEFAULT_VAE = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 # Which text encoders (and text convention) a preparation uses: T5 alone, unpadded (DiT, Wan); or
 # FLUX.1's: T5 padded to max_text_len and encoded without a mask, CLIP's pooled vector, an AutoencoderKL.
-EncoderSet = Literal["t5", "flux"]
+# hunyuan_video15: HunyuanVideo 1.5's Qwen2.5-VL + ByT5 text, its VAE, the first frame's latent and SigLIP
+# embedding (dfm/data/encoders/hunyuan.py), all from one image-to-video pipeline folder (hunyuan_name_or_dir).
+EncoderSet = Literal["t5", "flux", "hunyuan_video15"]
 
 
 @dataclass
@@ -64,6 +73,7 @@ class PrepareSettings:
     vae_cache_dir: str | None = None
     encoders: EncoderSet = "t5"
     clip_name_or_dir: str | None = None  # CLIP text encoder (encoders="flux"): a folder or a FLUX.1 pipeline folder
+    hunyuan_name_or_dir: str | None = None  # encoders="hunyuan_video15": a HunyuanVideo 1.5 I2V pipeline folder
     tiny_random_encoders: bool = False  # build tiny random T5 (+ CLIP) + VAE locally instead (tests, smoke runs)
     shard_maxcount: int = 1000
     rank: int = 0
@@ -105,6 +115,7 @@ class Encoders:
     vae: VideoVAE
     tiny_random: bool
     pooled: CLIPPooledEncoder | None = None  # FLUX: CLIP's pooled caption vector per sample
+    hunyuan: HunyuanEncoders | None = None  # HunyuanVideo 1.5: ByT5, first-frame latent and SigLIP parts too
 
 
 def settings_from_env(settings: PrepareSettings) -> PrepareSettings:
@@ -130,7 +141,25 @@ def load_flux_clip(clip_source: str | Path, vae: VideoVAE, device: str) -> CLIPP
     return CLIPPooledEncoder.from_pretrained(clip_source, device=device)
 
 
+def load_hunyuan_encoders(settings: PrepareSettings) -> Encoders:
+    """HunyuanVideo 1.5's encoders from its pipeline folder (or tiny random ones)."""
+    folder = settings.hunyuan_name_or_dir
+    if settings.tiny_random_encoders:
+        folder = build_tiny_hunyuan_encoders(
+            Path(settings.output_dir) / ".tiny_random_encoders" / f"rank{settings.rank}"
+        )
+    if folder is None:
+        raise ValueError(
+            "--encoders hunyuan_video15 needs --hunyuan: a HunyuanVideo 1.5 image-to-video pipeline folder"
+        )
+    hunyuan = HunyuanEncoders.from_folder(folder, settings.device)
+    tiny = is_tiny_random(Path(folder) / "vae")
+    return Encoders(HunyuanTextAdapter(hunyuan), HunyuanVAEAdapter(hunyuan), tiny, hunyuan=hunyuan)
+
+
 def load_encoders(settings: PrepareSettings) -> Encoders:
+    if settings.encoders == "hunyuan_video15":
+        return load_hunyuan_encoders(settings)
     t5_source, vae_source, subfolder, kind = (
         settings.t5_name_or_dir,
         settings.vae_name_or_dir,
@@ -218,13 +247,14 @@ def encode_file(
         latent = encoders.vae.encode(video)[0].float().cpu()
         text = encoders.text.encode([caption.text])[0]
         pooled = encoders.pooled.encode([caption.text])[0] if encoders.pooled is not None else None
+        extra = hunyuan_parts(encoders.hunyuan, video[0], caption.text) if encoders.hunyuan is not None else None
     except Exception as error:
         raise PreparationError(
             f"{path}: encoding failed ({type(error).__name__}: {error}); the file is not marked done: "
             "fix the cause and rerun with --resume (same arguments)"
         ) from error
     metadata = sample_metadata(item, settings, encoders, caption, bucket, latent, int(text.shape[0]))
-    return encode_sample_parts(key, latent, text, metadata, pooled)
+    return encode_sample_parts(key, latent, text, metadata, pooled, extra)
 
 
 def log_skipped(report: PrepareReport) -> None:

@@ -20,6 +20,10 @@ import webdataset as wds
 
 PARTIAL_SUFFIX = ".partial"
 POOLED_PART = "pooled.pth"  # decoded by its extension, like the latent
+# HunyuanVideo 1.5's extra parts: ByT5 text [L2, D2] (L2 may be 0), the first frame's latent [C, 1, H, W]
+# and its SigLIP image embedding [L_img, D_img].
+BYT5_PART, FIRST_FRAME_PART, IMAGE_PART = "byt5.pth", "first_frame.pth", "image.pth"
+HUNYUAN_PARTS = (BYT5_PART, FIRST_FRAME_PART, IMAGE_PART)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
@@ -29,8 +33,14 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def encode_sample_parts(
-    key: str, latent: torch.Tensor, text: torch.Tensor, metadata: dict[str, Any], pooled: torch.Tensor | None = None
+    key: str,
+    latent: torch.Tensor,
+    text: torch.Tensor,
+    metadata: dict[str, Any],
+    pooled: torch.Tensor | None = None,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> dict:
+    """``extra``: more tensor parts by name (HunyuanVideo 1.5's ``HUNYUAN_PARTS``)."""
     if latent.dim() != 4:
         raise ValueError(f"sample {key}: latent must be [C, T, H, W], got {tuple(latent.shape)}")
     if text.dim() != 2:
@@ -45,6 +55,8 @@ def encode_sample_parts(
     }
     if pooled is not None:
         parts[POOLED_PART] = tensor_bytes(pooled.float())
+    for name, tensor in (extra or {}).items():
+        parts[name] = tensor_bytes(tensor.float())
     return parts
 
 

@@ -71,8 +71,10 @@ def _joint_segments(q_lengths: list[int], kv_lengths: list[int], device) -> Pack
     return joint
 
 
-def joint_attention_plan(batch: PackedBatch, split: SequenceSplit, axes_dim: list[int]) -> JointAttentionPlan:
-    """The plan for ``batch`` on this CP rank (host index math, one copy to the device)."""
+def joint_attention_plan(
+    batch: PackedBatch, split: SequenceSplit, axes_dim: list[int], theta: float = 10000.0
+) -> JointAttentionPlan:
+    """The plan for ``batch`` on this CP rank (host index math, one copy to the device); ``theta``: the RoPE base."""
     host, device = batch.host_view(), batch.latents.device
     text_pad, image_pad = host.cu_seqlens_kv_padded.tolist(), host.cu_seqlens_q_padded.tolist()
     text_len, image_len = host.text_lengths.tolist(), host.sample_lengths.tolist()
@@ -89,7 +91,7 @@ def joint_attention_plan(batch: PackedBatch, split: SequenceSplit, axes_dim: lis
     q_order = torch.cat(q_rows)
     image_valid = split.local(host.loss_mask != 0)
     q_valid = torch.cat([*text_valid, image_valid]).float()[:, None, None]
-    cos, sin = rope_cos_sin(split.local(host.pos_ids), axes_dim)
+    cos, sin = rope_cos_sin(split.local(host.pos_ids), axes_dim, theta)
     return JointAttentionPlan(
         params=_joint_segments(q_lengths, kv_lengths, device),
         q_order=q_order.to(device),

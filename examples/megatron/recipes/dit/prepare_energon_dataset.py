@@ -55,9 +55,13 @@ def add_encoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vae_cache_dir")
     parser.add_argument(
         "--encoders",
-        choices=["t5", "flux"],
+        choices=["t5", "flux", "hunyuan_video15"],
         default="t5",
-        help="t5: unpadded T5 text (DiT, Wan); flux: FLUX.1's full-length T5, CLIP's pooled vector, its KL VAE",
+        help="t5: unpadded T5 text (DiT, Wan); flux: FLUX.1's full-length T5, CLIP's pooled vector, its KL VAE; "
+        "hunyuan_video15: HunyuanVideo 1.5's Qwen2.5-VL + ByT5 text, VAE, first-frame latent and SigLIP (--hunyuan)",
+    )
+    parser.add_argument(
+        "--hunyuan", help="HunyuanVideo 1.5 image-to-video pipeline folder (--encoders hunyuan_video15)"
     )
     parser.add_argument("--clip", help="CLIP text encoder folder or FLUX.1 pipeline folder (--encoders flux)")
     parser.add_argument("--tiny_random_encoders", action="store_true", help="tiny random T5 (+ CLIP) + VAE (tests)")
@@ -110,6 +114,7 @@ def settings_from_args(args: argparse.Namespace, input_dir: str | None = None) -
             vae_cache_dir=args.vae_cache_dir,
             encoders=args.encoders,
             clip_name_or_dir=args.clip,
+            hunyuan_name_or_dir=args.hunyuan,
             tiny_random_encoders=args.tiny_random_encoders,
             shard_maxcount=args.shard_maxcount,
             device=args.device,
