@@ -48,6 +48,11 @@ MODEL = [
     "model.num_attention_heads=10",
     "model.num_layers=12",
     "model.text_embed_dim=64",
+    # Every block recomputed in backward, as conf/dit_28b_64k.yaml: activations are then the blocks'
+    # inputs plus one block's, not 12 blocks' (they do not shrink with DP, the state does).
+    "model.recompute_granularity=full",
+    "model.recompute_method=uniform",
+    "model.recompute_num_layers=1",
     "mixed_precision.precision=bf16",
     "model.attention_backend=sdpa",
     "dataset.num_workers=0",
