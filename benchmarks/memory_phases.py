@@ -15,8 +15,8 @@ parameters + gradients + optimizer bytes as the start-up log measures them. Prin
     DP=N KIND: train peak X.XXx state, save adds xY.YY
 
 (the largest rank's peak over its state; the peak with a save over the peak without), then the FSDP
-DP=4 / DP=2 ratio of the per-rank training peaks. 25 minutes per kind on the 2-core machine under
-heavy load (2026-11-25; not timed on a quiet one).
+DP=4 / DP=2 ratio of the per-rank training peaks. 33 minutes on the 2-core machine under heavy load
+(2026-11-25; not timed on a quiet one).
 
 What is subtracted on CPU (printed too): the runtime every rank pays whatever the model size, measured
 per case as the lowest rank's peak RSS of the same entry point, layout and 2 iterations with a
