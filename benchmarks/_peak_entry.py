@@ -28,11 +28,20 @@ def write_peak() -> None:
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
         "cuda_peak": cuda_peak,
     }
+    if os.environ.get("DFM_PHASE_TRACE"):
+        import _phase_trace  # next to this file
+
+        _phase_trace.mark("exit")
+        record |= {"peak_rss": _phase_trace.overall_peak(), "phases": _phase_trace.PHASES}
     with open(os.environ["DFM_PEAK_FILE"], "a") as out:
         out.write(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":
     atexit.register(write_peak)
+    if os.environ.get("DFM_PHASE_TRACE"):
+        import _phase_trace  # next to this file
+
+        _phase_trace.install()
     sys.argv[0] = str(ENTRY)
     runpy.run_path(str(ENTRY), run_name="__main__")

@@ -3,15 +3,20 @@
     python -m benchmarks.memory_phases [--dp 2 4] [--kinds distributed_optimizer fsdp]
 
 Each case runs the real entry point (pretrain_dit_model.py through benchmarks/_peak_entry.py) under
-torchrun with ``--mock``: a ~0.11B-parameter cross-attention DiT (12 x 640), bf16, 2 iterations,
-once without and once with a checkpoint saved at the last iteration. Every rank writes its peak
+torchrun with ``--mock``: a 0.22B-parameter cross-attention DiT (24 x 640, packs of up to 256
+tokens, every block recomputed in backward as conf/dit_28b_64k.yaml does), bf16, 2 iterations,
+once without and once with a checkpoint saved at the last iteration. 24 blocks, not 12: under
+Megatron-FSDP a rank holds two blocks gathered (weights, and their gradients until reduced), i.e.
+2/L of the model whatever the DP, which at L = 12 is by itself over 0.35x the DP=4 state; the
+28B recipe has L = 50. Every rank writes its peak
 (RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA) at exit. "state" is the largest rank's
 parameters + gradients + optimizer bytes as the start-up log measures them. Printed per case:
 
     DP=N KIND: train peak X.XXx state, save adds xY.YY
 
 (the largest rank's peak over its state; the peak with a save over the peak without), then the FSDP
-DP=4 / DP=2 ratio of the per-rank training peaks. About 10 minutes on 2 CPU cores.
+DP=4 / DP=2 ratio of the per-rank training peaks. 33 minutes on the 2-core machine under heavy load
+(2026-11-25; not timed on a quiet one).
 
 What is subtracted on CPU (printed too): the runtime every rank pays whatever the model size, measured
 per case as the lowest rank's peak RSS of the same entry point, layout and 2 iterations with a
@@ -19,7 +24,9 @@ near-zero model (``NEAR_ZERO``: 2 x 64, ~0.2M parameters, state < 4 MB, which is
 import of exactly what the entry point imports (``import_baseline``, 0.39 GiB) plus ~0.1 GiB: the
 process group (gloo's threads), the first use of torch's CPU kernels, the data loader. Everything above
 it grows with the model: the state, activations, FSDP's gathered blocks, transient copies, and what
-glibc's malloc keeps of freed tensors (measured ~0.1-0.3 GiB at 0.11B parameters; not trimmed here).
+glibc's malloc keeps of freed tensors (small since dfm fixes its mmap threshold on CPU hosts,
+dfm/platform/host_memory.py). ``DFM_PHASE_TRACE=1`` adds every rank's per-phase peaks to its record
+(benchmarks/_phase_trace.py).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dfm.training.memory import STATE_LOG_KEY
@@ -42,12 +49,17 @@ KINDS = {
     "distributed_optimizer": ["ddp.use_distributed_optimizer=true"],
     "fsdp": ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"],
 }
-# ~0.11B parameters: 12 blocks of 22 h^2 (self- and cross-attention, MLP, adaLN) at h = 640.
+# ~0.22B parameters: 24 blocks of 22 h^2 (self- and cross-attention, MLP, adaLN) at h = 640.
 MODEL = [
     "model.hidden_size=640",
     "model.num_attention_heads=10",
-    "model.num_layers=12",
+    "model.num_layers=24",
     "model.text_embed_dim=64",
+    # Every block recomputed in backward, as conf/dit_28b_64k.yaml: activations are then the blocks'
+    # inputs plus one block's, not every block's (they do not shrink with DP, the state does).
+    "model.recompute_granularity=full",
+    "model.recompute_method=uniform",
+    "model.recompute_num_layers=1",
     "mixed_precision.precision=bf16",
     "model.attention_backend=sdpa",
     "dataset.num_workers=0",
@@ -72,6 +84,7 @@ class Peaks:
 
     peaks: dict[int, int]
     states: list[int]
+    phases: dict[int, list[dict]] = field(default_factory=dict)  # with DFM_PHASE_TRACE: per rank
 
     @property
     def largest_rank(self) -> int:
@@ -132,12 +145,30 @@ def measure(nproc: int, kind: str, save: bool, baseline: int, model: list[str] =
     with tempfile.TemporaryDirectory() as tmp:
         save_dir = Path(tmp) / "ckpt" if save else None
         log, records = run_case(nproc, case_overrides(nproc, kind, save_dir, model, Path(tmp) / "logs"))
-    return Peaks(peaks_of(records, baseline), parse_states(log))
+    phases = {r["rank"]: r["phases"] for r in records if "phases" in r}
+    return Peaks(peaks_of(records, baseline), parse_states(log), phases)
 
 
 def case_line(dp: int, kind: str, train: Peaks, with_save: Peaks) -> str:
     save_ratio = with_save.peaks[with_save.largest_rank] / train.peaks[train.largest_rank]
     return f"DP={dp} {kind}: train peak {train.peak_over_state():.2f}x state, save adds x{save_ratio:.2f}"
+
+
+def case_record(dp: int, kind: str, baseline: int, train: Peaks, with_save: Peaks) -> dict:
+    """One case for ``--json``: bytes per rank (baseline subtracted), the printed line, and the largest
+    rank's per-phase peaks (raw RSS, baseline not subtracted) where they were recorded."""
+    rank = train.largest_rank
+    return {
+        "dp": dp,
+        "kind": kind,
+        "line": case_line(dp, kind, train, with_save),
+        "subtracted_baseline": baseline,
+        "state": train.states,
+        "train_peak": train.peaks,
+        "save_peak": with_save.peaks,
+        "train_phases_largest_rank": train.phases.get(rank),
+        "save_phases_largest_rank": with_save.phases.get(with_save.largest_rank),
+    }
 
 
 def fsdp_ratio_line(by_dp: dict[int, Peaks]) -> str:
@@ -150,10 +181,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=["fsdp", "distributed_optimizer"])
+    parser.add_argument("--json", type=Path, help="also write the figures (and per-phase peaks) here")
+    parser.add_argument("--phases", action="store_true", help="record per-phase peaks (DFM_PHASE_TRACE)")
     args = parser.parse_args(argv)
+    if args.phases:
+        os.environ["DFM_PHASE_TRACE"] = "1"
     imports = import_baseline()
     print(f"import-only process: {imports / 2**30:.2f} GiB RSS", flush=True)
-    fsdp_train = {}
+    fsdp_train, report = {}, {"import_only": imports, "cases": []}
     for kind in args.kinds:
         for dp in args.dp:
             try:
@@ -167,10 +202,14 @@ def main(argv: list[str] | None = None) -> None:
             peak = train.peaks[train.largest_rank]
             print(f"  DP={dp} {kind}: state {state / 2**30:.2f} GiB, train peak {peak / 2**30:.2f} GiB", flush=True)
             print(case_line(dp, kind, train, with_save), flush=True)
+            report["cases"].append(case_record(dp, kind, baseline, train, with_save))
             if kind == "fsdp":
                 fsdp_train[dp] = train
     if len(fsdp_train) > 1:
         print(fsdp_ratio_line(fsdp_train))
+        report["fsdp_ratio_line"] = fsdp_ratio_line(fsdp_train)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

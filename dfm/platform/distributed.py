@@ -8,6 +8,7 @@ import torch
 from dfm.parallel.layout import ParallelLayout, launched_world_size
 from dfm.platform import compat
 from dfm.platform.device import compute_device
+from dfm.platform.host_memory import return_freed_memory_promptly
 
 
 def initialize_distributed(
@@ -27,6 +28,8 @@ def initialize_distributed(
     device = compute_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        return_freed_memory_promptly()  # host tensors are the model's memory: no malloc cache on top
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",

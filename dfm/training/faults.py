@@ -59,7 +59,7 @@ def local_nonfinite(model: list[Any], losses: list[torch.Tensor], device: torch.
     return (~torch.stack(checks)).any().float().to(device)
 
 
-FINITE_CHECK_ELEMENTS = 1 << 24  # isfinite's temporaries (7 bytes an element, measured) stay <= 112 MiB
+FINITE_CHECK_ELEMENTS = 1 << 22  # isfinite's temporaries (7 bytes an element, measured) stay <= 28 MiB
 
 
 def all_finite(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """benchmarks.memory_phases on one tiny case (the real entry point, one process): every rank's peak and
 state are read back and reported in the benchmark's line format; the parsing and the FSDP ratio on
-known numbers. The full benchmark (0.11B model, DP=2/4) is not run in CI."""
+known numbers. The full benchmark (0.22B model, DP=2/4) is not run in CI."""
 
 from __future__ import annotations
 

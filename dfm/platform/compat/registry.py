@@ -6,7 +6,7 @@ docs/device_layer.md ("Adding a patch"). All module paths are megatron-core 0.16
 
 from __future__ import annotations
 
-from dfm.platform.compat import async_save, checkpointing, fsdp, moe, optimizer, p2p, rng, safe_loading
+from dfm.platform.compat import async_save, checkpointing, fsdp, gloo_reduce, moe, optimizer, p2p, rng, safe_loading
 from dfm.platform.compat.devices import cpu_torch_view
 from dfm.platform.compat.patch import Patch
 
@@ -288,6 +288,34 @@ PIPELINE_P2P = (
     ),
 )
 
+# The distributed optimizer's gradient reduce-scatter and parameter all-gather (gloo_reduce.py).
+DISTRIBUTED_OPTIMIZER_COLLECTIVES = (
+    Patch(
+        name="gloo-reduce-scatter-in-place",
+        module="megatron.core.distributed.param_and_grad_buffer",
+        attribute="dist_reduce_scatter_func",
+        why="gloo's reduce_scatter_tensor copies its input: with one bucket, every gradient of the model",
+        relies_on=(
+            "self.cached_grad_buffer_shard_list[idx] = shard_buffer(",
+            "grad_reduce_handle = dist_reduce_scatter_func( local_data_view, bucket.grad_data,",
+        ),
+        replace=gloo_reduce.reduce_scatter_in_place_on_gloo,
+        site="_ParamAndGradBucketGroup.start_grad_sync",
+    ),
+    Patch(
+        name="gloo-all-gather-in-place",
+        module="megatron.core.distributed.param_and_grad_buffer",
+        attribute="dist_all_gather_func",
+        why="gloo's all_gather_into_tensor copies its output: with one bucket, every parameter of the model",
+        relies_on=(
+            "self.cached_param_buffer_shard_list[idx] = shard_buffer(",
+            "dist_all_gather_func( bucket.param_data, local_data_view,",
+        ),
+        replace=gloo_reduce.all_gather_in_place_on_gloo,
+        site="_ParamAndGradBucketGroup.start_param_sync",
+    ),
+)
+
 MEGATRON_FSDP_SRC = "megatron.core.distributed.fsdp.src.megatron_fsdp"
 
 MEGATRON_FSDP = (
@@ -459,4 +487,14 @@ SAFE_LOADING = (
     ),
 )
 
-PATCHES = (*TORCH_VIEWS, *RNG, *OPTIMIZER, *MOE, *PIPELINE_P2P, *MEGATRON_FSDP, *CHECKPOINTING, *SAFE_LOADING)
+PATCHES = (
+    *TORCH_VIEWS,
+    *RNG,
+    *OPTIMIZER,
+    *MOE,
+    *PIPELINE_P2P,
+    *DISTRIBUTED_OPTIMIZER_COLLECTIVES,
+    *MEGATRON_FSDP,
+    *CHECKPOINTING,
+    *SAFE_LOADING,
+)
