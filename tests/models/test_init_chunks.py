@@ -11,7 +11,7 @@ import torch
 from dfm.config.loader import build_config
 from dfm.models.build import build_model_chunk
 from dfm.models.common import init
-from dfm.models.common.init import TensorSplit, fill_initial, name_seed
+from dfm.models.common.init import InitialValue, TensorSplit, fill_initial, name_seed
 from tests.training.entry import RECIPE_DIR
 
 SEED, STD = 5, 0.02
@@ -50,16 +50,16 @@ def test_chunked_rows_equal_the_whole_tensor_sliced(monkeypatch, declared, shape
         # All the rank's rows, and uneven FSDP row shards of them (rank 0 gets the extra rows).
         for rows in (range(local_rows), range(0, local_rows // 2 + 1), range(local_rows // 2 + 1, local_rows)):
             out = torch.full((len(rows), *expected.shape[1:]), float("nan"))
-            fill_initial(out, "blocks.0.w", declared, shape, split, rows, SEED, STD)
+            fill_initial(out, InitialValue("blocks.0.w", declared, shape, SEED, STD), split, rows)
             assert torch.equal(out, expected[rows.start : rows.stop]), (split, rows)
 
 
 def test_constants_need_no_generator():
     out = torch.empty(3, 4)
-    fill_initial(out, "blocks.0.linear.bias", None, [6, 4], None, range(3), SEED, STD)
+    fill_initial(out, InitialValue("blocks.0.linear.bias", None, [6, 4], SEED, STD), None, range(3))
     assert torch.equal(out, torch.zeros(3, 4))
     out = torch.empty(5)
-    fill_initial(out, "blocks.0.norm.weight", None, [10], TensorSplit(0, 1, 2, 1), range(5), SEED, STD)
+    fill_initial(out, InitialValue("blocks.0.norm.weight", None, [10], SEED, STD), TensorSplit(0, 1, 2, 1), range(5))
     assert torch.equal(out, torch.ones(5))
 
 

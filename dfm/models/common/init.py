@@ -140,23 +140,27 @@ def _rows_per_chunk(row_numel: int) -> int:
     return max(align, CHUNK_BYTES // (3 * 4 * row_numel) // align * align)
 
 
+@dataclass(frozen=True)
+class InitialValue:
+    """What decides parameter ``name``'s initial value: its declared kind, full shape, the run's seed and std."""
+
+    name: str
+    declared: str | None
+    shape: list[int]
+    seed: int
+    std: float
+
+
 @torch.no_grad()
-def fill_initial(  # noqa: PLR0913 (tests/models/test_init_chunks.py calls it positionally)
-    out: torch.Tensor,
-    name: str,
-    declared: str | None,
-    shape: list[int],
-    split: TensorSplit | None,
-    rows: range,
-    seed: int,
-    std: float,
-    dtype: torch.dtype | None = None,
+def fill_initial(
+    out: torch.Tensor, value: InitialValue, split: TensorSplit | None, rows: range, dtype: torch.dtype | None = None
 ) -> None:
-    """Fill ``out`` ``[len(rows), ...]`` with rows ``rows`` of this rank's shard of parameter ``name``'s
+    """Fill ``out`` ``[len(rows), ...]`` with rows ``rows`` of this rank's shard of parameter ``value.name``'s
     initial value (full ``shape``), rounded through ``dtype`` if given: bit for bit the full tensor
     drawn from (seed, name) in one call and sliced, but drawn within CHUNK_BYTES. Rows before
     the last wanted one are drawn into the reused chunk and dropped (the stream is sequential)."""
-    kind = initial_kind(name, declared, shape)
+    name, shape, seed, std = value.name, value.shape, value.seed, value.std
+    kind = initial_kind(name, value.declared, shape)
     if not isinstance(kind, str):
         out.fill_(kind)
         return
@@ -223,13 +227,5 @@ def init_params(model: nn.Module, seed: int, global_name: Callable[[str], str], 
     """Fill every parameter of ``model`` (materialised, TP-local) from (seed, global_name(name))."""
     mark_tensor_parallel_weights(model)
     for name, param in model.named_parameters():
-        fill_initial(
-            param,
-            global_name(name),
-            getattr(param, DECLARED_INIT, None),
-            full_shape(param),
-            tensor_split(param),
-            range(param.shape[0] if param.dim() else 1),
-            seed,
-            std,
-        )
+        value = InitialValue(global_name(name), getattr(param, DECLARED_INIT, None), full_shape(param), seed, std)
+        fill_initial(param, value, tensor_split(param), range(param.shape[0] if param.dim() else 1))

@@ -14,7 +14,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dfm.models.common.init import DECLARED_INIT, fill_initial, full_shape, mark_tensor_parallel_weights, tensor_split
+from dfm.models.common.init import (
+    DECLARED_INIT,
+    InitialValue,
+    fill_initial,
+    full_shape,
+    mark_tensor_parallel_weights,
+    tensor_split,
+)
 from dfm.parallel.fsdp_shards import (
     inner_model,
     named_parameters,
@@ -85,9 +92,8 @@ def init_fsdp_shards(chunk, seed: int, global_name: Callable[[str], str], std: f
             continue
         declared = getattr(model_param, DECLARED_INIT, None)
         split = tensor_split(model_param)
-        fill_initial(
-            local, global_name(name), declared, full_shape(model_param), split, rows, seed, std, model_param.dtype
-        )
+        value = InitialValue(global_name(name), declared, full_shape(model_param), seed, std)
+        fill_initial(local, value, split, rows, model_param.dtype)
     _install_initial_weights(chunk.module)
     for module in inner_model(chunk).modules():
         if isinstance(module.__dict__.get("reset_parameters"), _AttributeRestorer):
