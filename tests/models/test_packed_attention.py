@@ -14,9 +14,10 @@ from dfm.models.attention import flex_document_attention, sdpa_per_segment
 from dfm.models.attention.varlen import varlen_document_attention
 
 
-def reference_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale):  # noqa: PLR0913 (torch's varlen_attn)
+def reference_varlen_attn(query, key, value, segments, scale):
     """What torch's varlen flash kernel computes: q [t, h, d] segment j attends to k segment j;
     empty segments give nothing (a query segment without keys gives zeros)."""
+    cu_q, cu_k, max_q, max_k = segments.cu_q, segments.cu_k, segments.max_q, segments.max_k
     out = torch.zeros_like(query)
     bounds = zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())
     for q0, q1, k0, k1 in bounds:

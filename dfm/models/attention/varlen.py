@@ -79,13 +79,14 @@ def varlen_segments(params: PackedSeqParams, q_total: int, k_total: int, device:
     return cached_per_pack(params, "varlen", (q_total, k_total, device), build)
 
 
-def torch_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale):  # noqa: PLR0913 (torch's varlen_attn)
-    """torch's kernel; imported late so CPU-only installs without it still import this module.
+def torch_varlen_attn(query: Tensor, key: Tensor, value: Tensor, segments: VarlenSegments, scale: float) -> Tensor:
+    """torch's kernel over ``segments``; imported late so CPU-only installs without it still import this module.
 
     Older torch releases take no ``scale``: there only the default 1/sqrt(head dim) is possible.
     """
     from torch.nn.attention.varlen import varlen_attn
 
+    cu_q, cu_k, max_q, max_k = segments.cu_q, segments.cu_k, segments.max_q, segments.max_k
     if "scale" in inspect.signature(varlen_attn).parameters:
         return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, scale=scale)
     if not math.isclose(scale, query.shape[-1] ** -0.5):
@@ -107,7 +108,7 @@ def varlen_document_attention(
 ) -> Tensor:
     """query [sq, 1, np, hn], key/value [sk, 1, np, hn] -> [sq, 1, np, hn]; padding rows are 0.
 
-    ``attn(q [t, np, hn], k, v, cu_q, cu_k, max_q, max_k, scale)`` is the kernel, torch's by default
+    ``attn(q [t, np, hn], k, v, segments, scale)`` is the kernel, torch's by default
     (tests pass a reference with the same contract where CUDA is missing).
     """
     attn = attn or torch_varlen_attn
@@ -115,5 +116,5 @@ def varlen_document_attention(
         raise ValueError(f"packed attention expects one pack per micro-batch (b == 1), got b = {query.shape[1]}")
     segments = varlen_segments(params, query.shape[0], key.shape[0], query.device)
     q, k, v = (t.squeeze(1) for t in (query, key, value))
-    out = attn(q, k, v, segments.cu_q, segments.cu_k, segments.max_q, segments.max_k, scale).unsqueeze(1)
+    out = attn(q, k, v, segments, scale).unsqueeze(1)
     return out * query_is_real(params, query.shape[0], query.device).to(out.dtype)
