@@ -118,6 +118,8 @@ PRESETS = MappingProxyType(
         "Wan2.1-T2V-14B": _shape(40, 5120, 40, ffn_hidden_size=13824, **_WAN),
         "HunyuanVideo-1.5-T2V-720p": _shape(54, 2048, 16, **_HUNYUAN15),
         "HunyuanVideo-1.5-I2V-720p": _shape(54, 2048, 16, **_HUNYUAN15),
+        # Wan 2.2 (docs/wan.md): TI2V-5B reads the 48-channel Wan 2.2 VAE's latents.
+        "Wan2.2-TI2V-5B": _shape(30, 3072, 24, ffn_hidden_size=14336, **{**_WAN, "in_channels": 48}),
     }
 )
 
@@ -130,6 +132,7 @@ PRESET_SETTINGS = MappingProxyType(
     {
         "Wan2.1-T2V-1.3B": _WAN_SETTINGS,
         "Wan2.1-T2V-14B": _WAN_SETTINGS,
+        "Wan2.2-TI2V-5B": _WAN_SETTINGS,
         "HunyuanVideo-1.5-T2V-720p": _HUNYUAN15_SETTINGS,
         "HunyuanVideo-1.5-I2V-720p": _HUNYUAN15_SETTINGS,
     }

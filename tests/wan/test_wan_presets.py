@@ -1,10 +1,14 @@
-"""The Wan 2.1 presets have exactly the parameters of diffusers' models with the published configs
-(Wan-AI/Wan2.1-T2V-1.3B-Diffusers and -14B-Diffusers), and their recipes train as Wan does."""
+"""The Wan presets have exactly the parameters of diffusers' models with the published configs
+(Wan-AI/Wan2.1-T2V-1.3B-Diffusers, -14B-Diffusers, Wan2.2-TI2V-5B-Diffusers), and their recipes train as Wan does."""
 
 from dfm.config.recipes import get_recipe
 from dfm.models.presets_cli import preset_parameter_counts
 
-PUBLISHED = {"Wan2.1-T2V-1.3B": 1_418_996_800, "Wan2.1-T2V-14B": 14_288_491_584}
+PUBLISHED = {
+    "Wan2.1-T2V-1.3B": 1_418_996_800,
+    "Wan2.1-T2V-14B": 14_288_491_584,
+    "Wan2.2-TI2V-5B": 4_999_787_712,  # Wan-AI/Wan2.2-TI2V-5B-Diffusers
+}
 
 
 def test_wan_presets_have_the_published_parameter_counts():
