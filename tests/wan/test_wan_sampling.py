@@ -33,16 +33,17 @@ def padded(text: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def wan_pipeline(transformer) -> diffusers.WanPipeline:
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=SHIFT)
+def wan_pipeline(transformer, shift: float = SHIFT, pipeline=diffusers.WanPipeline, **components):
+    """``pipeline`` (WanPipeline or WanImageToVideoPipeline) around ``transformer`` on dfm's schedule;
+    ``components``: the rest (transformer_2, boundary_ratio, vae, ...)."""
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=shift)
     set_timesteps = scheduler.set_timesteps
     # dfm's schedule, before the shift that the scheduler applies itself: 1, (n-1)/n, ..., 1/n, then 0.
     scheduler.set_timesteps = lambda num_inference_steps, device=None, **kw: set_timesteps(
         sigmas=[1 - i / num_inference_steps for i in range(num_inference_steps)], device=device
     )
-    return diffusers.WanPipeline(
-        tokenizer=None, text_encoder=None, vae=None, scheduler=scheduler, transformer=transformer
-    )
+    parts = {"tokenizer": None, "text_encoder": None, "vae": None, **components}
+    return pipeline(scheduler=scheduler, transformer=transformer, **parts)
 
 
 @pytest.mark.filterwarnings("ignore")
