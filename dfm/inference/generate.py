@@ -36,6 +36,7 @@ from dfm.inference.encoders import (
     uses_pooled_text,
 )
 from dfm.inference.generation_batch import draw_noise, generation_batch, latent_shape_for
+from dfm.inference.image_condition import image_latent
 from dfm.inference.media import check_output_path, to_uint8_frames, write_media
 from dfm.inference.sampling import sample_latent
 
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--negative_prompt", default=None, help="text of the guidance's unconditional pass (Wan's); default: no text"
     )
+    p.add_argument(
+        "--image", default=None, help="Wan 2.2 TI2V: image-to-video, this image's latent the clean first frame"
+    )
     p.add_argument("--sampler", default=None, help="edm: heun|euler; flow: euler|heun (default: the pipeline's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -70,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--t5_cache_dir")
     p.add_argument("--vae", default=DEFAULT_VAE, help="VAE hub name or local folder")
     p.add_argument("--vae_subfolder", default="vae", help="'' for a folder that is the VAE itself")
-    p.add_argument("--vae_kind", choices=["auto", "wan", "kl"], default="auto")
+    p.add_argument("--vae_kind", choices=["auto", "wan", "wan22", "kl"], default="auto")
     p.add_argument("--vae_cache_dir")
     p.add_argument("--clip", help="FLUX: CLIP text encoder folder or the FLUX.1 pipeline folder (pooled prompt)")
     p.add_argument(
@@ -126,10 +130,12 @@ def sampling_shift(cfg: ConfigContainer, num_tokens: int) -> float | None:
     return None
 
 
-def prompt_batch(prompt: str, noise: torch.Tensor, encoders, model_cfg) -> PackedBatch:
+def prompt_batch(
+    prompt: str, noise: torch.Tensor, encoders, model_cfg, first_frame: torch.Tensor | None = None
+) -> PackedBatch:
     """noise [C, T', H', W'] + prompt -> a one-sample pack: the prompt's T5 text and, for FLUX, CLIP's
-    pooled vector [1, D_pool]."""
-    batch = generation_batch(noise, encoders.text.encode([prompt])[0], model_cfg)
+    pooled vector [1, D_pool]; ``first_frame``: TI2V's image latent [C, 1, H', W']."""
+    batch = generation_batch(noise, encoders.text.encode([prompt])[0], model_cfg, first_frame)
     if encoders.pooled is not None:
         batch.pooled_text = encoders.pooled.encode([prompt])
     return batch
@@ -143,14 +149,16 @@ def sample_prompt(
     noise: torch.Tensor,
     args: argparse.Namespace,
     device: torch.device,
+    first_frame: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The clean latent [C, T', H', W'] sampled from ``noise`` for ``prompt`` (``cfg`` from
-    ``with_embedded_guidance``; args: num_steps, guidance_scale, sampler, seed, negative_prompt)."""
+    ``with_embedded_guidance``; args: num_steps, guidance_scale, sampler, seed, negative_prompt);
+    ``first_frame``: TI2V's image latent."""
     _, guidance_scale = with_embedded_guidance(cfg, args.guidance_scale)
-    batch = prompt_batch(prompt, noise, encoders, cfg.model).to(device)
+    batch = prompt_batch(prompt, noise, encoders, cfg.model, first_frame).to(device)
     uncond = None
     if args.negative_prompt is not None:
-        uncond = prompt_batch(args.negative_prompt, noise, encoders, cfg.model).to(device)
+        uncond = prompt_batch(args.negative_prompt, noise, encoders, cfg.model, first_frame).to(device)
     logger.info("sampling a latent of shape %s (%d tokens)", tuple(noise.shape), batch.seq_len)
     options = SamplingOptions(
         args.num_steps, guidance_scale, args.sampler, args.seed, sampling_shift(cfg, batch.seq_len)
@@ -167,7 +175,9 @@ def generate(args: argparse.Namespace, device: torch.device) -> Path:
         encoders = encoders_for(args, cfg.model, device, Path(scratch))
     check_encoders_match(encoders, cfg.model)
     shape = latent_shape_for(encoders.vae, cfg.model, args.height, args.width, args.num_video_frames)
-    latent = sample_prompt(model, cfg, encoders, args.prompt, draw_noise(shape, args.seed), args, device)
+    first_frame = None if args.image is None else image_latent(encoders.vae, args.image, args.height, args.width)
+    noise = draw_noise(shape, args.seed)
+    latent = sample_prompt(model, cfg, encoders, args.prompt, noise, args, device, first_frame)
     video = encoders.vae.decode(latent.unsqueeze(0))[0]  # [3, T, H, W] in [-1, 1]
     path = write_media(to_uint8_frames(video), args.video_save_path, args.fps)
     logger.info("wrote %s", path)

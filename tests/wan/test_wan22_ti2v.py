@@ -1,10 +1,13 @@
 """Wan 2.2 TI2V's per-token timesteps: a mixed pack of TI2V samples (first frame clean, at timestep
 0) and text-to-video ones (one timestep each) equals diffusers' WanTransformer3DModel given each
 sample alone with its timestep per token (``expand_timesteps``), fp32, outputs <= 1e-5 and
-gradients; the training step feeds the first frames clean and leaves them out of the loss."""
+gradients; the training step feeds the first frames clean and leaves them out of the loss; and
+image-to-video generation (``--image``) gives WanImageToVideoPipeline's (expand_timesteps) latents."""
 
+import diffusers
 import pytest
 import torch
+from PIL import Image
 
 from dfm.convert.pretrained import fill_weights
 from dfm.convert.rules import to_dfm, to_diffusers
@@ -16,12 +19,19 @@ from dfm.convert.wan import (
     parity_timesteps,
     rules,
 )
+from dfm.data.encoders.tiny import build_tiny_wan22_vae
+from dfm.data.encoders.vae import VideoVAE
 from dfm.data.packing import pack_samples
+from dfm.data.patchify import unpatchify
 from dfm.diffusion.first_frame import first_frame_tokens, keep_first_frames_clean
 from dfm.diffusion.pipeline import build_pipeline
+from dfm.inference.generation_batch import generation_batch
+from dfm.inference.image_condition import image_latent
+from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model
 from dfm.training.forward_step import DiffusionForwardStep
 from tests.wan._tiny import TEXT_LEN, TINY_TI2V, tiny_diffusers_wan, tiny_model_config
+from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, padded, wan_pipeline
 
 FORWARD_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-4  # relative to each gradient's max, as tests/wan/test_wan_parity.py
@@ -90,3 +100,59 @@ def test_training_step_feeds_first_frames_clean_and_leaves_them_out_of_the_loss(
         changed[clean] += 100.0  # what the model says on condition tokens does not count
         assert torch.equal(loss_fn(changed)[0], loss)
     assert torch.isfinite(loss)
+
+
+@pytest.fixture(scope="module")
+def tiny_wan22_vae(tmp_path_factory):
+    """(diffusers AutoencoderKLWan of the Wan 2.2 kind, z_dim 48, 16x spatial; dfm's VideoVAE on it)."""
+    folder = build_tiny_wan22_vae(tmp_path_factory.mktemp("vae22") / "vae", seed=0)
+    vae = VideoVAE.from_pretrained_or_cache(folder, kind="wan22")
+    return vae.model, vae
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_ti2v_sampling_from_an_image_matches_wan_image_to_video_pipeline(models, tiny_wan22_vae, tmp_path):
+    """--image: the image's latent kept as the first frame at timestep 0; WanImageToVideoPipeline with
+    ``expand_timesteps`` (Wan2.2-TI2V-5B's) from the same image, noise and text."""
+    transformer, model, cfg = models
+    diffusers_vae, vae = tiny_wan22_vae
+    model.eval()
+    start, negative = parity_samples(cfg, shapes=[((3, 4, 6), 5), ((3, 4, 6), 3)])
+    noise = unpatchify(start.tokens, start.latent_shape, cfg.patch_temporal, cfg.patch_spatial)
+    _, t, h, w = start.latent_shape
+    height, width = 16 * h, 16 * w
+    pixels = (torch.rand(height, width, 3, generator=torch.Generator().manual_seed(3)) * 255).to(torch.uint8)
+    Image.fromarray(pixels.numpy()).save(tmp_path / "image.png")
+    first_frame = image_latent(vae, tmp_path / "image.png", height, width)
+    pack = generation_batch(noise, start.text, cfg, first_frame)
+    uncond = generation_batch(noise, negative.text, cfg, first_frame)
+    flow = build_pipeline("flow", c_noise_scale=1000.0, shift=SHIFT)
+    ours = sample_latent(model, flow, "flow", pack, cfg, STEPS, GUIDANCE, "euler", uncond=uncond)
+    pipe = wan_pipeline(
+        transformer, pipeline=diffusers.WanImageToVideoPipeline, vae=diffusers_vae, expand_timesteps=True
+    )
+    with torch.no_grad():
+        theirs = pipe(
+            image=Image.open(tmp_path / "image.png"),
+            prompt_embeds=padded(start.text),
+            negative_prompt_embeds=padded(negative.text),
+            latents=noise[None],
+            height=height,
+            width=width,
+            num_frames=4 * (t - 1) + 1,
+            num_inference_steps=STEPS,
+            guidance_scale=GUIDANCE,
+            output_type="latent",
+        ).frames[0]
+    assert torch.equal(ours[:, :1], first_frame)  # the image's latent, untouched
+    assert (ours - theirs).abs().max().item() <= TOLERANCE
+
+
+def test_wan22_vae_first_latent_frame_is_the_first_frame_alone(tiny_wan22_vae):
+    """Why a TI2V shard needs no separate image latent: the causal VAE's first latent frame of a clip
+    is its first frame's encoding (the condition WanImageToVideoPipeline computes from the image)."""
+    _, vae = tiny_wan22_vae
+    video = torch.rand(1, 3, 5, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latents = vae.encode(video)
+    assert latents.shape == (1, 48, 2, 2, 3) and vae.spatial_compression == 16
+    assert (latents[:, :, :1] - vae.encode(video[:, :, :1])).abs().max() <= 1e-6
