@@ -5,13 +5,16 @@
   a folder WanPipeline.from_pretrained loads with both transformers and the boundary;
 * a run training one expert draws its training times on its side of the boundary only;
 * generation routing each step to its expert gives WanPipeline(transformer, transformer_2,
-  boundary_ratio)'s latents from the same noise and text.
+  boundary_ratio)'s latents from the same noise and text;
+* the entry point fine-tunes one expert at TP=2 from its import, and the export of the run (with
+  the other expert) loads in WanPipeline holding exactly the run's weights.
 """
 
 import contextlib
 import dataclasses
 import io
 import json
+import math
 
 import diffusers
 import pytest
@@ -22,7 +25,7 @@ from dfm.config.errors import ConfigError
 from dfm.config.loader import apply_overrides
 from dfm.config.recipes import get_recipe
 from dfm.config.validate import validate_config
-from dfm.convert.pretrained import fill_weights
+from dfm.convert.pretrained import fill_weights, read_full_weights
 from dfm.convert.rules import to_dfm
 from dfm.convert.wan import parity_samples, rules
 from dfm.convert.wan_experts import main
@@ -33,11 +36,13 @@ from dfm.diffusion.timestep_experts import TimestepExperts
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory
 from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model
+from tests.training.entry import RECIPE_DIR, read_metrics, run_entry
 from tests.wan._tiny import tiny_diffusers_wan, tiny_model_config
 from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, padded, wan_pipeline
 
 BOUNDARY = 0.875  # Wan2.2-T2V-A14B's; with 4 steps at shift 5: t = 1, 0.94 (high), 0.83, 0.62 (low)
 TINY_TEXT = ["model.max_text_len=16", "dataset.mock_text_len_range=[4,12]"]
+WAN_TINY = RECIPE_DIR / "conf" / "wan_tiny.yaml"
 
 
 def experts():
@@ -154,3 +159,35 @@ def test_two_expert_sampling_matches_wan_pipeline(dist):
     # Both experts ran: the high-noise one alone gives other latents.
     alone = sample_latent(models[0], flow, "flow", pack, cfg, STEPS, GUIDANCE, "euler", uncond=uncond)
     assert (alone - theirs).abs().max().item() > 100 * TOLERANCE
+
+
+def test_finetune_one_expert_at_tp2_then_export_loads_in_wan_pipeline(imported, tmp_path):
+    """The entry point trains the high-noise expert from its import (checkpoint.pretrained) at TP=2:
+    losses finite and falling; the run and the untouched low-noise import export as one pipeline."""
+    run = tmp_path / "run"
+    overrides = [
+        f"checkpoint.pretrained={imported / 'high_noise'}",
+        "model.wan_expert=high_noise",
+        f"model.wan_boundary_ratio={BOUNDARY}",
+        "model.tensor_model_parallel_size=2",
+        "train.train_iters=5",
+        "optimizer.lr=1e-3",
+        f"checkpoint.save={run / 'checkpoints'}",
+        "checkpoint.save_interval=5",
+        f"logger.log_dir={run / 'logs'}",
+        *TINY_TEXT,
+    ]
+    result = run_entry(2, overrides, config=WAN_TINY, mock=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    losses = [m["loss"] for m in read_metrics(run / "logs")]
+    assert len(losses) == 5 and all(math.isfinite(x) for x in losses) and losses[-1] < 0.9 * losses[0], losses
+    out = tmp_path / "export"
+    run_cli(["export", "--checkpoint", run / "checkpoints", "--checkpoint_2", imported / "low_noise", "--output", out])
+    absent = dict.fromkeys(("tokenizer", "text_encoder", "vae", "scheduler"))
+    pipe = diffusers.WanPipeline.from_pretrained(out, torch_dtype=torch.float32, **absent)
+    cfg, trained = read_full_weights(run / "checkpoints")
+    assert (cfg.model.wan_expert, pipe.config.boundary_ratio) == ("high_noise", BOUNDARY)
+    loaded = to_dfm(pipe.transformer.state_dict(), rules(cfg.model))
+    assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
+    _, low = experts()
+    assert all(torch.equal(p, q) for p, q in zip(pipe.transformer_2.parameters(), low.parameters()))
