@@ -38,7 +38,7 @@ from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model
 from tests.training.entry import RECIPE_DIR, read_metrics, run_entry
 from tests.wan._tiny import tiny_diffusers_wan, tiny_model_config
-from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, padded, wan_pipeline
+from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, pipeline_latents, wan_pipeline
 
 BOUNDARY = 0.875  # Wan2.2-T2V-A14B's; with 4 steps at shift 5: t = 1, 0.94 (high), 0.83, 0.62 (low)
 TINY_TEXT = ["model.max_text_len=16", "dataset.mock_text_len_range=[4,12]"]
@@ -141,20 +141,8 @@ def test_two_expert_sampling_matches_wan_pipeline(dist):
     flow = build_pipeline("flow", c_noise_scale=1000.0, shift=SHIFT)
     net = TimestepExperts(*models, boundary=1000.0 * BOUNDARY)
     ours = sample_latent(net, flow, "flow", pack, cfg, STEPS, GUIDANCE, "euler", uncond=uncond)
-    _, t, h, w = start.latent_shape
     high, low = experts()
-    with torch.no_grad():
-        theirs = wan_pipeline(high, transformer_2=low, boundary_ratio=BOUNDARY)(
-            prompt_embeds=padded(start.text),
-            negative_prompt_embeds=padded(negative.text),
-            latents=noise[None],
-            height=16 * h,
-            width=16 * w,
-            num_frames=4 * (t - 1) + 1,
-            num_inference_steps=STEPS,
-            guidance_scale=GUIDANCE,
-            output_type="latent",
-        ).frames[0]
+    theirs = pipeline_latents(wan_pipeline(high, transformer_2=low, boundary_ratio=BOUNDARY), start, negative, noise)
     assert (ours - theirs).abs().max().item() <= TOLERANCE
     # Both experts ran: the high-noise one alone gives other latents.
     alone = sample_latent(models[0], flow, "flow", pack, cfg, STEPS, GUIDANCE, "euler", uncond=uncond)

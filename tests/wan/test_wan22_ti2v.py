@@ -31,7 +31,7 @@ from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model
 from dfm.training.forward_step import DiffusionForwardStep
 from tests.wan._tiny import TEXT_LEN, TINY_TI2V, tiny_diffusers_wan, tiny_model_config
-from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, padded, wan_pipeline
+from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, pipeline_latents, wan_pipeline
 
 FORWARD_TOLERANCE = 1e-5
 GRAD_TOLERANCE = 1e-4  # relative to each gradient's max, as tests/wan/test_wan_parity.py
@@ -131,19 +131,7 @@ def test_ti2v_sampling_from_an_image_matches_wan_image_to_video_pipeline(models,
     pipe = wan_pipeline(
         transformer, pipeline=diffusers.WanImageToVideoPipeline, vae=diffusers_vae, expand_timesteps=True
     )
-    with torch.no_grad():
-        theirs = pipe(
-            image=Image.open(tmp_path / "image.png"),
-            prompt_embeds=padded(start.text),
-            negative_prompt_embeds=padded(negative.text),
-            latents=noise[None],
-            height=height,
-            width=width,
-            num_frames=4 * (t - 1) + 1,
-            num_inference_steps=STEPS,
-            guidance_scale=GUIDANCE,
-            output_type="latent",
-        ).frames[0]
+    theirs = pipeline_latents(pipe, start, negative, noise, image=Image.open(tmp_path / "image.png"))
     assert torch.equal(ours[:, :1], first_frame)  # the image's latent, untouched
     assert (ours - theirs).abs().max().item() <= TOLERANCE
 

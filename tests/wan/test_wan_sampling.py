@@ -46,6 +46,25 @@ def wan_pipeline(transformer, shift: float = SHIFT, pipeline=diffusers.WanPipeli
     return pipeline(scheduler=scheduler, transformer=transformer, **parts)
 
 
+def pipeline_latents(pipe, start, negative, noise, **inputs) -> torch.Tensor:
+    """``pipe``'s latents [C, T, H, W] from ``noise`` for ``start``'s text (``negative``'s: the negative
+    prompt), STEPS steps at guidance GUIDANCE; ``inputs``: more (e.g. the image)."""
+    _, t, h, w = start.latent_shape
+    with torch.no_grad():
+        return pipe(
+            prompt_embeds=padded(start.text),
+            negative_prompt_embeds=padded(negative.text),
+            latents=noise[None],
+            height=16 * h,
+            width=16 * w,
+            num_frames=4 * (t - 1) + 1,
+            num_inference_steps=STEPS,
+            guidance_scale=GUIDANCE,
+            output_type="latent",
+            **inputs,
+        ).frames[0]
+
+
 @pytest.mark.filterwarnings("ignore")
 def test_dfm_sampler_matches_wan_pipeline(dist):
     transformer = tiny_diffusers_wan()
@@ -60,17 +79,5 @@ def test_dfm_sampler_matches_wan_pipeline(dist):
     uncond = pack_samples([dataclasses.replace(start, text=negative.text)])
     flow = build_pipeline("flow", c_noise_scale=1000.0, shift=SHIFT)
     ours = sample_latent(model, flow, pack, cfg, SamplingOptions(STEPS, GUIDANCE, "euler"), uncond=uncond)
-    c, t, h, w = start.latent_shape
-    with torch.no_grad():
-        theirs = wan_pipeline(transformer)(
-            prompt_embeds=padded(start.text),
-            negative_prompt_embeds=padded(negative.text),
-            latents=noise[None],
-            height=16 * h,
-            width=16 * w,
-            num_frames=4 * (t - 1) + 1,
-            num_inference_steps=STEPS,
-            guidance_scale=GUIDANCE,
-            output_type="latent",
-        ).frames[0]
+    theirs = pipeline_latents(wan_pipeline(transformer), start, negative, noise)
     assert (ours - theirs).abs().max().item() <= TOLERANCE
