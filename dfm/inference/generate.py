@@ -26,6 +26,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.data.prepare.pipeline import DEFAULT_T5, DEFAULT_VAE
 from dfm.diffusion.flow import shift_for_num_tokens
 from dfm.diffusion.pipeline import SamplingOptions, pipeline_from_config
+from dfm.diffusion.timestep_experts import TimestepExperts
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
 from dfm.inference.encoders import (
     NEEDS_CLIP,
@@ -46,6 +47,11 @@ logger = logging.getLogger("dfm.inference")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", required=True, help="an iter_N checkpoint directory or a root with 'latest'")
+    p.add_argument(
+        "--checkpoint_path_2",
+        help="Wan 2.2 A14B: the low-noise expert's checkpoint (--checkpoint_path: the high-noise one); each "
+        "step runs the expert of its timestep",
+    )
     p.add_argument("--prompt", default="a red panda eating bamboo in a misty forest")
     p.add_argument("--height", type=int, default=256, help="pixels; a multiple of VAE compression x patch size")
     p.add_argument("--width", type=int, default=256)
@@ -166,11 +172,32 @@ def sample_prompt(
     return sample_latent(model, pipeline_from_config(cfg), batch, cfg.model, options, uncond)
 
 
+def with_low_noise_expert(
+    high_noise: torch.nn.Module, cfg: ConfigContainer, path: str, device: torch.device, use_ema: bool
+) -> TimestepExperts:
+    """The high-noise expert (of ``cfg``) and the low-noise one at ``path``, routed by timestep."""
+    directory = checkpoint_directory(path)
+    cfg_2 = single_process_config(checkpoint_config(directory))
+    pair = (
+        (cfg.model.wan_expert, cfg.model.wan_boundary_ratio),
+        (cfg_2.model.wan_expert, cfg_2.model.wan_boundary_ratio),
+    )
+    if pair[0][0] != "high_noise" or pair[1][0] != "low_noise" or pair[0][1] != pair[1][1]:
+        raise ValueError(
+            f"--checkpoint_path and --checkpoint_path_2 must be the high- and low-noise experts of one boundary; "
+            f"they record (model.wan_expert, model.wan_boundary_ratio) {pair[0]} and {pair[1]}"
+        )
+    low_noise = load_model(cfg_2, directory, device, use_ema=use_ema)
+    return TimestepExperts(high_noise, low_noise, boundary=cfg.model.wan_boundary_ratio * cfg.flow.c_noise_scale)
+
+
 def generate(args: argparse.Namespace, device: torch.device) -> Path:
     """Checkpoint + prompt -> written file. Needs ``initialize_distributed()`` done (TP = PP = 1)."""
     directory = checkpoint_directory(args.checkpoint_path)
     cfg, _ = with_embedded_guidance(single_process_config(checkpoint_config(directory)), args.guidance_scale)
     model = load_model(cfg, directory, device, use_ema=not args.no_ema)
+    if args.checkpoint_path_2 is not None:
+        model = with_low_noise_expert(model, cfg, args.checkpoint_path_2, device, use_ema=not args.no_ema)
     with tempfile.TemporaryDirectory(prefix="dfm_inference_") as scratch:
         encoders = encoders_for(args, cfg.model, device, Path(scratch))
     check_encoders_match(encoders, cfg.model)

@@ -34,6 +34,7 @@ from dfm.data.patchify import unpatchify
 from dfm.diffusion.pipeline import build_pipeline, pipeline_from_config
 from dfm.diffusion.timestep_experts import TimestepExperts
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory
+from dfm.inference.generate import generate, parse_args
 from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model
 from tests.training.entry import RECIPE_DIR, read_metrics, run_entry
@@ -149,7 +150,7 @@ def test_two_expert_sampling_matches_wan_pipeline(dist):
     assert (alone - theirs).abs().max().item() > 100 * TOLERANCE
 
 
-def test_finetune_one_expert_at_tp2_then_export_loads_in_wan_pipeline(imported, tmp_path):
+def test_finetune_one_expert_at_tp2_then_export_loads_in_wan_pipeline(imported, tmp_path, dist):
     """The entry point trains the high-noise expert from its import (checkpoint.pretrained) at TP=2:
     losses finite and falling; the run and the untouched low-noise import export as one pipeline."""
     run = tmp_path / "run"
@@ -179,3 +180,13 @@ def test_finetune_one_expert_at_tp2_then_export_loads_in_wan_pipeline(imported, 
     assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
     _, low = experts()
     assert all(torch.equal(p, q) for p, q in zip(pipe.transformer_2.parameters(), low.parameters()))
+    # inference_dit_model.py from the run (high noise) and the low-noise import: a video.
+    video = tmp_path / "a14b.mp4"
+    args = ["--checkpoint_path", run / "checkpoints", "--checkpoint_path_2", imported / "low_noise"]
+    args += ["--tiny_random_encoders", "--num_video_frames", "5", "--height", "64", "--width", "64"]
+    cpu = torch.device("cpu")  # generate() is main() without its process group (this module's `dist`)
+    assert generate(parse_args([str(a) for a in args] + ["--num_steps", "2", "--video_save_path", str(video)]), cpu)
+    assert video.stat().st_size > 0
+    with pytest.raises(ValueError, match="must be the high- and low-noise experts of one boundary"):
+        wrong = [*args[:2], "--checkpoint_path_2", run / "checkpoints", *args[4:]]
+        generate(parse_args([str(a) for a in wrong]), cpu)
