@@ -4,9 +4,13 @@ sample alone with its timestep per token (``expand_timesteps``), fp32, outputs <
 gradients; the training step feeds the first frames clean and leaves them out of the loss; and
 image-to-video generation (``--image``) gives WanImageToVideoPipeline's (expand_timesteps) latents."""
 
+import importlib.util
+import json
+
 import diffusers
 import pytest
 import torch
+import webdataset as wds
 from PIL import Image
 
 from dfm.convert.pretrained import fill_weights
@@ -21,6 +25,8 @@ from dfm.convert.wan import (
 )
 from dfm.data.encoders.tiny import build_tiny_wan22_vae
 from dfm.data.encoders.vae import VideoVAE
+from dfm.data.energon.data_module import EnergonDataSettings, build_train_loader
+from dfm.data.energon.task_encoder import PackingSettings
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import unpatchify
 from dfm.diffusion.first_frame import first_frame_tokens, keep_first_frames_clean
@@ -30,7 +36,8 @@ from dfm.inference.image_condition import image_latent
 from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model
 from dfm.training.forward_step import DiffusionForwardStep
-from tests.wan._tiny import TEXT_LEN, TINY_TI2V, tiny_diffusers_wan, tiny_model_config
+from tests.training.entry import RECIPE_DIR
+from tests.wan._tiny import TEXT_LEN, TINY_TI2V, tiny_diffusers_wan, tiny_model_config, write_tiny_videos
 from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, pipeline_latents, wan_pipeline
 
 FORWARD_TOLERANCE = 1e-5
@@ -144,3 +151,33 @@ def test_wan22_vae_first_latent_frame_is_the_first_frame_alone(tiny_wan22_vae):
     latents = vae.encode(video)
     assert latents.shape == (1, 48, 2, 2, 3) and vae.spatial_compression == 16
     assert (latents[:, :, :1] - vae.encode(video[:, :, :1])).abs().max() <= 1e-6
+
+
+def test_prepare_with_the_wan22_vae_marks_samples_for_image_to_video(tmp_path):
+    """prepare_energon_dataset.py --vae_kind wan22 --first_frame_clean (tiny random encoders): 48-channel
+    latents at 16x, the mark in each sample's metadata, and packs from the shards carry it."""
+    script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
+    module = importlib.util.module_from_spec(script)
+    script.loader.exec_module(module)
+    write_tiny_videos(tmp_path / "videos")
+    args = ["--input_dir", str(tmp_path / "videos"), "--output_dir", str(tmp_path / "shards"), "--tiny_random_encoders"]
+    args += [
+        "--caption_format",
+        "sidecar",
+        "--height",
+        "32",
+        "--width",
+        "64",
+        "--num_frames",
+        "5",
+        "--max_text_len",
+        "16",
+    ]
+    assert module.main([*args, "--vae_kind", "wan22", "--first_frame_clean", "--run_energon_prepare"]) == 0
+    shards = wds.WebDataset([str(p) for p in sorted((tmp_path / "shards").glob("*.tar"))], shardshuffle=False)
+    metadata = [json.loads(sample["json"]) for sample in shards]
+    assert len(metadata) == 2 and all(m["first_frame_clean"] and m["latent_shape"] == [48, 2, 2, 4] for m in metadata)
+    packing = PackingSettings(seq_length=64, max_text_len=16)
+    settings = EnergonDataSettings(path=str(tmp_path / "shards"), packing=packing, num_workers=0)
+    batch = next(build_train_loader(settings, dp_rank=0, dp_size=1))
+    assert batch.first_frame_clean is not None and bool(batch.first_frame_clean.all())
