@@ -155,12 +155,13 @@ def sample_prompt(
     noise: torch.Tensor,
     args: argparse.Namespace,
     device: torch.device,
-    first_frame: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The clean latent [C, T', H', W'] sampled from ``noise`` for ``prompt`` (``cfg`` from
-    ``with_embedded_guidance``; args: num_steps, guidance_scale, sampler, seed, negative_prompt);
-    ``first_frame``: TI2V's image latent."""
+    ``with_embedded_guidance``; args: num_steps, guidance_scale, sampler, seed, negative_prompt, and
+    image: TI2V's first frame, encoded by ``encoders.vae``)."""
     _, guidance_scale = with_embedded_guidance(cfg, args.guidance_scale)
+    image = getattr(args, "image", None)
+    first_frame = None if image is None else image_latent(encoders.vae, image, args.height, args.width)
     batch = prompt_batch(prompt, noise, encoders, cfg.model, first_frame).to(device)
     uncond = None
     if args.negative_prompt is not None:
@@ -202,9 +203,7 @@ def generate(args: argparse.Namespace, device: torch.device) -> Path:
         encoders = encoders_for(args, cfg.model, device, Path(scratch))
     check_encoders_match(encoders, cfg.model)
     shape = latent_shape_for(encoders.vae, cfg.model, args.height, args.width, args.num_video_frames)
-    first_frame = None if args.image is None else image_latent(encoders.vae, args.image, args.height, args.width)
-    noise = draw_noise(shape, args.seed)
-    latent = sample_prompt(model, cfg, encoders, args.prompt, noise, args, device, first_frame)
+    latent = sample_prompt(model, cfg, encoders, args.prompt, draw_noise(shape, args.seed), args, device)
     video = encoders.vae.decode(latent.unsqueeze(0))[0]  # [3, T, H, W] in [-1, 1]
     path = write_media(to_uint8_frames(video), args.video_save_path, args.fps)
     logger.info("wrote %s", path)

@@ -31,7 +31,7 @@ from dfm.convert.wan import parity_samples, rules
 from dfm.convert.wan_experts import main
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import unpatchify
-from dfm.diffusion.pipeline import build_pipeline, pipeline_from_config
+from dfm.diffusion.pipeline import SamplingOptions, build_pipeline, pipeline_from_config
 from dfm.diffusion.timestep_experts import TimestepExperts
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory
 from dfm.inference.generate import generate, parse_args
@@ -141,12 +141,12 @@ def test_two_expert_sampling_matches_wan_pipeline(dist):
     pack, uncond = pack_samples([start]), pack_samples([dataclasses.replace(start, text=negative.text)])
     flow = build_pipeline("flow", c_noise_scale=1000.0, shift=SHIFT)
     net = TimestepExperts(*models, boundary=1000.0 * BOUNDARY)
-    ours = sample_latent(net, flow, "flow", pack, cfg, STEPS, GUIDANCE, "euler", uncond=uncond)
+    ours = sample_latent(net, flow, pack, cfg, SamplingOptions(STEPS, GUIDANCE, "euler"), uncond=uncond)
     high, low = experts()
     theirs = pipeline_latents(wan_pipeline(high, transformer_2=low, boundary_ratio=BOUNDARY), start, negative, noise)
     assert (ours - theirs).abs().max().item() <= TOLERANCE
     # Both experts ran: the high-noise one alone gives other latents.
-    alone = sample_latent(models[0], flow, "flow", pack, cfg, STEPS, GUIDANCE, "euler", uncond=uncond)
+    alone = sample_latent(models[0], flow, pack, cfg, SamplingOptions(STEPS, GUIDANCE, "euler"), uncond=uncond)
     assert (alone - theirs).abs().max().item() > 100 * TOLERANCE
 
 

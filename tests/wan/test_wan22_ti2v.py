@@ -30,7 +30,7 @@ from dfm.data.energon.task_encoder import PackingSettings
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import unpatchify
 from dfm.diffusion.first_frame import first_frame_tokens, keep_first_frames_clean
-from dfm.diffusion.pipeline import build_pipeline
+from dfm.diffusion.pipeline import SamplingOptions, build_pipeline
 from dfm.inference.generation_batch import generation_batch
 from dfm.inference.image_condition import image_latent
 from dfm.inference.sampling import sample_latent
@@ -134,7 +134,7 @@ def test_ti2v_sampling_from_an_image_matches_wan_image_to_video_pipeline(models,
     pack = generation_batch(noise, start.text, cfg, first_frame)
     uncond = generation_batch(noise, negative.text, cfg, first_frame)
     flow = build_pipeline("flow", c_noise_scale=1000.0, shift=SHIFT)
-    ours = sample_latent(model, flow, "flow", pack, cfg, STEPS, GUIDANCE, "euler", uncond=uncond)
+    ours = sample_latent(model, flow, pack, cfg, SamplingOptions(STEPS, GUIDANCE, "euler"), uncond=uncond)
     pipe = wan_pipeline(
         transformer, pipeline=diffusers.WanImageToVideoPipeline, vae=diffusers_vae, expand_timesteps=True
     )
