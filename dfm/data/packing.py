@@ -62,6 +62,8 @@ def condition_parts(samples: Sequence[DiffusionSample], q_offsets: torch.Tensor,
         cu_seqlens_kv2_padded=kv2_offsets,
         image_embeds=torch.stack([s.image_embeds for s in samples]).float(),
     )
+
+
 def first_frame_flags(samples: Sequence[DiffusionSample]) -> torch.Tensor | None:
     """[N] bool when a sample's first frame is a clean condition (Wan 2.2 TI2V), None when none is."""
     flags = [s.first_frame_clean for s in samples]
