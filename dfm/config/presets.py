@@ -118,6 +118,19 @@ PRESETS = MappingProxyType(
         "Wan2.1-T2V-14B": _shape(40, 5120, 40, ffn_hidden_size=13824, **_WAN),
         "HunyuanVideo-1.5-T2V-720p": _shape(54, 2048, 16, **_HUNYUAN15),
         "HunyuanVideo-1.5-I2V-720p": _shape(54, 2048, 16, **_HUNYUAN15),
+        # Wan 2.2 (docs/wan.md): TI2V-5B reads the 48-channel Wan 2.2 VAE's latents.
+        "Wan2.2-TI2V-5B": _shape(30, 3072, 24, ffn_hidden_size=14336, **{**_WAN, "in_channels": 48}),
+        # A14B: two experts of Wan2.1-T2V-14B's shape split at the boundary (pick one: model.wan_expert).
+        # I2V reads 36 channels (16 noisy latent + 4 mask + 16 image latent) and predicts 16.
+        "Wan2.2-T2V-A14B": _shape(40, 5120, 40, ffn_hidden_size=13824, wan_boundary_ratio=0.875, **_WAN),
+        "Wan2.2-I2V-A14B": _shape(
+            40,
+            5120,
+            40,
+            ffn_hidden_size=13824,
+            wan_boundary_ratio=0.9,
+            **{**_WAN, "in_channels": 36, "out_channels": 16},
+        ),
     }
 )
 
@@ -130,8 +143,12 @@ PRESET_SETTINGS = MappingProxyType(
     {
         "Wan2.1-T2V-1.3B": _WAN_SETTINGS,
         "Wan2.1-T2V-14B": _WAN_SETTINGS,
+        "Wan2.2-TI2V-5B": _WAN_SETTINGS,
         "HunyuanVideo-1.5-T2V-720p": _HUNYUAN15_SETTINGS,
         "HunyuanVideo-1.5-I2V-720p": _HUNYUAN15_SETTINGS,
+        # Wan 2.2's generate.py: sample_shift 12 for T2V-A14B, 5 for I2V-A14B.
+        "Wan2.2-T2V-A14B": {"flow": {"c_noise_scale": 1000.0, "shift": 12.0}},
+        "Wan2.2-I2V-A14B": _WAN_SETTINGS,
     }
 )
 

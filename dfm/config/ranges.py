@@ -91,6 +91,7 @@ RANGES: dict[str, Range] = {
     "model.image_embed_dim": OPTIONAL_COUNT,
     "model.num_refiner_layers": NON_NEGATIVE,
     "model.rope_theta": POSITIVE,
+    "model.wan_boundary_ratio": Range(0.0, 1.0, low_open=True, high_open=True, optional=True),
     "train.train_iters": NON_NEGATIVE,
     "train.micro_batch_size": COUNT,
     "train.global_batch_size": OPTIONAL_COUNT,
@@ -140,6 +141,8 @@ RANGES: dict[str, Range] = {
     "peft.lora_rank": NON_NEGATIVE,
     "peft.lora_alpha": Range(low=0, low_open=True, optional=True),
     "peft.lora_dropout": DROPOUT,
+    "flow.t_min": Range(0.0, 1.0),
+    "flow.t_max": Range(0.0, 1.0),
 }
 
 

@@ -12,6 +12,7 @@ from dfm.config.container import ConfigContainer, TrainConfig
 from dfm.config.errors import ConfigError
 from dfm.config.ranges import check_ranges
 from dfm.diffusion.flow import FlowSettings
+from dfm.diffusion.timestep_experts import expert_flow_settings
 from dfm.parallel.layout import ParallelLayout
 from dfm.parallel.rules import check_data_parallel_sharding
 
@@ -32,7 +33,7 @@ def _check_flow(cfg: ConfigContainer) -> None:
     """The flow settings' own rules (e.g. a field contradicting flow.training_mode), checked as the
     pipeline will build them, before any process starts."""
     try:
-        FlowSettings(**dataclasses.asdict(cfg.flow))
+        FlowSettings(**expert_flow_settings(cfg.model, dataclasses.asdict(cfg.flow)))
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
@@ -57,6 +58,11 @@ def _check_model(cfg: ConfigContainer) -> None:
             f"model.num_attention_heads ({model.num_attention_heads})"
         )
     _check_sizes([model.max_latent_thw], 3, "model.max_latent_thw")
+    if model.wan_boundary_ratio is not None and model.wan_expert is None:
+        raise ConfigError(
+            f"model.wan_boundary_ratio={model.wan_boundary_ratio} is a two-expert model (Wan 2.2 A14B): set "
+            "model.wan_expert=high_noise|low_noise, the expert this run trains"
+        )
 
 
 def _check_parallel_layout(cfg: ConfigContainer, world_size: int | None) -> None:

@@ -15,6 +15,7 @@ parity check; everything else (reading, writing, checkpoints) is shared here.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -171,7 +172,11 @@ def parser_for(family: Family) -> argparse.ArgumentParser:
     return parser
 
 
-def main(family: Family, argv: Sequence[str] | None = None) -> int:
+def main(
+    family: Family, argv: Sequence[str] | None = None, run: Callable[[argparse.Namespace], object] | None = None
+) -> int:
+    """``run``: what the parsed command does (None: this family's import or export; Wan 2.2's
+    two-expert folders pass their own, dfm/convert/wan_experts.py)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parser_for(family).parse_args(argv)
     if args.command == "import":
@@ -179,8 +184,10 @@ def main(family: Family, argv: Sequence[str] | None = None) -> int:
             f"model.{size}={getattr(args, size)}" for size in RECORDED_SIZES if getattr(args, size)
         ]
     commands = {"import": import_model, "export": export_model, "export-lora": export_lora}
+    if run is None:
+        run = functools.partial(commands[args.command], family)
     try:
-        commands[args.command](family, args)
+        run(args)
     except (ConversionError, ConfigError, FileNotFoundError) as error:
         print(f"error: {error}")
         return 2

@@ -159,8 +159,11 @@ def rules(model: ModelConfig) -> list[Rule]:
 PARITY_SHAPES = (((3, 4, 6), 5), ((1, 6, 4), 3), ((2, 4, 4), 4))
 
 
-def parity_samples(model: ModelConfig, shapes=PARITY_SHAPES, seed: int = 0) -> list[DiffusionSample]:
-    """Random latents and text (fewer tokens than model.max_text_len) of the given shapes."""
+def parity_samples(
+    model: ModelConfig, shapes=PARITY_SHAPES, seed: int = 0, first_frame_clean: Sequence[bool] = ()
+) -> list[DiffusionSample]:
+    """Random latents and text (fewer tokens than model.max_text_len) of the given shapes; the
+    samples flagged in ``first_frame_clean`` (by position) are TI2V ones (a clean first frame)."""
     gen = torch.Generator().manual_seed(seed)
     samples = []
     for index, ((t, h, w), text_len) in enumerate(shapes):
@@ -168,7 +171,9 @@ def parity_samples(model: ModelConfig, shapes=PARITY_SHAPES, seed: int = 0) -> l
         latent = torch.randn((model.in_channels, *thw), generator=gen)
         tokens, pos_ids = patchify(latent, model.patch_temporal, model.patch_spatial)
         text = torch.randn((min(text_len, model.max_text_len), model.text_embed_dim), generator=gen)
-        samples.append(DiffusionSample(tokens, pos_ids, text, tuple(latent.shape), index))
+        sample = DiffusionSample(tokens, pos_ids, text, tuple(latent.shape), index)
+        sample.first_frame_clean = index < len(first_frame_clean) and first_frame_clean[index]
+        samples.append(sample)
     return samples
 
 
@@ -177,14 +182,24 @@ def parity_timesteps(num_samples: int, seed: int = 0) -> Tensor:
     return 1000 * torch.rand(num_samples, generator=torch.Generator().manual_seed(seed + 1))
 
 
+def diffusers_timestep(sample: DiffusionSample, timestep: Tensor, pt: int, ps: int) -> Tensor:
+    """[1] for a text-to-video sample; [1, L] for a TI2V one: diffusers' ``expand_timesteps``, the
+    timestep per token of its (frame, row, column) grid, 0 on the first frame."""
+    if not sample.first_frame_clean:
+        return timestep.reshape(1)
+    _, t, h, w = sample.latent_shape
+    per_token = torch.full((t // pt, h // ps, w // ps), float(timestep))
+    per_token[0] = 0
+    return per_token.flatten()[None]
+
+
 def diffusers_sample_output(transformer, sample: DiffusionSample, timestep: Tensor, text_len: int) -> Tensor:
     """diffusers on one sample alone, text zero-padded to ``text_len`` as WanPipeline does -> [C, T, H, W]."""
-    c, t, h, w = sample.latent_shape
     pt, ps, _ = transformer.config.patch_size
     latent = unpatchify(sample.tokens, sample.latent_shape, pt, ps)
     text = torch.zeros(1, text_len, sample.text.shape[-1], dtype=sample.text.dtype)
     text[0, : sample.text.shape[0]] = sample.text
-    out = transformer(latent[None], timestep.reshape(1), text, return_dict=False)[0]
+    out = transformer(latent[None], diffusers_timestep(sample, timestep, pt, ps), text, return_dict=False)[0]
     return out[0]
 
 

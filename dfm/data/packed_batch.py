@@ -42,6 +42,8 @@ class PackedBatch:
     cu_seqlens_kv2: torch.Tensor | None = None  # [N+1] int32
     cu_seqlens_kv2_padded: torch.Tensor | None = None  # [N+1] int32; [-1] == S_kv2
     image_embeds: torch.Tensor | None = None  # [N, L_img, D_img]
+    # [N] bool: the sample's first latent frame is a clean condition (Wan 2.2 TI2V); None: no sample's is
+    first_frame_clean: torch.Tensor | None = None
     # The host original of a device copy (set by .to()); None when this batch is the original.
     host: PackedBatch | None = field(default=None, repr=False, compare=False)
 

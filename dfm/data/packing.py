@@ -64,6 +64,12 @@ def condition_parts(samples: Sequence[DiffusionSample], q_offsets: torch.Tensor,
     )
 
 
+def first_frame_flags(samples: Sequence[DiffusionSample]) -> torch.Tensor | None:
+    """[N] bool when a sample's first frame is a clean condition (Wan 2.2 TI2V), None when none is."""
+    flags = [s.first_frame_clean for s in samples]
+    return torch.tensor(flags, dtype=torch.bool) if any(flags) else None
+
+
 def pack_samples(samples: Sequence[DiffusionSample], segment_multiple: int = 1, total_multiple: int = 1) -> PackedBatch:
     """Pack samples along the sequence.
 
@@ -93,4 +99,5 @@ def pack_samples(samples: Sequence[DiffusionSample], segment_multiple: int = 1, 
         sample_index=torch.tensor([s.sample_index for s in samples], dtype=torch.long),
         pooled_text=stack_pooled_text(samples),
         **condition_parts(samples, q_offsets, total_multiple),
+        first_frame_clean=first_frame_flags(samples),
     )

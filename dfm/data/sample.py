@@ -21,6 +21,8 @@ class DiffusionSample:
     condition: torch.Tensor | None = None  # [L, D_cond]
     text_2: torch.Tensor | None = None  # [L_kv2, D_text2] unpadded
     image_embeds: torch.Tensor | None = None  # [L_img, D_img]; all zero: none (text-to-video)
+    # Image-to-video by a clean first frame (Wan 2.2 TI2V): its tokens are given at t = 0, not trained.
+    first_frame_clean: bool = False
 
     @property
     def seq_len_q(self) -> int:

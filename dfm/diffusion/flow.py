@@ -57,9 +57,15 @@ class FlowSettings:
     # pretrain | finetune: the training distribution of t from TRAINING_MODES (its fields must then
     # be left at their defaults); None: the fields as set.
     training_mode: str | None = None
+    # Training draws are mapped into [t_min, t_max] after the shift (one Wan 2.2 expert's side of its
+    # boundary; model.wan_expert sets them, dfm/diffusion/timestep_experts.py).
+    t_min: float = 0.0
+    t_max: float = 1.0
 
     def __post_init__(self) -> None:
         self.apply_training_mode()
+        if not 0 <= self.t_min < self.t_max <= 1:
+            raise ValueError(f"need 0 <= flow.t_min < flow.t_max <= 1, got {self.t_min}, {self.t_max}")
         if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
             raise ValueError(
                 f"unknown timestep_sampling {self.timestep_sampling!r}; valid: {', '.join(TIMESTEP_SAMPLINGS)}"
@@ -142,7 +148,8 @@ class FlowPipeline(DiffusionPipeline):
                 uniform = torch.rand(num_samples, generator=generator, device=device)
                 mixed = torch.rand(num_samples, generator=generator, device=device) < s.uniform_mix
                 t = torch.where(mixed, uniform, t)
-        return shift_timesteps(t, s.shift if shift is None else shift)
+        t = shift_timesteps(t, s.shift if shift is None else shift)
+        return t if (s.t_min, s.t_max) == (0.0, 1.0) else s.t_min + (s.t_max - s.t_min) * t
 
     # --- training pieces -------------------------------------------------------------------------
 

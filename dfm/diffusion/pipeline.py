@@ -25,6 +25,7 @@ from torch import Tensor
 from dfm.data.packed_batch import segment_lengths
 from dfm.diffusion.packed_loss import masked_mean_per_sample
 from dfm.diffusion.samplers import Churn, Sampler, classifier_free_guidance, sampler_for
+from dfm.diffusion.timestep_experts import expert_flow_settings
 
 Net = Callable[..., torch.Tensor]
 Shape = Sequence[int] | torch.Size
@@ -276,7 +277,10 @@ def apply_cfg_dropout(
 def pipeline_from_config(cfg) -> DiffusionPipeline:
     """The pipeline ``cfg.model.pipeline`` names, with its section's settings (``cfg.edm`` / ``cfg.flow``)."""
     name = cfg.model.pipeline
-    return build_pipeline(name, **dataclasses.asdict(getattr(cfg, name)))
+    settings = dataclasses.asdict(getattr(cfg, name))
+    if name == "flow":  # a Wan 2.2 expert's run draws its side of the boundary
+        settings = expert_flow_settings(cfg.model, settings)
+    return build_pipeline(name, **settings)
 
 
 def build_pipeline(name: str, **settings: Any) -> DiffusionPipeline:

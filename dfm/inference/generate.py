@@ -26,6 +26,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.data.prepare.pipeline import DEFAULT_T5, DEFAULT_VAE
 from dfm.diffusion.flow import shift_for_num_tokens
 from dfm.diffusion.pipeline import SamplingOptions, pipeline_from_config
+from dfm.diffusion.timestep_experts import TimestepExperts
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
 from dfm.inference.encoders import (
     NEEDS_CLIP,
@@ -36,6 +37,7 @@ from dfm.inference.encoders import (
     uses_pooled_text,
 )
 from dfm.inference.generation_batch import draw_noise, generation_batch, latent_shape_for
+from dfm.inference.image_condition import image_latent
 from dfm.inference.media import check_output_path, to_uint8_frames, write_media
 from dfm.inference.sampling import sample_latent
 
@@ -45,6 +47,11 @@ logger = logging.getLogger("dfm.inference")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint_path", required=True, help="an iter_N checkpoint directory or a root with 'latest'")
+    p.add_argument(
+        "--checkpoint_path_2",
+        help="Wan 2.2 A14B: the low-noise expert's checkpoint (--checkpoint_path: the high-noise one); each "
+        "step runs the expert of its timestep",
+    )
     p.add_argument("--prompt", default="a red panda eating bamboo in a misty forest")
     p.add_argument("--height", type=int, default=256, help="pixels; a multiple of VAE compression x patch size")
     p.add_argument("--width", type=int, default=256)
@@ -60,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--negative_prompt", default=None, help="text of the guidance's unconditional pass (Wan's); default: no text"
     )
+    p.add_argument(
+        "--image", default=None, help="Wan 2.2 TI2V: image-to-video, this image's latent the clean first frame"
+    )
     p.add_argument("--sampler", default=None, help="edm: heun|euler; flow: euler|heun (default: the pipeline's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -70,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--t5_cache_dir")
     p.add_argument("--vae", default=DEFAULT_VAE, help="VAE hub name or local folder")
     p.add_argument("--vae_subfolder", default="vae", help="'' for a folder that is the VAE itself")
-    p.add_argument("--vae_kind", choices=["auto", "wan", "kl"], default="auto")
+    p.add_argument("--vae_kind", choices=["auto", "wan", "wan22", "kl"], default="auto")
     p.add_argument("--vae_cache_dir")
     p.add_argument("--clip", help="FLUX: CLIP text encoder folder or the FLUX.1 pipeline folder (pooled prompt)")
     p.add_argument(
@@ -126,10 +136,12 @@ def sampling_shift(cfg: ConfigContainer, num_tokens: int) -> float | None:
     return None
 
 
-def prompt_batch(prompt: str, noise: torch.Tensor, encoders, model_cfg) -> PackedBatch:
+def prompt_batch(
+    prompt: str, noise: torch.Tensor, encoders, model_cfg, first_frame: torch.Tensor | None = None
+) -> PackedBatch:
     """noise [C, T', H', W'] + prompt -> a one-sample pack: the prompt's T5 text and, for FLUX, CLIP's
-    pooled vector [1, D_pool]."""
-    batch = generation_batch(noise, encoders.text.encode([prompt])[0], model_cfg)
+    pooled vector [1, D_pool]; ``first_frame``: TI2V's image latent [C, 1, H', W']."""
+    batch = generation_batch(noise, encoders.text.encode([prompt])[0], model_cfg, first_frame)
     if encoders.pooled is not None:
         batch.pooled_text = encoders.pooled.encode([prompt])
     return batch
@@ -145,12 +157,15 @@ def sample_prompt(
     device: torch.device,
 ) -> torch.Tensor:
     """The clean latent [C, T', H', W'] sampled from ``noise`` for ``prompt`` (``cfg`` from
-    ``with_embedded_guidance``; args: num_steps, guidance_scale, sampler, seed, negative_prompt)."""
+    ``with_embedded_guidance``; args: num_steps, guidance_scale, sampler, seed, negative_prompt, and
+    image: TI2V's first frame, encoded by ``encoders.vae``)."""
     _, guidance_scale = with_embedded_guidance(cfg, args.guidance_scale)
-    batch = prompt_batch(prompt, noise, encoders, cfg.model).to(device)
+    image = getattr(args, "image", None)
+    first_frame = None if image is None else image_latent(encoders.vae, image, args.height, args.width)
+    batch = prompt_batch(prompt, noise, encoders, cfg.model, first_frame).to(device)
     uncond = None
     if args.negative_prompt is not None:
-        uncond = prompt_batch(args.negative_prompt, noise, encoders, cfg.model).to(device)
+        uncond = prompt_batch(args.negative_prompt, noise, encoders, cfg.model, first_frame).to(device)
     logger.info("sampling a latent of shape %s (%d tokens)", tuple(noise.shape), batch.seq_len)
     options = SamplingOptions(
         args.num_steps, guidance_scale, args.sampler, args.seed, sampling_shift(cfg, batch.seq_len)
@@ -158,11 +173,32 @@ def sample_prompt(
     return sample_latent(model, pipeline_from_config(cfg), batch, cfg.model, options, uncond)
 
 
+def with_low_noise_expert(
+    high_noise: torch.nn.Module, cfg: ConfigContainer, path: str, device: torch.device, use_ema: bool
+) -> TimestepExperts:
+    """The high-noise expert (of ``cfg``) and the low-noise one at ``path``, routed by timestep."""
+    directory = checkpoint_directory(path)
+    cfg_2 = single_process_config(checkpoint_config(directory))
+    pair = (
+        (cfg.model.wan_expert, cfg.model.wan_boundary_ratio),
+        (cfg_2.model.wan_expert, cfg_2.model.wan_boundary_ratio),
+    )
+    if pair[0][0] != "high_noise" or pair[1][0] != "low_noise" or pair[0][1] != pair[1][1]:
+        raise ValueError(
+            f"--checkpoint_path and --checkpoint_path_2 must be the high- and low-noise experts of one boundary; "
+            f"they record (model.wan_expert, model.wan_boundary_ratio) {pair[0]} and {pair[1]}"
+        )
+    low_noise = load_model(cfg_2, directory, device, use_ema=use_ema)
+    return TimestepExperts(high_noise, low_noise, boundary=cfg.model.wan_boundary_ratio * cfg.flow.c_noise_scale)
+
+
 def generate(args: argparse.Namespace, device: torch.device) -> Path:
     """Checkpoint + prompt -> written file. Needs ``initialize_distributed()`` done (TP = PP = 1)."""
     directory = checkpoint_directory(args.checkpoint_path)
     cfg, _ = with_embedded_guidance(single_process_config(checkpoint_config(directory)), args.guidance_scale)
     model = load_model(cfg, directory, device, use_ema=not args.no_ema)
+    if args.checkpoint_path_2 is not None:
+        model = with_low_noise_expert(model, cfg, args.checkpoint_path_2, device, use_ema=not args.no_ema)
     with tempfile.TemporaryDirectory(prefix="dfm_inference_") as scratch:
         encoders = encoders_for(args, cfg.model, device, Path(scratch))
     check_encoders_match(encoders, cfg.model)

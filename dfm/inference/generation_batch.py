@@ -41,9 +41,16 @@ def draw_noise(latent_shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(latent_shape, generator=torch.Generator().manual_seed(seed))
 
 
-def generation_batch(noise: torch.Tensor, text: torch.Tensor, model_cfg) -> PackedBatch:
-    """noise [C, T', H', W'], text [L, D_text] -> a one-sample PackedBatch (latents = patchified noise)."""
-    return generation_pack([noise], [text], model_cfg)
+def generation_batch(
+    noise: torch.Tensor, text: torch.Tensor, model_cfg, first_frame: torch.Tensor | None = None
+) -> PackedBatch:
+    """noise [C, T', H', W'], text [L, D_text] -> a one-sample PackedBatch (latents = patchified noise).
+    ``first_frame`` [C, 1, H', W']: an image's latent, the clean first frame of image-to-video (Wan 2.2
+    TI2V); the sampler keeps it at every step (dfm/diffusion/first_frame.py)."""
+    if first_frame is None:
+        return generation_pack([noise], [text], model_cfg)
+    batch = generation_pack([torch.cat([first_frame.to(noise.dtype), noise[:, 1:]], dim=1)], [text], model_cfg)
+    return dataclasses.replace(batch, first_frame_clean=torch.tensor([True]))
 
 
 def generation_pack(noises: list[torch.Tensor], texts: list[torch.Tensor], model_cfg) -> PackedBatch:

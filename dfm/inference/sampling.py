@@ -7,6 +7,7 @@ from tqdm import tqdm
 
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.patchify import unpatchify
+from dfm.diffusion.first_frame import keep_first_frames_clean
 from dfm.diffusion.pipeline import DiffusionPipeline, SamplingOptions
 from dfm.inference.generation_batch import null_text_batch
 
@@ -19,6 +20,8 @@ class ProgressNet:
         self.dtype = next(model.parameters()).dtype
 
     def __call__(self, x_in: torch.Tensor, c_noise: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        # TI2V (Wan 2.2): the image's first-frame tokens stay the clean condition at every step.
+        x_in, _ = keep_first_frames_clean(x_in, batch)
         # The pipeline integrates in fp32; a bf16 model gets bf16 inputs (as in training).
         out = self.model(x_in.to(self.dtype), c_noise, batch)
         self.progress.update(1)
@@ -58,6 +61,7 @@ def sample_latents(
             cond={"batch": batch},
             uncond={"batch": uncond if uncond is not None else null_text_batch(batch)} if guided else None,
         )
+    latents, _ = keep_first_frames_clean(latents, batch)
     return unpack_latents(latents, batch, model_cfg)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.video_condition import as_text_to_video, text_to_video_samples
+from dfm.diffusion.first_frame import keep_first_frames_clean
 from dfm.diffusion.pipeline import DiffusionPipeline, cfg_drop_mask, null_dropped_context
 
 
@@ -80,8 +81,9 @@ class DiffusionForwardStep:
         (tests/training/test_no_host_sync.py): the host-side work is all in ``prepare``."""
         sample_ids = batch.token_sample_ids()
         x_in, c_noise = self.pipeline.model_input(batch.latents, noise, level, sample_ids)
+        x_in, loss_batch = keep_first_frames_clean(x_in, batch)
         output = model(x_in, c_noise, batch)
-        return output, partial(self.loss, batch, noise, level, sample_ids)
+        return output, partial(self.loss, loss_batch, noise, level, sample_ids)
 
     def loss(self, batch: PackedBatch, noise, level, sample_ids, output: torch.Tensor):
         per_sample = self.pipeline.training_loss(output, batch.latents, noise, level, sample_ids, batch.loss_mask)

@@ -1,7 +1,8 @@
 """dfm's Wan at TP=2 + SP, CP=2 and PP=2 against diffusers, in one launch of 2 gloo ranks.
 
 Usage: torchrun --nproc-per-node 2 _layouts_worker.py OUT_DIR. Every rank builds the same tiny
-diffusers Wan and the per-sample references, then for each layout re-initialises megatron's
+diffusers Wan and the per-sample references (a mixed pack: two TI2V samples, their first
+frame at timestep 0 per token, and a text-to-video one), then for each layout re-initialises megatron's
 parallel state, builds its shard of the dfm model from the converted full weights, runs the pack
 and writes the max abs diff of the outputs it holds to OUT_DIR/rank<R>.json.
 """
@@ -30,6 +31,8 @@ from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.platform.process_exit import skip_final_gc_at_exit
 from tests.wan._tiny import TEXT_LEN, tiny_diffusers_wan, tiny_model_config
 
+# A mixed pack: samples 0 and 2 are Wan 2.2 TI2V ones (first frame clean, at timestep 0 per token).
+MIXED = (True, False, True)
 LAYOUTS = {
     "tp2_sp": ParallelLayout(world_size=2, tp=2, sp=True),
     "cp2": ParallelLayout(world_size=2, cp=2),
@@ -94,7 +97,7 @@ def main(out_dir: Path) -> None:
     transformer = tiny_diffusers_wan()
     cfg = tiny_model_config()
     weights = to_dfm(transformer.state_dict(), rules(cfg))
-    samples, timesteps = parity_samples(cfg), parity_timesteps(3)
+    samples, timesteps = parity_samples(cfg, first_frame_clean=MIXED), parity_timesteps(3)
     gen = torch.Generator().manual_seed(7)
     upstream = [torch.randn(s.latent_shape, generator=gen) for s in samples]
     references = [diffusers_sample_output(transformer, s, t, TEXT_LEN) for s, t in zip(samples, timesteps)]

@@ -20,13 +20,16 @@ TINY = dict(
     num_layers=2,
 )
 
+# Wan2.2-TI2V-5B's shape in small: 48 latent channels (the Wan 2.2 VAE's z_dim).
+TINY_TI2V = {**TINY, "in_channels": 48, "out_channels": 48}
 
-def tiny_diffusers_wan(seed: int = 0, std: float = 0.1):
+
+def tiny_diffusers_wan(seed: int = 0, std: float = 0.1, config: dict = TINY):
     """WanTransformer3DModel with every parameter N(0, std^2) (zero or one inits would hide bugs), fp32."""
     import diffusers
 
     torch.manual_seed(seed)
-    transformer = diffusers.WanTransformer3DModel(**TINY).float().eval()
+    transformer = diffusers.WanTransformer3DModel(**config).float().eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, param in sorted(transformer.named_parameters()):
@@ -34,9 +37,9 @@ def tiny_diffusers_wan(seed: int = 0, std: float = 0.1):
     return transformer
 
 
-def tiny_model_config(**overrides) -> ModelConfig:
+def tiny_model_config(config: dict = TINY, **overrides) -> ModelConfig:
     fields = {
-        key.split(".", 1)[1]: value for key, value in model_overrides(dict(TINY)).items() if key.startswith("model.")
+        key.split(".", 1)[1]: value for key, value in model_overrides(dict(config)).items() if key.startswith("model.")
     }
     return ModelConfig(
         **{**fields, "architecture": "wan", "max_text_len": TEXT_LEN, "attention_backend": "sdpa", **overrides}

@@ -33,16 +33,36 @@ def padded(text: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def wan_pipeline(transformer) -> diffusers.WanPipeline:
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=SHIFT)
+def wan_pipeline(transformer, shift: float = SHIFT, pipeline=diffusers.WanPipeline, **components):
+    """``pipeline`` (WanPipeline or WanImageToVideoPipeline) around ``transformer`` on dfm's schedule;
+    ``components``: the rest (transformer_2, boundary_ratio, vae, ...)."""
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=shift)
     set_timesteps = scheduler.set_timesteps
     # dfm's schedule, before the shift that the scheduler applies itself: 1, (n-1)/n, ..., 1/n, then 0.
     scheduler.set_timesteps = lambda num_inference_steps, device=None, **kw: set_timesteps(
         sigmas=[1 - i / num_inference_steps for i in range(num_inference_steps)], device=device
     )
-    return diffusers.WanPipeline(
-        tokenizer=None, text_encoder=None, vae=None, scheduler=scheduler, transformer=transformer
-    )
+    parts = {"tokenizer": None, "text_encoder": None, "vae": None, **components}
+    return pipeline(scheduler=scheduler, transformer=transformer, **parts)
+
+
+def pipeline_latents(pipe, start, negative, noise, **inputs) -> torch.Tensor:
+    """``pipe``'s latents [C, T, H, W] from ``noise`` for ``start``'s text (``negative``'s: the negative
+    prompt), STEPS steps at guidance GUIDANCE; ``inputs``: more (e.g. the image)."""
+    _, t, h, w = start.latent_shape
+    with torch.no_grad():
+        return pipe(
+            prompt_embeds=padded(start.text),
+            negative_prompt_embeds=padded(negative.text),
+            latents=noise[None],
+            height=16 * h,
+            width=16 * w,
+            num_frames=4 * (t - 1) + 1,
+            num_inference_steps=STEPS,
+            guidance_scale=GUIDANCE,
+            output_type="latent",
+            **inputs,
+        ).frames[0]
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -59,17 +79,5 @@ def test_dfm_sampler_matches_wan_pipeline(dist):
     uncond = pack_samples([dataclasses.replace(start, text=negative.text)])
     flow = build_pipeline("flow", c_noise_scale=1000.0, shift=SHIFT)
     ours = sample_latent(model, flow, pack, cfg, SamplingOptions(STEPS, GUIDANCE, "euler"), uncond=uncond)
-    c, t, h, w = start.latent_shape
-    with torch.no_grad():
-        theirs = wan_pipeline(transformer)(
-            prompt_embeds=padded(start.text),
-            negative_prompt_embeds=padded(negative.text),
-            latents=noise[None],
-            height=16 * h,
-            width=16 * w,
-            num_frames=4 * (t - 1) + 1,
-            num_inference_steps=STEPS,
-            guidance_scale=GUIDANCE,
-            output_type="latent",
-        ).frames[0]
+    theirs = pipeline_latents(wan_pipeline(transformer), start, negative, noise)
     assert (ours - theirs).abs().max().item() <= TOLERANCE

@@ -59,7 +59,8 @@ def build_tiny_t5(out_dir: Path, seed: int, text_dim: int) -> Path:
     return out_dir
 
 
-def build_tiny_wan_vae(out_dir: Path, seed: int, latent_channels: int) -> Path:
+def build_tiny_wan_vae(out_dir: Path, seed: int, latent_channels: int, **wan22) -> Path:
+    """AutoencoderKLWan, Wan 2.1's kind (``wan22``: the Wan 2.2 VAE's extra config, build_tiny_wan22_vae)."""
     torch.manual_seed(seed)
     model = AutoencoderKLWan(
         base_dim=8,
@@ -70,10 +71,18 @@ def build_tiny_wan_vae(out_dir: Path, seed: int, latent_channels: int) -> Path:
         temperal_downsample=[False, True, True],
         latents_mean=[0.0] * latent_channels,
         latents_std=[1.0] * latent_channels,
+        **wan22,
     )
     model.save_pretrained(out_dir)
-    _mark(out_dir, "AutoencoderKLWan", seed)
+    _mark(out_dir, "AutoencoderKLWan" + (" (Wan 2.2)" if wan22 else ""), seed)
     return out_dir
+
+
+def build_tiny_wan22_vae(out_dir: Path, seed: int, latent_channels: int = 48) -> Path:
+    """The Wan 2.2 VAE's kind (residual blocks, 2x2 pixel patches: 16x spatial, 4x temporal; z_dim 48
+    as Wan2.2-TI2V-5B's), tiny."""
+    wan22 = dict(is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16)
+    return build_tiny_wan_vae(out_dir, seed, latent_channels, **wan22)
 
 
 def tiny_clip_tokenizer() -> CLIPTokenizer:

@@ -1,8 +1,10 @@
 """VAE wrapper: video [B, 3, T, H, W] in [-1, 1] <-> normalised latents [B, C, T', H', W'].
 
 Two diffusers families:
-- ``wan``: AutoencoderKLWan (Wan 2.1), causal 3D; T frames -> 1 + (T - 1) / 4 latent frames.
-  Latents normalised per channel with the config's latents_mean / latents_std.
+- ``wan``: AutoencoderKLWan (Wan 2.1; Wan 2.2's, z_dim 48 and 2x2 pixel patches, is the same class:
+  ``wan22`` loads it and checks it is), causal 3D; T frames -> 1 + (T - 1) / 4 latent frames, the
+  first of them the first frame's alone. Latents normalised per channel with the config's
+  latents_mean / latents_std.
 - ``kl``: AutoencoderKL (image VAE), applied frame by frame (T' = T); latents scaled by
   scaling_factor after subtracting shift_factor.
 Encoding uses the posterior mean, so a sample always gets the same latent.
@@ -20,7 +22,7 @@ from diffusers import AutoencoderKL, AutoencoderKLWan
 
 from dfm.data.encoders.identity_vae import IdentityVAE, is_identity_vae
 
-VaeKind = Literal["wan", "kl"]
+VaeKind = Literal["wan", "wan22", "kl"]
 _CLASS_TO_KIND = {"AutoencoderKLWan": "wan", "AutoencoderKL": "kl"}
 
 
@@ -58,14 +60,18 @@ class VideoVAE:
                 return IdentityVAE.load(candidate)
         if kind == "auto":
             kind = detect_vae_kind(name_or_dir, subfolder)
-        model_class = AutoencoderKLWan if kind == "wan" else AutoencoderKL
+        model_class = AutoencoderKLWan if kind in ("wan", "wan22") else AutoencoderKL
         model = model_class.from_pretrained(
             str(name_or_dir),
             subfolder=subfolder,
             cache_dir=None if cache_dir is None else str(cache_dir),
             torch_dtype=dtype,
         ).to(device)
-        return cls(model, kind, name=str(name_or_dir))
+        if kind == "wan22" and not model.config.patch_size:
+            raise ValueError(
+                f"--vae {name_or_dir}: vae_kind wan22 needs the Wan 2.2 VAE (patch_size set), not Wan 2.1's"
+            )
+        return cls(model, "wan" if kind == "wan22" else kind, name=str(name_or_dir))
 
     @property
     def latent_channels(self) -> int:
@@ -75,8 +81,8 @@ class VideoVAE:
     @property
     def spatial_compression(self) -> int:
         config = self.model.config
-        if self.kind == "wan":
-            return 2 ** len(config.temperal_downsample)
+        if self.kind == "wan":  # Wan 2.2's VAE patchifies pixels 2x2 before its 8x
+            return 2 ** len(config.temperal_downsample) * (config.patch_size or 1)
         return 2 ** (len(config.block_out_channels) - 1)
 
     @property

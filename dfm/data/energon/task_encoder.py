@@ -97,6 +97,8 @@ def encode_cooked_sample(
         metadata={**sample.metadata, "key": sample.__key__},
         pooled_text=sample.pooled_text if settings.pooled_text_dim is not None else None,
         **(image_condition_fields(sample) if settings.image_conditions else {}),
+        # Wan 2.2 TI2V: the shard's metadata asks for image-to-video (first frame given clean).
+        first_frame_clean=bool(sample.metadata.get("first_frame_clean", False)),
     )
     # energon keeps buffered samples restorable through these keys (packing buffer state).
     encoded.__key__ = sample.__key__

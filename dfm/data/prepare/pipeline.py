@@ -31,7 +31,7 @@ from dfm.data.encoders.hunyuan import (
     hunyuan_parts,
 )
 from dfm.data.encoders.t5 import T5TextEncoder
-from dfm.data.encoders.tiny import TinyEncoderPaths, build_tiny_random_encoders, is_tiny_random
+from dfm.data.encoders.tiny import TinyEncoderPaths, build_tiny_random_encoders, build_tiny_wan22_vae, is_tiny_random
 from dfm.data.encoders.vae import VideoVAE
 from dfm.data.prepare.buckets import ResolutionPolicy, resize_center_crop
 from dfm.data.prepare.captions import Caption, CaptionFormat, CaptionLookup
@@ -69,7 +69,7 @@ class PrepareSettings:
     max_text_len: int = 512  # T5 tokens; shards keep the unpadded length
     vae_name_or_dir: str = DEFAULT_VAE
     vae_subfolder: str | None = "vae"
-    vae_kind: Literal["auto", "wan", "kl"] = "auto"
+    vae_kind: Literal["auto", "wan", "wan22", "kl"] = "auto"
     vae_cache_dir: str | None = None
     encoders: EncoderSet = "t5"
     clip_name_or_dir: str | None = None  # CLIP text encoder (encoders="flux"): a folder or a FLUX.1 pipeline folder
@@ -83,6 +83,9 @@ class PrepareSettings:
     overwrite: bool = False  # clear a previous preparation's shards and energon index first
     resume: bool = False  # continue an interrupted preparation with the same settings
     max_skip_fraction: float = 0.05  # more of this rank's files unreadable: the run fails (after its report)
+    # Wan 2.2 TI2V: the samples train image-to-video (metadata first_frame_clean): their first latent
+    # frame, which the causal Wan VAE encodes from the first frame alone, is the image's latent.
+    first_frame_clean: bool = False
 
     def resolution_policy(self, multiple: int) -> ResolutionPolicy:
         preset = self.resolution_preset
@@ -131,6 +134,8 @@ def tiny_vae_choice(paths: TinyEncoderPaths, settings: PrepareSettings) -> tuple
         return paths.flux_vae_dir, "kl"
     if settings.vae_kind == "kl":
         return paths.kl_vae_dir, "kl"
+    if settings.vae_kind == "wan22":  # built only when asked for: 48 latent channels
+        return build_tiny_wan22_vae(paths.wan_vae_dir.with_name("vae_wan22"), 0), "wan22"
     return paths.wan_vae_dir, "wan"
 
 
@@ -215,6 +220,7 @@ def sample_metadata(
         "vae_kind": encoders.vae.kind,
         "tiny_random_encoders": encoders.tiny_random,
         **({"clip_encoder": encoders.pooled.name} if encoders.pooled is not None else {}),
+        **({"first_frame_clean": True} if settings.first_frame_clean else {}),
     }
 
 

@@ -117,6 +117,11 @@ class PackedDiffusionModel(MegatronModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
+    def conditioning_rows(self, batch: PackedBatch) -> Tensor:
+        """[S] long: the row of ``condition``'s output each token reads (its sample's; Wan 2.2's
+        clean first frames read a timestep-0 row)."""
+        return batch.token_sample_ids()
+
     def global_param_name(self, name: str) -> str:
         """Local parameter name -> its name in the whole (unpipelined, one expert rank) model."""
         return global_param_name(name, self.layer_offset, self.config.num_moe_experts)
@@ -125,7 +130,7 @@ class PackedDiffusionModel(MegatronModule):
         """Under context parallelism each rank runs its share of the tokens (``split``) and the
         output is gathered: every CP rank returns the whole [S, D]."""
         split = self.layout.pack_split(batch)
-        token_ids = split.local(batch.token_sample_ids())
+        token_ids = split.local(self.conditioning_rows(batch))
         inputs = self.pack_inputs(batch, split, self.condition(noise_level, batch, extra), token_ids)
         hidden = self.embed(split.local(x_in), batch, split) if self.pre_process else self.input_tensor
         hidden = self.run_layers(hidden, inputs)

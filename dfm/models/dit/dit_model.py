@@ -132,7 +132,7 @@ class DiTModel(PackedDiffusionModel):
     ) -> PackInputs:
         """The blocks' inputs for this rank's share of ``batch``; cond [N, h]."""
         if token_ids is None:
-            token_ids = split.local(batch.token_sample_ids())
+            token_ids = split.local(self.conditioning_rows(batch))
         inputs = PackInputs(
             cond=cond,
             token_sample_ids=self.layout.sequence_parallel_slice(token_ids),

@@ -10,7 +10,11 @@ with Wan's conditioning, blocks and head. The oracle is diffusers' ``WanTransfor
   GELU-tanh text MLP;
 * 3D RoPE on interleaved channel pairs (megatron's ``rotary_interleaved``), from each token's
   own (t, h, w) patch coordinates;
-* head: affine-free norm modulated by its table + temb, then the linear to patch features.
+* head: affine-free norm modulated by its table + temb, then the linear to patch features;
+* per-token timesteps (Wan 2.2 TI2V): the first frame of a sample flagged ``first_frame_clean``
+  is conditioned on timestep 0, the rest of the pack on its sample's; as the timestep takes two
+  values per pack at most, the conditioning runs on N + 1 rows (the last one timestep 0) and each
+  token reads its row, instead of diffusers' MLP per token.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dfm.data.packed_batch import PackedBatch
+from dfm.diffusion.first_frame import first_frame_tokens
 from dfm.models.common.init import zero_init
 from dfm.models.common.pack_inputs import PackInputs
 from dfm.models.common.packed_model import replicate_across_stages
@@ -52,10 +57,17 @@ class WanModel(DiTModel):
         return WanHead(self.config.hidden_size, self.out_dim, self.config.layernorm_epsilon)
 
     def conditioning(self, c_noise: Tensor, class_labels: Tensor | None = None) -> Tensor:
-        """[N] timesteps (1000 t) -> [N, 7, h]: temb, then time_proj(silu(temb)) as 6 rows."""
-        temb = self.t_embedder(c_noise)
+        """[N] timesteps (1000 t) -> [N + 1, 7, h]: temb, then time_proj(silu(temb)) as 6 rows; the
+        last of the N + 1 is timestep 0 (clean first frames)."""
+        temb = self.t_embedder(torch.cat([c_noise, c_noise.new_zeros(1)]))
         blocks = self.time_proj(F.silu(temb)).unflatten(1, (NUM_BLOCK_MODULATIONS, -1))
         return torch.cat([temb.unsqueeze(1), blocks], dim=1)
+
+    def conditioning_rows(self, batch: PackedBatch) -> Tensor:
+        """[S] long: each token's sample, or row N (timestep 0) for a clean first frame's token."""
+        rows = batch.token_sample_ids()
+        clean = first_frame_tokens(batch)
+        return rows if clean is None else torch.where(clean, batch.num_samples, rows)
 
     def pack_inputs(
         self, batch: PackedBatch, split: SequenceSplit, cond: Tensor, token_ids: Tensor | None = None

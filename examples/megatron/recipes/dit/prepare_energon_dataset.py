@@ -51,8 +51,15 @@ def add_encoding_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max_text_len", type=int, default=512)
     parser.add_argument("--vae", default=DEFAULT_VAE, help="VAE hub name or local folder")
     parser.add_argument("--vae_subfolder", default="vae", help="'' for a folder that is the VAE itself")
-    parser.add_argument("--vae_kind", choices=["auto", "wan", "kl"], default="auto")
+    parser.add_argument(
+        "--vae_kind", choices=["auto", "wan", "wan22", "kl"], default="auto", help="wan22: Wan 2.2's VAE (z_dim 48)"
+    )
     parser.add_argument("--vae_cache_dir")
+    parser.add_argument(
+        "--first_frame_clean",
+        action="store_true",
+        help="Wan 2.2 TI2V: the samples train image-to-video, their first latent frame the clean condition",
+    )
     parser.add_argument(
         "--encoders",
         choices=["t5", "flux", "hunyuan_video15"],
@@ -122,6 +129,7 @@ def settings_from_args(args: argparse.Namespace, input_dir: str | None = None) -
             overwrite=args.overwrite,
             resume=args.resume,
             max_skip_fraction=args.max_skip_fraction,
+            first_frame_clean=args.first_frame_clean,
         )
     )
 

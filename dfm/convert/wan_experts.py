@@ -1,0 +1,110 @@
+"""Wan 2.2 A14B pipeline folders <-> one dfm checkpoint per expert (docs/wan.md).
+
+A14B's pipeline folder holds two transformers and the boundary between them in model_index.json:
+``transformer/`` (the high-noise expert, t >= boundary_ratio), ``transformer_2/`` (the low-noise
+one). ``import`` of such a folder writes ``OUTPUT/high_noise`` and ``OUTPUT/low_noise``, each a
+checkpoint whose config names its expert (``model.wan_expert``) and the boundary, so
+``checkpoint.pretrained=OUTPUT/high_noise`` fine-tunes that expert on its side of the boundary.
+``export --checkpoint HIGH --checkpoint_2 LOW`` writes the two back as a pipeline folder that
+``WanPipeline.from_pretrained`` reads (the text encoder, tokenizer, VAE and scheduler are not
+written: pass them, or None, to from_pretrained, or copy their folders from the original). Every other folder goes through dfm/convert/cli.py unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from dfm.convert.cli import export_model, import_model
+from dfm.convert.cli import main as family_main
+from dfm.convert.output_folder import check_target, fresh_folder
+from dfm.convert.rules import ConversionError
+from dfm.convert.wan import WAN
+from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory
+
+EXPERT_FOLDERS = {"high_noise": "transformer", "low_noise": "transformer_2"}
+MODEL_INDEX = "model_index.json"
+# The pipeline components an export does not write (listed absent so that WanPipeline loads without them).
+ABSENT = ("tokenizer", "text_encoder", "vae", "scheduler")
+
+
+def is_two_expert_folder(folder: str | Path) -> bool:
+    return (Path(folder) / EXPERT_FOLDERS["low_noise"]).is_dir()
+
+
+def boundary_ratio(folder: Path) -> float:
+    """model_index.json's ``boundary_ratio`` of a two-expert pipeline folder."""
+    index = folder / MODEL_INDEX
+    try:
+        ratio = json.loads(index.read_text()).get("boundary_ratio")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+        raise ConversionError(f"{index}: needed for the experts' boundary_ratio ({error!r})") from error
+    if not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+        raise ConversionError(f"{index}: boundary_ratio={ratio!r}, a two-expert folder needs one in (0, 1)")
+    return float(ratio)
+
+
+def import_experts(args: argparse.Namespace) -> list[Path]:
+    """Each expert's transformer folder through the family import, into OUTPUT/<expert>."""
+    folder, ratio = Path(args.diffusers), boundary_ratio(Path(args.diffusers))
+    written = []
+    for expert, subfolder in EXPERT_FOLDERS.items():
+        one = copy.copy(args)
+        one.diffusers, one.output = str(folder / subfolder), str(Path(args.output) / expert)
+        one.overrides = [*args.overrides, f"model.wan_expert={expert}", f"model.wan_boundary_ratio={ratio}"]
+        written.append(import_model(WAN, one))
+    return written
+
+
+def expert_boundary(checkpoint: str, expert: str) -> float:
+    """The boundary recorded in ``checkpoint``'s config, which must be ``expert``'s."""
+    model = checkpoint_config(checkpoint_directory(checkpoint)).model
+    if model.wan_expert != expert or model.wan_boundary_ratio is None:
+        raise ConversionError(
+            f"{checkpoint} holds model.wan_expert={model.wan_expert} (boundary {model.wan_boundary_ratio}), "
+            f"not the {expert} expert"
+        )
+    return model.wan_boundary_ratio
+
+
+def export_experts(args: argparse.Namespace, checkpoint_2: str) -> Path:
+    """--checkpoint (high noise) and ``checkpoint_2`` (low noise) -> a WanPipeline folder."""
+    ratios = {expert_boundary(args.checkpoint, "high_noise"), expert_boundary(checkpoint_2, "low_noise")}
+    if len(ratios) != 1:
+        raise ConversionError(f"the experts' checkpoints record different boundaries {sorted(ratios)}")
+    target = Path(args.output)
+    check_target(target, False, lambda _: "an existing folder is never replaced by a two-expert export")
+    with fresh_folder(target) as staging:
+        for expert, checkpoint in (("high_noise", args.checkpoint), ("low_noise", checkpoint_2)):
+            one = copy.copy(args)
+            one.checkpoint, one.output = checkpoint, str(staging / EXPERT_FOLDERS[expert])
+            export_model(WAN, one)
+        index = {"_class_name": "WanPipeline", "boundary_ratio": ratios.pop(), "expand_timesteps": False}
+        index |= {name: ["diffusers", WAN.diffusers_class] for name in EXPERT_FOLDERS.values()}
+        index |= {name: [None, None] for name in ABSENT}
+        (staging / MODEL_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    print(
+        f"wrote {target}: transformer/ (high noise), transformer_2/ (low noise), boundary_ratio {index['boundary_ratio']}"
+    )
+    return target
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """convert_wan.py: two-expert folders here, everything else through the family CLI."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--checkpoint_2", help="export: the low-noise expert's checkpoint (--checkpoint: high noise)")
+    known, rest = pre.parse_known_args(argv)
+    command = rest[0] if rest else None
+    two = known.checkpoint_2 if command == "export" else None
+    if command == "import":
+        folder = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        folder.add_argument("--diffusers")
+        diffusers = folder.parse_known_args(rest)[0].diffusers
+        two = diffusers if diffusers and is_two_expert_folder(diffusers) else None
+    if two is None:
+        return family_main(WAN, rest)
+    run = import_experts if command == "import" else lambda args: export_experts(args, known.checkpoint_2)
+    return family_main(WAN, rest, run=run)
