@@ -44,10 +44,10 @@ def branches(model, pack, c_noise):
     rope = rope_3d_freqs(pack.pos_ids, model.config.kv_channels).double()
 
     def spatial(x):
-        return layer.attend(layer.self_attention, layer.norm1, x, *mods[0:3], rope, layout.spatial)
+        return layer.attend(layer.self_attention, layer.norm1, x, mods[0:3], rope, layout.spatial)
 
     def temporal(x):
-        return layer.attend(layer.temporal_attention, layer.norm_temporal, x, *mods[3:6], rope, layout.temporal)
+        return layer.attend(layer.temporal_attention, layer.norm_temporal, x, mods[3:6], rope, layout.temporal)
 
     return spatial, temporal
 

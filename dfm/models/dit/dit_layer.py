@@ -100,11 +100,12 @@ class DiTLayer(MegatronModule):
 
     def self_attend(self, hidden: Tensor, modulation: list[Tensor], rotary_pos_emb, params: PackedSeqParams) -> Tensor:
         """modulation: (shift, scale, gate), each [s, 1, h]."""
-        return self.attend(self.self_attention, self.norm1, hidden, *modulation, rotary_pos_emb, params)
+        return self.attend(self.self_attention, self.norm1, hidden, modulation, rotary_pos_emb, params)
 
-    # The ST-DiT locality test calls attend with these positional arguments (tests/models/test_stdit_locality.py).
-    def attend(self, attention, norm, hidden, shift, scale, gate, rotary_pos_emb, params) -> Tensor:  # noqa: PLR0913
-        """Gated residual self-attention (the segments' token order is the attention's business)."""
+    def attend(self, attention, norm, hidden: Tensor, modulation, rotary_pos_emb, params) -> Tensor:
+        """Gated residual self-attention; modulation: (shift, scale, gate), each [s, 1, h] (the segments'
+        token order is the attention's business)."""
+        shift, scale, gate = modulation
         attn_in = self.norm_modulate(norm, hidden, shift, scale)
         out, bias = attention(attn_in, attention_mask=None, rotary_pos_emb=rotary_pos_emb, packed_seq_params=params)
         return self.ops.gated_residual(hidden, gate, out, bias)
@@ -143,7 +144,7 @@ class STDiTLayer(DiTLayer):
         self, hidden: Tensor, modulation: list[Tensor], rotary_pos_emb, params: FactorizedAttentionParams
     ) -> Tensor:
         """Spatial then temporal attention; modulation: (shift, scale, gate) of each, [s, 1, h]."""
-        hidden = self.attend(self.self_attention, self.norm1, hidden, *modulation[0:3], rotary_pos_emb, params.spatial)
+        hidden = self.attend(self.self_attention, self.norm1, hidden, modulation[0:3], rotary_pos_emb, params.spatial)
         return self.attend(
-            self.temporal_attention, self.norm_temporal, hidden, *modulation[3:6], rotary_pos_emb, params.temporal
+            self.temporal_attention, self.norm_temporal, hidden, modulation[3:6], rotary_pos_emb, params.temporal
         )
