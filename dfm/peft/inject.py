@@ -42,7 +42,7 @@ def add_lora(model: nn.Module, peft: PeftConfig, model_cfg, rules, seed: int, st
     names of the linears given adapters."""
     if peft.lora_dropout and _tp() > 1:
         # A column-parallel adapter's input is whole on every TP rank: per-rank masks would differ.
-        raise PeftError("peft.lora_dropout > 0 runs at model.tensor_model_parallel_size=1 only")
+        raise PeftError("peft.lora_dropout > 0 runs without tensor parallelism only (TP size 1)")
     mark_tensor_parallel_weights(model)  # the adapters copy their base weight's TP split
     linears = _linears(model)
     targets = lora_targets(model_cfg, peft.target_modules, list(linears), rules)
