@@ -233,7 +233,9 @@ def results(work: Workload, families, dtypes) -> list[dict]:
         for precision in dtypes:
             ref = per_layer(family, work, precision, measure_reference) if family in REFERENCE else None
             dfm = per_layer(family, work, precision)
-            rows.append(dict(arch=family, dtype=precision, dfm=dfm, reference=ref, analytic=analytic(family, work, precision)))
+            rows.append(
+                dict(arch=family, dtype=precision, dfm=dfm, reference=ref, analytic=analytic(family, work, precision))
+            )
     return rows
 
 
