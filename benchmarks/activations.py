@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -189,6 +190,7 @@ class Workload:
     video: tuple[int, int, int] = (4, 32, 32)  # latent [T, H, W]: 1024 tokens at patch 1 x 2 x 2
     text: int = 64
     ffn: int = 4
+    recompute_activation: bool = False  # model.recompute_activation
 
 
 def depths(family: str) -> tuple[dict, dict]:
@@ -198,14 +200,18 @@ def depths(family: str) -> tuple[dict, dict]:
     return dict(layers=2), dict(layers=1)
 
 
-def per_layer(family: str, work: Workload, precision: str, counter=measure) -> float:
+def measure_dfm(cfg: ModelConfig, video: tuple[int, int, int], samples: int, precision: str) -> int:
+    return measure(cfg, video, samples, precision)[0]
+
+
+def per_layer(family: str, work: Workload, precision: str, counter=measure_dfm) -> float:
     """Saved bytes of one block per token per hidden unit: (deeper model - shallower model) / (tokens h)."""
     counts = []
     for depth in depths(family):
         layers = depth.pop("layers")
+        depth.update(recompute_activation=work.recompute_activation)
         cfg = model_config(family, work.hidden, layers, work.text, work.ffn, **depth)
-        counted = counter(cfg, work.video, work.samples, precision)
-        counts.append(counted if isinstance(counted, int) else counted[0])
+        counts.append(counter(cfg, work.video, work.samples, precision))
     tokens = work.samples * tokens_per_video(work)
     if family == "flux":
         tokens += work.samples * work.text
@@ -227,16 +233,13 @@ def analytic(family: str, work: Workload, precision: str) -> float:
     return vectors * DTYPES[precision]
 
 
-def results(work: Workload, families, dtypes) -> list[dict]:
-    rows = []
+def results(work: Workload, families, dtypes) -> Iterator[dict]:
+    """One row per family and dtype, as each is counted."""
     for family in families:
         for precision in dtypes:
             ref = per_layer(family, work, precision, measure_reference) if family in REFERENCE else None
             dfm = per_layer(family, work, precision)
-            rows.append(
-                dict(arch=family, dtype=precision, dfm=dfm, reference=ref, analytic=analytic(family, work, precision))
-            )
-    return rows
+            yield dict(arch=family, dtype=precision, dfm=dfm, reference=ref, analytic=analytic(family, work, precision))
 
 
 def format_row(row: dict) -> str:
@@ -252,11 +255,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--text", type=int, default=Workload.text, help="text tokens per video")
     parser.add_argument("--family", action="append", choices=list(FAMILIES), help="repeatable; default all")
     parser.add_argument("--dtype", action="append", choices=list(DTYPES), help="repeatable; default both")
+    parser.add_argument("--recompute-activation", action="store_true", help="dfm: model.recompute_activation=true")
     parser.add_argument("--json", help="write the rows (and the workload) here")
     args = parser.parse_args(argv)
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
-    work = Workload(args.hidden, args.samples, tuple(args.video), args.text)
+    work = Workload(args.hidden, args.samples, tuple(args.video), args.text, Workload.ffn, args.recompute_activation)
     rows = []
     for row in results(work, args.family or list(FAMILIES), args.dtype or list(DTYPES)):
         print(format_row(row), flush=True)
