@@ -54,6 +54,8 @@ def recomputed(output: Tensor, source: Tensor, fn: Callable[[Tensor], Tensor]) -
     """Within the block, autograd saves ``output`` (= fn(source)) as ``source`` and rebuilds it when the
     backward unpacks it. Every saved tensor still goes through the enclosing saved-tensor hooks, if any
     (full-layer checkpointing, a measurement): they see ``source`` in place of ``output``."""
+    # Nested saved-tensor hooks replace the enclosing ones (no public API composes them): ours call
+    # theirs, or full-layer checkpointing would keep ``source`` alive and a measurement would miss it.
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
 
