@@ -117,7 +117,7 @@ class ReferenceDiT(nn.Module):
             rope = rope_3d_freqs(pos_ids, x.shape[-1] // self.heads)[:, 0, 0]
         elif self.pos_embedding == "sincos3d":
             x = x + sincos_3d(pos_ids, x.shape[-1]).to(x.dtype)
-        c = self.t_embedder(self.timestep_embedding(c_noise))
+        c = self.t_embedder(self.timestep_embedding(c_noise).to(x.dtype))  # a bf16 model stays bf16
         context = self.y_embedder(text) if self.cross else None
         for block in self.blocks:
             x = block(x, c, rope, context, text_mask)

@@ -72,6 +72,9 @@ class ModelConfig:
     recompute_granularity: RecomputeGranularity | None = None
     recompute_method: RecomputeMethod | None = "uniform"
     recompute_num_layers: int | None = None
+    # Dense MLPs: the activation's output (fc2's input) recomputed from fc1's output in backward, not kept
+    # (f values per token per layer less, one elementwise pass more; dfm/models/common/activation_mlp.py).
+    recompute_activation: bool = False
     init_method_std: float = 0.02
     # torch.compile the blocks' elementwise regions (norm + modulate, gated residual, MLP activation);
     # dynamic shapes, so packs of changing length reuse one graph (dfm/models/common/fused.py).

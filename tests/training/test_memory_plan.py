@@ -6,22 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.transformer.module import Float16Module
 
+from benchmarks import activations
+from benchmarks.activations import measure
 from dfm.config.container import ModelConfig
-from dfm.convert.pretrained import single_process_world
-from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking
-from dfm.models.build import build_model_chunk
 from dfm.training.memory_plan import activation_bytes
 
-TEXT_DIM = 24
+# Beyond each family's defaults: the settings the coefficients were counted with.
 FAMILIES = {
-    "dit_adaln": dict(architecture="dit_adaln", num_classes=10, pos_embedding="sincos3d"),
-    "dit_cross": dict(architecture="dit_cross", qk_layernorm=True),
-    "stdit": dict(architecture="stdit"),
-    "moviegen": dict(architecture="moviegen", qk_layernorm=True),
-    "wan": dict(architecture="wan", qk_layernorm=True, pipeline="flow"),
-    "flux": dict(architecture="flux", pooled_text_dim=12, guidance_embeds=True, pipeline="flow", qk_layernorm=True),
+    "dit_adaln": dict(pos_embedding="sincos3d"),
+    "dit_cross": dict(qk_layernorm=True),
+    "stdit": {},
+    "moviegen": dict(qk_layernorm=True),
+    "wan": dict(qk_layernorm=True),
+    "flux": dict(qk_layernorm=True),
 }
 # (hidden, layers, text tokens per sample, video latent [T, H, W], FFN multiple): neither is a size the
 # coefficients were counted at.
@@ -29,60 +27,7 @@ SIZES = {"small": (48, 2, 12, (2, 8, 8), 4), "larger": (160, 3, 20, (3, 8, 12), 
 
 
 def model_config(family: str, hidden: int, layers: int, text_len: int, ffn: int, **extra) -> ModelConfig:
-    fields = dict(FAMILIES[family], **extra)
-    if family == "flux":
-        head = hidden // 4
-        axis = (3 * head // 8) // 2 * 2
-        fields.update(num_single_layers=1, rope_axes_dim=[head - 2 * axis, axis, axis])
-    return ModelConfig(
-        num_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=4,
-        ffn_hidden_size=ffn * hidden,
-        in_channels=4,
-        text_embed_dim=TEXT_DIM,
-        max_text_len=text_len,
-        max_latent_thw=[8, 32, 32],
-        attention_backend="sdpa",
-        **fields,
-    )
-
-
-def saved_bytes(model: torch.nn.Module, forward) -> int:
-    """Unique storage bytes autograd saves during ``forward()`` (parameters are not activations)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params and storage.nbytes():
-            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        forward()
-    return sum(seen.values())
-
-
-def measure(cfg: ModelConfig, video: tuple[int, int, int], samples: int = 2) -> tuple[int, int, int]:
-    """(saved bytes, video tokens, text tokens) of one bf16 forward on a two-sample pack."""
-    settings = MockDataSettings(
-        seed=0,
-        video_sizes=[video],
-        image_fraction=0.0,
-        text_len_range=(cfg.max_text_len, cfg.max_text_len),
-        in_channels=cfg.in_channels,
-        text_embed_dim=TEXT_DIM,
-        pooled_text_dim=cfg.pooled_text_dim,
-    )
-    batch = next(MockPackedLoader(settings, 0, 1, MockPacking(10**6, samples_per_pack=samples)))
-    t = torch.rand(samples, generator=torch.Generator().manual_seed(0))
-    extra = {"flux": torch.full((samples,), 3.5), "dit_adaln": torch.zeros(samples, dtype=torch.long)}
-    with single_process_world(0):
-        inner, tconfig = build_model_chunk(cfg, "bf16", 0)
-        model = Float16Module(tconfig, inner).train()  # casts inputs to bf16 as training does
-        measured = saved_bytes(model, lambda: model(batch.latents, t, batch, extra.get(cfg.architecture)))
-    return measured, batch.latents.shape[0], samples * cfg.max_text_len
+    return activations.model_config(family, hidden, layers, text_len, ffn, heads=4, **FAMILIES[family], **extra)
 
 
 @pytest.mark.parametrize("size", list(SIZES))

@@ -10,10 +10,11 @@ from megatron.core.transformer.attention import (
     SelfAttentionSubmodules,
 )
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dfm.models.attention.modules import BackendModules
+from dfm.models.common.activation_mlp import ActivationMLP
 from dfm.models.common.adaln import QKRMSNorm
 
 
@@ -35,9 +36,10 @@ def cross_attention_spec(modules: BackendModules) -> ModuleSpec:
 
 
 def mlp_spec(modules: BackendModules, num_moe_experts: int | None) -> ModuleSpec:
-    """Dense MLP (GELU, or SwiGLU when the config is gated) or a megatron MoE layer."""
+    """Dense MLP (GELU, or SwiGLU when the config is gated: dfm/models/common/activation_mlp.py) or a
+    megatron MoE layer."""
     if num_moe_experts:
         return get_moe_module_spec(use_te=modules.use_te, num_experts=num_moe_experts, moe_grouped_gemm=False)
     return ModuleSpec(
-        module=MLP, submodules=MLPSubmodules(linear_fc1=modules.column_linear, linear_fc2=modules.row_linear)
+        module=ActivationMLP, submodules=MLPSubmodules(linear_fc1=modules.column_linear, linear_fc2=modules.row_linear)
     )

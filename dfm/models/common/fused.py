@@ -45,6 +45,19 @@ def silu(x: Tensor) -> Tensor:
     return F.silu(x)
 
 
+def swiglu(y: Tensor) -> Tensor:
+    """silu(y1) * y2 of y = [y1, y2] [..., 2f] (fc1's output, gate half first) -> [..., f]."""
+    y1, y2 = y.chunk(2, dim=-1)
+    return F.silu(y1) * y2
+
+
+def swiglu_grad(grad: Tensor, y: Tensor) -> Tensor:
+    """d swiglu(y) given grad [..., f] of its output -> [..., 2f]; silu recomputed from y."""
+    y1, y2 = y.chunk(2, dim=-1)
+    sig = torch.sigmoid(y1)
+    return torch.cat((grad * y2 * sig * (1 + y1 * (1 - sig)), grad * y1 * sig), dim=-1)
+
+
 @dataclass(frozen=True)
 class BlockOps:
     """The elementwise functions a block calls: eager or compiled, same signatures."""
@@ -89,3 +102,10 @@ def activation(gated: bool, compile: bool, backend: str = "inductor") -> Callabl
     """The MLP's activation (SiLU for SwiGLU blocks, tanh-GELU otherwise), compiled on request."""
     fn = silu if gated else gelu_tanh
     return compiled_activation(fn, backend) if compile else fn
+
+
+def swiglu_fns(compile: bool, backend: str = "inductor") -> tuple[Callable, Callable]:
+    """(swiglu, swiglu_grad), compiled on request (dfm/models/common/activation_mlp.py's region)."""
+    if not compile:
+        return swiglu, swiglu_grad
+    return compiled_activation(swiglu, backend), compiled_activation(swiglu_grad, backend)

@@ -39,6 +39,8 @@ class DfmTransformerConfig(TransformerConfig):
     # finalize_model_grads all-reduces grads of params marked `pipeline_parallel` across stages
     # when this flag is set (dfm.models.common.packed_model.replicate_across_stages).
     has_cond_embedder: bool = True
+    # The MLP's activation output recomputed in backward, not kept (dfm/models/common/activation_mlp.py).
+    recompute_activation: bool = False
 
 
 def build_transformer_config(
@@ -91,6 +93,7 @@ def build_transformer_config(
         recompute_num_layers=(model.recompute_num_layers or 1) if model.recompute_granularity == "full" else None,
         parallel_layout=layout,
         compile_regions=model.compile,
+        recompute_activation=model.recompute_activation,
         adaln_lora_dim=model.adaln_lora_dim,
         cross_attention_dim=model.context_width,
     )
