@@ -114,8 +114,9 @@ class FluxModel(PackedDiffusionModel):
         return batch, batch.context.shape[0]
 
 
-def check_flux_config(model_cfg) -> None:
-    """ValueError naming the key when ``model_cfg`` cannot be a FLUX model."""
+def check_joint_attention_heads(model_cfg, model_name: str) -> None:
+    """ValueError naming the key when the heads of ``model_cfg`` cannot run the joint attention of
+    FLUX's double-stream block (RoPE over the whole head, per-head q/k norms)."""
     head_dim = model_cfg.hidden_size // model_cfg.num_attention_heads
     if sum(model_cfg.rope_axes_dim) != head_dim:
         raise ValueError(
@@ -123,7 +124,12 @@ def check_flux_config(model_cfg) -> None:
             f"hidden_size / num_attention_heads = {head_dim}"
         )
     if not model_cfg.qk_layernorm:
-        raise ValueError("FLUX normalises queries and keys per head: set model.qk_layernorm=true")
+        raise ValueError(f"{model_name} normalises queries and keys per head: set model.qk_layernorm=true")
+
+
+def check_flux_config(model_cfg) -> None:
+    """ValueError naming the key when ``model_cfg`` cannot be a FLUX model."""
+    check_joint_attention_heads(model_cfg, "FLUX")
     if not 0 <= model_cfg.num_single_layers <= model_cfg.num_layers:
         raise ValueError(
             f"model.num_single_layers ({model_cfg.num_single_layers}) must be in [0, model.num_layers="

@@ -22,7 +22,7 @@ from dfm.models.attention.modules import BackendModules
 from dfm.models.common.embeddings import TimestepEmbedder
 from dfm.models.common.final_layer import FinalLayer
 from dfm.models.common.init import zero_init
-from dfm.models.flux.flux_model import FluxModel
+from dfm.models.flux.flux_model import FluxModel, check_joint_attention_heads
 from dfm.models.flux.flux_spec import flux_layer_specs
 from dfm.models.hunyuan.embedders import TokenRefiner, byt5_embedder, image_embedder
 from dfm.models.hunyuan.text_stream import TextStreamPlan, text_stream_plan, text_view
@@ -117,14 +117,7 @@ class HunyuanVideo15Model(FluxModel):
 
 def check_hunyuan_config(model_cfg) -> None:
     """ValueError naming the key when ``model_cfg`` cannot be a HunyuanVideo 1.5 model."""
-    head_dim = model_cfg.hidden_size // model_cfg.num_attention_heads
-    if sum(model_cfg.rope_axes_dim) != head_dim:
-        raise ValueError(
-            f"model.rope_axes_dim {list(model_cfg.rope_axes_dim)} must sum to the head dim "
-            f"hidden_size / num_attention_heads = {head_dim}"
-        )
-    if not model_cfg.qk_layernorm:
-        raise ValueError("HunyuanVideo 1.5 normalises queries and keys per head: set model.qk_layernorm=true")
+    check_joint_attention_heads(model_cfg, "HunyuanVideo 1.5")
     if model_cfg.patch_spatial != 1 or model_cfg.patch_temporal != 1:
         raise ValueError("HunyuanVideo 1.5 patches are 1x1x1: set model.patch_spatial=1 and model.patch_temporal=1")
     for key in ("text_embed_2_dim", "image_embed_dim"):
