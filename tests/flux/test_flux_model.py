@@ -28,7 +28,7 @@ from dfm.diffusion.pipeline import build_pipeline
 from dfm.models.presets_cli import preset_parameter_counts
 from dfm.training.forward_step import DiffusionForwardStep
 from tests._layouts import LAYOUTS, assert_outputs_match, layout_results
-from tests._parity import converted_model
+from tests._parity import assert_bit_equal, converted_model
 from tests.flux._tiny import dfm_config_and_weights, tiny_diffusers_flux
 from tests.models.test_no_host_sync import DeviceTensor, on_fake_device
 
@@ -84,8 +84,7 @@ def test_rules_round_trip_bit_exact(guidance_embeds):
     cfg, weights = dfm_config_and_weights(reference)
     assert cfg.model.guidance_embeds is guidance_embeds
     back = to_diffusers(to_dfm(reference.state_dict(), flux_rules(cfg.model)), flux_rules(cfg.model))
-    assert sorted(back) == sorted(reference.state_dict())
-    assert all(torch.equal(back[name], tensor) for name, tensor in reference.state_dict().items())
+    assert_bit_equal(back, reference.state_dict())
 
 
 def test_tp2_sp_cp2_pp2_forward_match_diffusers(tiny, tmp_path):

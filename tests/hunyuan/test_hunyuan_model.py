@@ -22,7 +22,7 @@ from dfm.diffusion.flow import FlowPipeline, FlowSettings
 from dfm.diffusion.pipeline import build_pipeline
 from dfm.models.presets_cli import preset_parameter_counts
 from dfm.training.forward_step import DiffusionForwardStep
-from tests._parity import converted_model
+from tests._parity import assert_bit_equal, converted_model
 from tests.hunyuan._tiny import dfm_config_and_weights, tiny_diffusers_hunyuan
 
 TOLERANCE = 1e-5
@@ -76,8 +76,7 @@ def test_rules_round_trip_bit_exact(tiny):
     reference, cfg, _ = tiny
     state = reference.state_dict()
     back = to_diffusers(to_dfm(state, hunyuan_rules(cfg.model)), hunyuan_rules(cfg.model))
-    assert sorted(back) == sorted(state)
-    assert all(torch.equal(back[name], tensor) for name, tensor in state.items())
+    assert_bit_equal(back, state)
 
 
 def test_presets_have_the_diffusers_parameter_count():
