@@ -6,6 +6,7 @@ an image latent [H, W] gives H*W/4 tokens, a video latent [T, H, W] gives T*H*W/
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 TINY_YAML = "examples/megatron/recipes/dit/conf/dit_tiny.yaml"
@@ -114,6 +115,15 @@ def gpu_ladder() -> list[Rung]:
     cross = model(1152, 16, 28) + LATENT + BF16
     fixed_1k = data(16384, [[64, 64]], [], 1.0, packs_per_step=2)  # 16 images of 1k tokens per pack
     mixed = data(16384, [[32, 32], [64, 64]], [[4, 64, 64], [2, 64, 64]], 0.5, packs_per_step=2)
+
+    def variant_pair(suffix: str, variant: str, extra: Sequence[str] = ()) -> list[Rung]:
+        """A code variant on the h4096 8k-video rung and on the XL/2 image rung (``extra`` overrides on both)."""
+        video = model(4096, 32, 6) + h4096 + [*extra] + one_8k_video
+        return [
+            Rung(f"h4096-8k-L6-{suffix}", video, variant=variant, reference=False),
+            Rung(f"xl2-256-img-{suffix}", xl2 + [*extra], variant=variant, reference=False),
+        ]
+
     # The mixed rung's other sample shapes, each alone in 16k-token packs.
     other_fixed = [
         Rung("cross-256-img-fixed", cross + data(16384, [[32, 32]], [], 1.0, packs_per_step=2), reference=False),
@@ -137,34 +147,10 @@ def gpu_ladder() -> list[Rung]:
         Rung(
             "h4096-8k-L6-compiled", model(4096, 32, 6) + h4096 + ["model.compile=true"] + one_8k_video, reference=False
         ),
-        Rung(
-            "h4096-8k-L6-adaln-matmul",
-            model(4096, 32, 6) + h4096 + one_8k_video,
-            variant="adaln_matmul_broadcast",
-            reference=False,
-        ),
-        Rung("xl2-256-img-adaln-matmul", xl2, variant="adaln_matmul_broadcast", reference=False),
-        Rung(
-            "h4096-8k-L6-adaln-gather",
-            model(4096, 32, 6) + h4096 + one_8k_video,
-            variant="adaln_gather_backward",
-            reference=False,
-        ),
-        Rung("xl2-256-img-adaln-gather", xl2, variant="adaln_gather_backward", reference=False),
-        Rung(
-            "h4096-8k-L6-uniform-sdpa",
-            model(4096, 32, 6) + h4096 + flex + one_8k_video,
-            variant="uniform_segments_sdpa",
-            reference=False,
-        ),
-        Rung("xl2-256-img-uniform-sdpa", xl2 + flex, variant="uniform_segments_sdpa", reference=False),
-        Rung(
-            "h4096-8k-L6-uniform-cudnn",
-            model(4096, 32, 6) + h4096 + flex + one_8k_video,
-            variant="uniform_segments_cudnn",
-            reference=False,
-        ),
-        Rung("xl2-256-img-uniform-cudnn", xl2 + flex, variant="uniform_segments_cudnn", reference=False),
+        *variant_pair("adaln-matmul", "adaln_matmul_broadcast"),
+        *variant_pair("adaln-gather", "adaln_gather_backward"),
+        *variant_pair("uniform-sdpa", "uniform_segments_sdpa", flex),
+        *variant_pair("uniform-cudnn", "uniform_segments_cudnn", flex),
         Rung("cross-64k-video", cross + data(65536, [], [[16, 128, 128]], 0.0, packs_per_step=1)),
         Rung(
             "cross-64k-video-L12",

@@ -7,12 +7,17 @@ the folder's tensors are never all in memory beside the model.
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from dfm.convert.diffusers_folder import DiffusersWeights, read_config
 from dfm.convert.rules import ConversionError
+
+Outputs = TypeVar("Outputs")
 
 
 @torch.no_grad()
@@ -38,3 +43,15 @@ def load_diffusers_model(path: str | Path, diffusers_class: str) -> torch.nn.Mod
     if missing:
         raise ConversionError(f"{weights.folder}: missing {len(missing)} tensor(s) of {diffusers_class}: {missing[:8]}")
     return model.eval()
+
+
+def diffusers_outputs_alone(
+    path: str | Path, diffusers_class: str, run: Callable[[torch.nn.Module], Outputs]
+) -> Outputs:
+    """``run(model)`` on ``load_diffusers_model(path, diffusers_class)``; the model is gone (collected)
+    when this returns, so dfm's model, built next, is never in memory together with it."""
+    model = load_diffusers_model(path, diffusers_class)
+    outputs = run(model)
+    del model
+    gc.collect()
+    return outputs

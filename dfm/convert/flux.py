@@ -9,7 +9,6 @@ adaLN chunks are (shift, scale) in dfm, (scale, shift) in diffusers.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -18,7 +17,7 @@ from torch import Tensor
 
 from dfm.config.container import ConfigContainer, ModelConfig
 from dfm.convert.cli import Family
-from dfm.convert.diffusers_model import load_diffusers_model
+from dfm.convert.diffusers_model import diffusers_outputs_alone
 from dfm.convert.pretrained import converted_model
 from dfm.convert.rules import ConversionError, Rule, fused_qkv, rename
 
@@ -245,10 +244,11 @@ def verify(folder: str, cfg: ConfigContainer, weights: Callable[[], Iterable[tup
 
     model_cfg = single_process_config(cfg).model
     batch, t, guidance = verification_pack(model_cfg)
-    reference = load_diffusers_model(folder, "FluxTransformer2DModel")
-    references = diffusers_outputs(reference, batch, t, guidance, model_cfg.in_channels)
-    del reference
-    gc.collect()  # gone before dfm's model is built: the two are never in memory together
+
+    def run(reference) -> list[Tensor]:
+        return diffusers_outputs(reference, batch, t, guidance, model_cfg.in_channels)
+
+    references = diffusers_outputs_alone(folder, "FluxTransformer2DModel", run)
     with converted_model(model_cfg, weights(), cfg.rng.seed) as model:
         packed = model(batch.latents, t, batch, guidance)
     return max(per_sample_max_abs_diff(packed, references, batch))

@@ -8,7 +8,6 @@ and the final adaLN chunks are (shift, scale) in dfm, (scale, shift) in diffuser
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterable
 
 import torch
@@ -16,7 +15,7 @@ from torch import Tensor
 
 from dfm.config.container import ConfigContainer, ModelConfig
 from dfm.convert.cli import Family
-from dfm.convert.diffusers_model import load_diffusers_model
+from dfm.convert.diffusers_model import diffusers_outputs_alone
 from dfm.convert.flux import _double_block, _linear, per_sample_max_abs_diff, swapped_halves
 from dfm.convert.pretrained import converted_model
 from dfm.convert.rules import ConversionError, Rule, rename
@@ -216,10 +215,9 @@ def verify(folder: str, cfg: ConfigContainer, weights: Callable[[], Iterable[tup
 
     model_cfg = single_process_config(cfg).model
     batch, c_noise = verification_pack(model_cfg)
-    reference = load_diffusers_model(folder, DIFFUSERS_CLASS)
-    references = diffusers_outputs(reference, batch, c_noise)
-    del reference
-    gc.collect()  # gone before dfm's model is built: the two are never in memory together
+    references = diffusers_outputs_alone(
+        folder, DIFFUSERS_CLASS, lambda model: diffusers_outputs(model, batch, c_noise)
+    )
     with converted_model(model_cfg, weights(), cfg.rng.seed) as model:
         packed = model(batch.latents, c_noise, batch)
     return max(per_sample_max_abs_diff(packed, references, batch))

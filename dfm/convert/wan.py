@@ -6,7 +6,6 @@ samples (``verify`` for the CLI's ``--verify``, and the tests).
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -14,7 +13,7 @@ from torch import Tensor
 
 from dfm.config.container import ConfigContainer, ModelConfig
 from dfm.convert.cli import Family
-from dfm.convert.diffusers_model import load_diffusers_model
+from dfm.convert.diffusers_model import diffusers_outputs_alone
 from dfm.convert.pretrained import converted_model
 from dfm.convert.rules import ConversionError, Rule, fused_kv, fused_qkv, rename
 from dfm.data.packed_batch import PackedBatch
@@ -224,12 +223,13 @@ def verify(folder: str, cfg: ConfigContainer, weights: Callable[[], Iterable[tup
     single = single_process_config(cfg)
     samples = parity_samples(single.model)
     batch, timesteps = pack_samples(samples), parity_timesteps(len(samples))
-    transformer = load_diffusers_model(folder, "WanTransformer3DModel")
-    references = [
-        diffusers_sample_output(transformer, s, t, single.model.max_text_len) for s, t in zip(samples, timesteps)
-    ]
-    del transformer
-    gc.collect()  # gone before dfm's model is built: the two are never in memory together
+
+    def run(transformer) -> list[Tensor]:
+        return [
+            diffusers_sample_output(transformer, s, t, single.model.max_text_len) for s, t in zip(samples, timesteps)
+        ]
+
+    references = diffusers_outputs_alone(folder, "WanTransformer3DModel", run)
     with converted_model(single.model, weights(), cfg.rng.seed) as model:
         outputs = dfm_sample_outputs(model(batch.latents, timesteps, batch), batch, single.model)
     return max_abs_diff(outputs, references)

@@ -21,7 +21,8 @@ def padded_lengths(lengths: Sequence[int], segment_multiple: int, total_multiple
     return padded
 
 
-def _cumulative(lengths: Sequence[int]) -> torch.Tensor:
+def cumulative(lengths: Sequence[int]) -> torch.Tensor:
+    """Per-segment lengths [N] -> int32 offsets [N+1] (0 first)."""
     return torch.tensor([0, *torch.tensor(list(lengths)).cumsum(0).tolist()], dtype=torch.int32)
 
 
@@ -54,11 +55,11 @@ def condition_parts(samples: Sequence[DiffusionSample], q_offsets: torch.Tensor,
             f"samples {missing} lack condition / text_2 / image_embeds while others in their pack have them"
         )
     kv2_lens = [int(s.text_2.shape[0]) for s in samples]
-    kv2_offsets = _cumulative(padded_lengths(kv2_lens, 1, total_multiple))
+    kv2_offsets = cumulative(padded_lengths(kv2_lens, 1, total_multiple))
     return dict(
         condition=_scatter_segments([s.condition.float() for s in samples], q_offsets, int(q_offsets[-1])),
         context_2=_scatter_segments([s.text_2 for s in samples], kv2_offsets, int(kv2_offsets[-1])),
-        cu_seqlens_kv2=_cumulative(kv2_lens),
+        cu_seqlens_kv2=cumulative(kv2_lens),
         cu_seqlens_kv2_padded=kv2_offsets,
         image_embeds=torch.stack([s.image_embeds for s in samples]).float(),
     )
@@ -83,15 +84,15 @@ def pack_samples(samples: Sequence[DiffusionSample], segment_multiple: int = 1, 
     q_padded = padded_lengths(q_lens, segment_multiple, total_multiple)
     # Text is split over TP ranks too under sequence parallelism: pad its total the same way.
     kv_padded = padded_lengths(kv_lens, 1, total_multiple)
-    q_offsets, kv_offsets = _cumulative(q_padded), _cumulative(kv_padded)
+    q_offsets, kv_offsets = cumulative(q_padded), cumulative(kv_padded)
     total_q, total_kv = int(q_offsets[-1]), int(kv_offsets[-1])
     ones = [torch.ones(n) for n in q_lens]
     return PackedBatch(
         latents=_scatter_segments([s.tokens for s in samples], q_offsets, total_q),
         context=_scatter_segments([s.text for s in samples], kv_offsets, total_kv),
-        cu_seqlens_q=_cumulative(q_lens),
+        cu_seqlens_q=cumulative(q_lens),
         cu_seqlens_q_padded=q_offsets,
-        cu_seqlens_kv=_cumulative(kv_lens),
+        cu_seqlens_kv=cumulative(kv_lens),
         cu_seqlens_kv_padded=kv_offsets,
         pos_ids=_scatter_segments([s.pos_ids.long() for s in samples], q_offsets, total_q),
         loss_mask=_scatter_segments(ones, q_offsets, total_q),

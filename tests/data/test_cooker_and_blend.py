@@ -9,27 +9,14 @@ import webdataset as wds
 
 from dfm.data.energon.cooker import BadSampleError, cook_diffusion_sample
 from dfm.data.energon.data_module import (
-    EnergonDataSettings,
     build_train_loader,
     build_val_loader,
     write_blend_metadataset,
 )
-from dfm.data.energon.task_encoder import PackingSettings, sample_metadata
+from dfm.data.energon.task_encoder import sample_metadata
 from dfm.data.prepare.energon_prepare import run_energon_prepare
 from dfm.data.prepare.synthetic import write_synthetic_dataset
-
-
-def small_settings(path, **overrides) -> EnergonDataSettings:
-    values = dict(
-        path=str(path),
-        packing=PackingSettings(seq_length=160),
-        packing_buffer_size=8,
-        num_workers=0,
-        shuffle_buffer_size=4,
-        max_samples_per_sequence=4,
-    )
-    values.update(overrides)
-    return EnergonDataSettings(**values)
+from tests.data.synthetic_data import small_settings
 
 
 def write_dfm_style_shard(out_dir, drop_part: str | None = None) -> None:

@@ -7,27 +7,17 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from dfm.data.energon.data_module import EnergonDataSettings, build_train_loader
-from dfm.data.energon.task_encoder import PackingSettings, sample_metadata
+from dfm.data.energon.data_module import build_train_loader
+from dfm.data.energon.task_encoder import sample_metadata
 from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking
+from tests.data.synthetic_data import small_settings
 
 NUM_PACKS = 6
 
 
-def energon_settings(path) -> EnergonDataSettings:
-    return EnergonDataSettings(
-        path=str(path),
-        packing=PackingSettings(seq_length=160),
-        packing_buffer_size=8,
-        num_workers=1,
-        shuffle_buffer_size=4,
-        max_samples_per_sequence=4,
-    )
-
-
 def energon_pack_keys(path: str, dp_rank: int, dp_size: int, slot: int, results) -> None:
     """Runs in its own process, like one trainer rank (e.g. a TP rank of replica ``dp_rank``)."""
-    loader = build_train_loader(energon_settings(path), dp_rank, dp_size)
+    loader = build_train_loader(small_settings(path, num_workers=1), dp_rank, dp_size)
     results.put((slot, [tuple(m["key"] for m in sample_metadata(next(loader))) for _ in range(NUM_PACKS)]))
 
 

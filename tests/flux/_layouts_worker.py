@@ -4,9 +4,10 @@ Usage: torchrun --nproc-per-node 2 _layouts_worker.py CASE OUT_DIR. CASE (a torc
 the test) holds the diffusers config, the converted full weights and diffusers' output for every
 sample of ``verification_pack`` run alone. Each layout re-initialises megatron's parallel state,
 builds its shard of the model, runs the pack and saves {layout: max abs diff} to
-OUT_DIR/rank<R>.pt (None: no output on this rank).
+OUT_DIR/rank<R>.json (None: no output on this rank).
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def main(case: Path, out_dir: Path) -> None:
             results[name] = run_layout(cfg.model, weights, layout, references)
         finally:
             parallel_state.destroy_model_parallel()
-    torch.save(results, out_dir / f"rank{torch.distributed.get_rank()}.pt")
+    (out_dir / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(results))
     destroy_distributed()
 
 

@@ -7,7 +7,6 @@ import is fine-tuned 3 iterations at TP=2 + SP on those shards (pretrain_dit_mod
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import diffusers
@@ -19,10 +18,10 @@ import webdataset as wds
 
 from dfm.convert.cli import main
 from dfm.convert.flux import FLUX, flux_rules
-from dfm.convert.rules import to_diffusers
 from dfm.data.encoders import CLIPPooledEncoder, T5TextEncoder, VideoVAE
 from dfm.data.prepare.buckets import resize_center_crop
 from dfm.inference.generate import main as generate_main
+from tests._parity import assert_bit_equal, assert_export_is_finetuned, verified_diff
 from tests.flux._tiny import TINY_IMAGES, dfm_config_and_weights, prepare_with_flux_encoders, tiny_diffusers_flux
 from tests.parallel.equivalence import WEIGHTS_ENTRY
 from tests.training.entry import read_metrics, run_entry
@@ -73,7 +72,8 @@ def test_flux_run_without_pooled_vectors_names_the_part(tmp_path):
     """Shards without '.pooled.pth' (DFM's, or prepared for another model) stop a FLUX run at the first sample."""
     from dfm.data.energon.cooker import BadSampleError
     from dfm.data.energon.data_module import build_train_loader
-    from tests.data.test_cooker_and_blend import small_settings, write_dfm_style_shard
+    from tests.data.synthetic_data import small_settings
+    from tests.data.test_cooker_and_blend import write_dfm_style_shard
 
     write_dfm_style_shard(tmp_path / "dfm")
     settings = small_settings(tmp_path / "dfm")
@@ -91,7 +91,7 @@ def test_import_from_a_pipeline_folder_verifies_and_exports_back(tmp_path, capsy
     (pipeline / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     imported, export = tmp_path / "imported", tmp_path / "export"
     assert main(FLUX, ["import", "--diffusers", str(pipeline), "--output", str(imported), "--verify"]) == 0
-    assert float(re.search(r"max abs diff vs diffusers: (\S+)", capsys.readouterr().out).group(1)) <= 1e-5
+    assert verified_diff(capsys.readouterr().out) <= 1e-5
     assert main(FLUX, ["export", "--checkpoint", str(imported), "--output", str(export)]) == 0
     back = diffusers.FluxTransformer2DModel.from_pretrained(export).state_dict()
     assert all(torch.equal(back[name], tensor) for name, tensor in reference.state_dict().items())
@@ -104,13 +104,12 @@ def test_import_finetune_on_prepared_shards_at_tp2_export_loads_in_diffusers(sha
     cfg, start = dfm_config_and_weights(reference)
     imported = tmp_path / "imported"
     assert main(FLUX, ["import", "--diffusers", str(source), "--output", str(imported), "--verify"]) == 0
-    assert float(re.search(r"max abs diff vs diffusers: (\S+)", capsys.readouterr().out).group(1)) <= 1e-5
+    assert verified_diff(capsys.readouterr().out) <= 1e-5
 
     # Import then export, untouched: every tensor back bit for bit.
     assert main(FLUX, ["export", "--checkpoint", str(imported), "--output", str(tmp_path / "same")]) == 0
     same = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "same").state_dict()
-    assert sorted(same) == sorted(original)
-    assert all(torch.equal(same[name], tensor) for name, tensor in original.items())
+    assert_bit_equal(same, original)
 
     trained, dump = tmp_path / "trained", tmp_path / "weights.pt"
     args = ["train.train_iters=3", "optimizer.lr=1e-4", f"logger.log_dir={tmp_path / 'log'}"]
@@ -124,14 +123,7 @@ def test_import_finetune_on_prepared_shards_at_tp2_export_loads_in_diffusers(sha
     assert main(FLUX, ["export", "--checkpoint", str(trained), "--output", str(tmp_path / "export")]) == 0
     exported = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path / "export").state_dict()
 
-    weights = torch.load(dump)  # gathered from the TP=2 ranks, independently of the checkpoint
-    expected = to_diffusers(weights, flux_rules(cfg.model))
-    assert sorted(exported) == sorted(expected)
-    assert all(torch.equal(exported[name], tensor) for name, tensor in expected.items())
-    # Fine-tuned from the imported weights (3 Adam steps of lr 1e-4 each move a weight by <= ~1e-4);
-    # a shard loaded into the wrong place would differ by the weights' own size (~0.1).
-    moved = max(float((weights[name] - start[name]).abs().max()) for name in start)
-    assert 0 < moved < 1e-3
+    assert_export_is_finetuned(exported, dump, start, flux_rules(cfg.model))
 
     # Generation from the fine-tuned checkpoint: tiny FLUX encoders (T5, CLIP, FLUX's VAE) -> a png.
     png = tmp_path / "flux.png"

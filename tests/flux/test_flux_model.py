@@ -9,9 +9,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,16 +22,16 @@ from dfm.convert.flux import (
     reorder_patch_features,
     verification_pack,
 )
-from dfm.convert.pretrained import fill_weights, single_process_world
+from dfm.convert.pretrained import single_process_world
 from dfm.convert.rules import to_dfm, to_diffusers
 from dfm.diffusion.pipeline import build_pipeline
-from dfm.models.build import build_model
 from dfm.models.presets_cli import preset_parameter_counts
 from dfm.training.forward_step import DiffusionForwardStep
+from tests._layouts import LAYOUTS, assert_outputs_match, layout_results
+from tests._parity import assert_bit_equal, converted_model
 from tests.flux._tiny import dfm_config_and_weights, tiny_diffusers_flux
 from tests.models.test_no_host_sync import DeviceTensor, on_fake_device
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_layouts_worker.py")
 TOLERANCE = 1e-5
 
@@ -46,18 +43,12 @@ def tiny():
     return reference, cfg, weights
 
 
-def dfm_model(cfg, weights):
-    model, _ = build_model(cfg.model, "fp32")
-    fill_weights(model, weights, "the converted weights")
-    return model
-
-
 def test_forward_matches_diffusers_per_sample_in_a_mixed_pack(tiny):
     reference, cfg, weights = tiny
     batch, t, guidance = verification_pack(cfg.model)
     assert len(set(batch.host_sample_lengths())) > 1 and len(set(batch.host_text_lengths())) > 1
     with single_process_world(cfg.rng.seed):
-        model = dfm_model(cfg, weights).eval()
+        model = converted_model(cfg, weights).eval()
         with torch.no_grad():
             packed = model(batch.latents, t, batch, guidance)
     references = diffusers_outputs(reference, batch, t, guidance, cfg.model.in_channels)
@@ -71,7 +62,7 @@ def test_one_backward_gives_diffusers_gradients(tiny):
     batch, t, guidance = verification_pack(cfg.model)
     upstream = torch.randn(batch.latents.shape, generator=torch.Generator().manual_seed(3)) * batch.loss_mask[:, None]
     with single_process_world(cfg.rng.seed):
-        model = dfm_model(cfg, weights)
+        model = converted_model(cfg, weights)
         (model(batch.latents, t, batch, guidance) * upstream).sum().backward()
         grads = {model.global_param_name(name): p.grad for name, p in model.named_parameters()}
     reference.zero_grad()
@@ -93,29 +84,19 @@ def test_rules_round_trip_bit_exact(guidance_embeds):
     cfg, weights = dfm_config_and_weights(reference)
     assert cfg.model.guidance_embeds is guidance_embeds
     back = to_diffusers(to_dfm(reference.state_dict(), flux_rules(cfg.model)), flux_rules(cfg.model))
-    assert sorted(back) == sorted(reference.state_dict())
-    assert all(torch.equal(back[name], tensor) for name, tensor in reference.state_dict().items())
+    assert_bit_equal(back, reference.state_dict())
 
 
 def test_tp2_sp_cp2_pp2_forward_match_diffusers(tiny, tmp_path):
     reference, cfg, weights = tiny
     batch, t, guidance = verification_pack(cfg.model)
     references = diffusers_outputs(reference, batch, t, guidance, cfg.model.in_channels)
-    case, out = tmp_path / "case.pt", tmp_path / "out"
+    case = tmp_path / "case.pt"
     torch.save({"config": dict(reference.config), "weights": weights, "references": references}, case)
-    out.mkdir()
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = subprocess.run([*command, str(WORKER), str(case), str(out)], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
-    for layout in ("tp2_sp", "cp2"):
-        assert all(r[layout] <= TOLERANCE for r in results), (layout, results)
-    assert results[0]["pp2"] is None and results[1]["pp2"] <= TOLERANCE, results
+    results = layout_results(WORKER, tmp_path, args=(case,))
+    for layout in LAYOUTS:
+        assert_outputs_match(results, layout, TOLERANCE)
+    assert results[0]["pp2"] is None, results  # the first PP stage holds no output
 
 
 def test_flux1_presets_have_the_diffusers_parameter_counts():
@@ -130,7 +111,7 @@ def test_micro_batch_device_work_never_reads_back(tiny):
     batch, _, _ = verification_pack(cfg.model, padding=(4, 4))
     step = DiffusionForwardStep(build_pipeline("flow"), seed=1, cfg_dropout_prob=0.5, device=torch.device("cpu"))
     with single_process_world(cfg.rng.seed):
-        model = dfm_model(cfg, weights)
+        model = converted_model(cfg, weights)
         batch, noise, level = step.prepare(batch)
         noise, level = noise.as_subclass(DeviceTensor), level.as_subclass(DeviceTensor)
         DeviceTensor.reads = []

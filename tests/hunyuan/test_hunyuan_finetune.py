@@ -8,7 +8,6 @@ model (``from_pretrained``) holding exactly the weights the ranks trained."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import diffusers
@@ -18,7 +17,7 @@ import webdataset as wds
 
 from dfm.convert.cli import main
 from dfm.convert.hunyuan import HUNYUAN, hunyuan_rules
-from dfm.convert.rules import to_diffusers
+from tests._parity import assert_bit_equal, assert_export_is_finetuned, verified_diff
 from tests.hunyuan._tiny import CAPTIONS, dfm_config_and_weights, prepare_with_hunyuan_encoders, tiny_diffusers_hunyuan
 from tests.parallel.equivalence import WEIGHTS_ENTRY
 from tests.training.entry import read_metrics, run_entry
@@ -87,13 +86,12 @@ def test_import_verify_finetune_at_tp2_export_loads_in_diffusers(shards, tmp_pat
     cfg, start = dfm_config_and_weights(reference)
     imported, trained, dump = tmp_path / "imported", tmp_path / "trained", tmp_path / "weights.pt"
     assert main(HUNYUAN, ["import", "--diffusers", str(pipeline), "--output", str(imported), "--verify"]) == 0
-    assert float(re.search(r"max abs diff vs diffusers: (\S+)", capsys.readouterr().out).group(1)) <= 1e-5
+    assert verified_diff(capsys.readouterr().out) <= 1e-5
 
     # Import then export, untouched: every tensor back bit for bit.
     assert main(HUNYUAN, ["export", "--checkpoint", str(imported), "--output", str(tmp_path / "same")]) == 0
     same, original = load_export(tmp_path / "same", reference), reference.state_dict()
-    assert sorted(same) == sorted(original)
-    assert all(torch.equal(same[name], tensor) for name, tensor in original.items())
+    assert_bit_equal(same, original)
 
     args = ["train.train_iters=3", "optimizer.lr=1e-4", f"logger.log_dir={tmp_path / 'log'}"]
     args += [f"dataset.path={shards}", "dataset.num_workers=0", "dataset.i2v_prob=0.5"]
@@ -107,10 +105,4 @@ def test_import_verify_finetune_at_tp2_export_loads_in_diffusers(shards, tmp_pat
     assert main(HUNYUAN, ["export", "--checkpoint", str(trained), "--output", str(tmp_path / "export")]) == 0
     exported = load_export(tmp_path / "export", reference)
 
-    weights = torch.load(dump)  # gathered from the TP=2 ranks, independently of the checkpoint
-    expected = to_diffusers(weights, hunyuan_rules(cfg.model))
-    assert sorted(exported) == sorted(expected)
-    assert all(torch.equal(exported[name], tensor) for name, tensor in expected.items())
-    # Fine-tuned from the imported weights (3 Adam steps of lr 1e-4 move a weight by <= ~3e-4).
-    moved = max(float((weights[name] - start[name]).abs().max()) for name in start)
-    assert 0 < moved < 1e-3
+    assert_export_is_finetuned(exported, dump, start, hunyuan_rules(cfg.model))

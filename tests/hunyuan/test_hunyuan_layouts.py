@@ -4,34 +4,12 @@ single-process test, each sample against diffusers run alone, outputs <= 1e-5 ma
 TP=2 + SP and CP=2 also every parameter gradient (each rank's shard, after the reductions megatron
 adds) within 1e-5 of diffusers' (relative to max(1, its max))."""
 
-import json
 from pathlib import Path
 
-import pytest
-
-from tests.torchrun_worker import run_worker
-
-WORKER = Path(__file__).with_name("_layouts_worker.py")
-TOLERANCE = 1e-5
-# The ranks that hold the output: TP and CP ranks all do (gathered), PP only the last stage.
-EXPECTED = {0: {"tp2_sp", "cp2"}, 1: {"tp2_sp", "cp2", "pp2"}}
+from tests._layouts import LayoutTests
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[int, dict[str, float]]:
-    out = tmp_path_factory.mktemp("hunyuan_layouts")
-    run_worker(WORKER, 2, out, timeout=300)
-    return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)}
-
-
-@pytest.mark.parametrize("layout", ["tp2_sp", "cp2", "pp2"])
-def test_layout_matches_diffusers(results, layout):
-    for rank, names in EXPECTED.items():
-        if layout in names:
-            assert results[rank][layout] <= TOLERANCE, (rank, layout, results[rank][layout])
-
-
-@pytest.mark.parametrize("layout", ["tp2_sp", "cp2"])
-def test_layout_gradients_match_diffusers(results, layout):
-    for rank in range(2):
-        assert results[rank][f"{layout}/grad"] <= TOLERANCE, (rank, layout, results[rank][f"{layout}/grad"])
+class TestHunyuanLayouts(LayoutTests):
+    WORKER = Path(__file__).with_name("_layouts_worker.py")
+    TOLERANCE = 1e-5
+    GRAD_TOLERANCE = 1e-5

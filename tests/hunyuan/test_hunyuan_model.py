@@ -15,14 +15,14 @@ import torch
 
 from dfm.convert.flux import per_sample_max_abs_diff
 from dfm.convert.hunyuan import diffusers_inputs, diffusers_outputs, hunyuan_rules, verification_pack
-from dfm.convert.pretrained import fill_weights, single_process_world
+from dfm.convert.pretrained import single_process_world
 from dfm.convert.rules import to_dfm, to_diffusers
 from dfm.data.patchify import patchify
 from dfm.diffusion.flow import FlowPipeline, FlowSettings
 from dfm.diffusion.pipeline import build_pipeline
-from dfm.models.build import build_model
 from dfm.models.presets_cli import preset_parameter_counts
 from dfm.training.forward_step import DiffusionForwardStep
+from tests._parity import assert_bit_equal, converted_model
 from tests.hunyuan._tiny import dfm_config_and_weights, tiny_diffusers_hunyuan
 
 TOLERANCE = 1e-5
@@ -35,12 +35,6 @@ def tiny():
     return reference, cfg, weights
 
 
-def dfm_model(cfg, weights):
-    model, _ = build_model(cfg.model, "fp32")
-    fill_weights(model, weights, "the converted weights")
-    return model
-
-
 def test_forward_matches_diffusers_per_sample_in_a_mixed_pack(tiny):
     reference, cfg, weights = tiny
     batch, c_noise = verification_pack(cfg.model)
@@ -49,7 +43,7 @@ def test_forward_matches_diffusers_per_sample_in_a_mixed_pack(tiny):
     image_to_video = host.image_embeds.flatten(1).ne(0).any(1).tolist()
     assert True in image_to_video and False in image_to_video
     with single_process_world(cfg.rng.seed):
-        model = dfm_model(cfg, weights).eval()
+        model = converted_model(cfg, weights).eval()
         with torch.no_grad():
             packed = model(batch.latents, c_noise, batch)
     references = diffusers_outputs(reference, batch, c_noise)
@@ -62,7 +56,7 @@ def test_one_backward_gives_diffusers_gradients(tiny):
     batch, c_noise = verification_pack(cfg.model)
     upstream = torch.randn(batch.latents.shape, generator=torch.Generator().manual_seed(3))
     with single_process_world(cfg.rng.seed):
-        model = dfm_model(cfg, weights)
+        model = converted_model(cfg, weights)
         (model(batch.latents, c_noise, batch) * upstream * batch.loss_mask[:, None]).sum().backward()
         grads = {model.global_param_name(name): p.grad for name, p in model.named_parameters()}
     reference.zero_grad()
@@ -82,8 +76,7 @@ def test_rules_round_trip_bit_exact(tiny):
     reference, cfg, _ = tiny
     state = reference.state_dict()
     back = to_diffusers(to_dfm(state, hunyuan_rules(cfg.model)), hunyuan_rules(cfg.model))
-    assert sorted(back) == sorted(state)
-    assert all(torch.equal(back[name], tensor) for name, tensor in state.items())
+    assert_bit_equal(back, state)
 
 
 def test_presets_have_the_diffusers_parameter_count():

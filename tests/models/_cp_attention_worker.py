@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from dfm.data.packing import cumulative
 from dfm.models.attention import (
     PackedSegments,
     attend_in_segment_order,
@@ -24,24 +25,11 @@ from dfm.models.common.factorized_layout import factorized_params
 from dfm.parallel import ParallelLayout
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.platform.process_exit import skip_final_gc_at_exit
+from tests.models._helpers import segments
 
 HEADS, HEAD_DIM = 4, 8
 SCALE = HEAD_DIM**-0.5
 LAYOUT = ParallelLayout(world_size=2, cp=2)
-
-
-def cumulative(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-
-
-def segments(q_lens, q_padded, kv_lens, kv_padded) -> PackedSegments:
-    return PackedSegments(
-        qkv_format="sbhd",
-        cu_seqlens_q=cumulative(q_lens),
-        cu_seqlens_q_padded=cumulative(q_padded),
-        cu_seqlens_kv=cumulative(kv_lens),
-        cu_seqlens_kv_padded=cumulative(kv_padded),
-    )
 
 
 def kernel_of(backend):
@@ -106,7 +94,7 @@ def self_and_cross_cases() -> dict:
     # Three samples of different lengths, segments padded to multiples of 2*cp = 4.
     q_lens, q_padded = [5, 9, 3], [8, 12, 4]
     for name, kv_lens, kv_padded, is_self in [("self", q_lens, q_padded, True), ("cross", [2, 7, 4], [3, 7, 6], False)]:
-        params = segments(q_lens, q_padded, kv_lens, kv_padded)
+        params = segments(q_lens, q_padded, kv_lens, kv_padded, kind=PackedSegments)
         split = LAYOUT.sequence_split(params.cu_seqlens_q_padded)
         inputs = random_inputs(sum(q_padded), sum(kv_padded))
         strategy = local_query_attention(params, split, self_attention=is_self)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from dfm.config.container import ModelConfig
-from dfm.data.packing import pack_samples
+from dfm.data.packing import cumulative, pack_samples
 from dfm.data.patchify import patchify
 from dfm.data.sample import DiffusionSample
 from dfm.models.build import build_model_chunk
@@ -97,3 +98,15 @@ __all__ = [
     "randomize_",
     "tiny_config",
 ]
+
+
+def segments(q_lens, q_padded, kv_lens, kv_padded, kind: type = PackedSeqParams) -> PackedSeqParams:
+    """Host segments of a pack from per-sample real and padded query / key lengths [N]; ``kind``:
+    megatron's PackedSeqParams (what the kernels accept) or its PackedSegments subclass."""
+    return kind(
+        qkv_format="sbhd",
+        cu_seqlens_q=cumulative(q_lens),
+        cu_seqlens_q_padded=cumulative(q_padded),
+        cu_seqlens_kv=cumulative(kv_lens),
+        cu_seqlens_kv_padded=cumulative(kv_padded),
+    )

@@ -8,10 +8,10 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from megatron.core.packed_seq_params import PackedSeqParams
 
 from dfm.models.attention import flex_document_attention, sdpa_per_segment
 from dfm.models.attention.varlen import varlen_document_attention
+from tests.models._helpers import segments
 
 
 def reference_varlen_attn(query, key, value, segments, scale):
@@ -34,20 +34,6 @@ KERNELS = {
     "varlen": functools.partial(varlen_document_attention, attn=reference_varlen_attn),
 }
 HEADS, HEAD_DIM = 2, 8
-
-
-def cumulative(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-
-
-def segments(q_lens, q_padded, kv_lens, kv_padded) -> PackedSeqParams:
-    return PackedSeqParams(
-        qkv_format="sbhd",
-        cu_seqlens_q=cumulative(q_lens),
-        cu_seqlens_q_padded=cumulative(q_padded),
-        cu_seqlens_kv=cumulative(kv_lens),
-        cu_seqlens_kv_padded=cumulative(kv_padded),
-    )
 
 
 def dense_reference(query, key, value, params, scale):

@@ -40,8 +40,17 @@ def _mark(folder: Path, what: str, seed: int) -> None:
     (folder / MARKER_FILE).write_text(json.dumps({"tiny_random_encoders": True, "model": what, "seed": seed}))
 
 
-def build_tiny_t5(out_dir: Path, seed: int, text_dim: int) -> Path:
+def _save_tiny(out_dir: Path, seed: int, what: str, build, tokenizer=None) -> Path:
+    """``build()`` (a model) under ``seed``, saved with ``tokenizer`` to ``out_dir`` and marked as ``what``."""
     torch.manual_seed(seed)
+    build().save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    _mark(out_dir, what, seed)
+    return out_dir
+
+
+def build_tiny_t5(out_dir: Path, seed: int, text_dim: int) -> Path:
     tokenizer = ByT5Tokenizer()  # byte-level: needs no vocabulary file
     config = T5Config(
         vocab_size=len(tokenizer),
@@ -53,16 +62,12 @@ def build_tiny_t5(out_dir: Path, seed: int, text_dim: int) -> Path:
         relative_attention_num_buckets=8,
         dropout_rate=0.0,
     )
-    T5EncoderModel(config).save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    _mark(out_dir, "T5EncoderModel", seed)
-    return out_dir
+    return _save_tiny(out_dir, seed, "T5EncoderModel", lambda: T5EncoderModel(config), tokenizer)
 
 
 def build_tiny_wan_vae(out_dir: Path, seed: int, latent_channels: int, **wan22) -> Path:
     """AutoencoderKLWan, Wan 2.1's kind (``wan22``: the Wan 2.2 VAE's extra config, build_tiny_wan22_vae)."""
-    torch.manual_seed(seed)
-    model = AutoencoderKLWan(
+    config = dict(
         base_dim=8,
         z_dim=latent_channels,
         dim_mult=[1, 2, 2, 2],
@@ -73,9 +78,8 @@ def build_tiny_wan_vae(out_dir: Path, seed: int, latent_channels: int, **wan22) 
         latents_std=[1.0] * latent_channels,
         **wan22,
     )
-    model.save_pretrained(out_dir)
-    _mark(out_dir, "AutoencoderKLWan" + (" (Wan 2.2)" if wan22 else ""), seed)
-    return out_dir
+    what = "AutoencoderKLWan" + (" (Wan 2.2)" if wan22 else "")
+    return _save_tiny(out_dir, seed, what, lambda: AutoencoderKLWan(**config))
 
 
 def build_tiny_wan22_vae(out_dir: Path, seed: int, latent_channels: int = 48) -> Path:
@@ -97,7 +101,6 @@ def tiny_clip_tokenizer() -> CLIPTokenizer:
 
 def build_tiny_clip(out_dir: Path, seed: int, pooled_dim: int) -> Path:
     """A CLIPTextModel whose pooler_output is ``pooled_dim`` wide, with its tokenizer."""
-    torch.manual_seed(seed)
     tokenizer = tiny_clip_tokenizer()
     config = CLIPTextConfig(
         vocab_size=len(tokenizer),
@@ -110,16 +113,12 @@ def build_tiny_clip(out_dir: Path, seed: int, pooled_dim: int) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    CLIPTextModel(config).save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    _mark(out_dir, "CLIPTextModel", seed)
-    return out_dir
+    return _save_tiny(out_dir, seed, "CLIPTextModel", lambda: CLIPTextModel(config), tokenizer)
 
 
 def build_tiny_kl_vae(out_dir: Path, seed: int, latent_channels: int, **normalisation) -> Path:
     """``normalisation``: AutoencoderKL's shift_factor / scaling_factor (default: SD's)."""
-    torch.manual_seed(seed)
-    model = AutoencoderKL(
+    config = dict(
         in_channels=3,
         out_channels=3,
         down_block_types=["DownEncoderBlock2D"] * 4,
@@ -131,9 +130,7 @@ def build_tiny_kl_vae(out_dir: Path, seed: int, latent_channels: int, **normalis
         sample_size=64,
         **normalisation,
     )
-    model.save_pretrained(out_dir)
-    _mark(out_dir, "AutoencoderKL", seed)
-    return out_dir
+    return _save_tiny(out_dir, seed, "AutoencoderKL", lambda: AutoencoderKL(**config))
 
 
 def build_tiny_random_encoders(

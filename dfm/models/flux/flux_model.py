@@ -96,19 +96,27 @@ class FluxModel(PackedDiffusionModel):
         """The blocks' inputs for this rank's share of ``batch``; cond [N, h]."""
         if token_ids is None:
             token_ids = split.local(batch.token_sample_ids())
-        text_lengths = segment_lengths(batch.cu_seqlens_kv_padded).long()
+        joint, num_text = self.joint_text(batch)
+        text_lengths = segment_lengths(joint.cu_seqlens_kv_padded).long()
         samples = torch.arange(len(text_lengths), device=text_lengths.device)
-        text_ids = torch.repeat_interleave(samples, text_lengths, output_size=batch.context.shape[0])
+        text_ids = torch.repeat_interleave(samples, text_lengths, output_size=num_text)
+        cfg = self.model_cfg
         return FluxPackInputs(
             cond=cond,
             text_sample_ids=self.layout.sequence_parallel_slice(text_ids),
             image_sample_ids=self.layout.sequence_parallel_slice(token_ids),
-            attention=joint_attention_plan(batch, split, list(self.model_cfg.rope_axes_dim)),
+            attention=joint_attention_plan(joint, split, list(cfg.rope_axes_dim), cfg.rope_theta),
         )
 
+    def joint_text(self, batch: PackedBatch) -> tuple[PackedBatch, int]:
+        """(``batch`` with the text stream's segments as its cu_seqlens_kv, the stream's rows S_kv):
+        FLUX's text stream is the pack's text."""
+        return batch, batch.context.shape[0]
 
-def check_flux_config(model_cfg) -> None:
-    """ValueError naming the key when ``model_cfg`` cannot be a FLUX model."""
+
+def check_joint_attention_heads(model_cfg, model_name: str) -> None:
+    """ValueError naming the key when the heads of ``model_cfg`` cannot run the joint attention of
+    FLUX's double-stream block (RoPE over the whole head, per-head q/k norms)."""
     head_dim = model_cfg.hidden_size // model_cfg.num_attention_heads
     if sum(model_cfg.rope_axes_dim) != head_dim:
         raise ValueError(
@@ -116,7 +124,12 @@ def check_flux_config(model_cfg) -> None:
             f"hidden_size / num_attention_heads = {head_dim}"
         )
     if not model_cfg.qk_layernorm:
-        raise ValueError("FLUX normalises queries and keys per head: set model.qk_layernorm=true")
+        raise ValueError(f"{model_name} normalises queries and keys per head: set model.qk_layernorm=true")
+
+
+def check_flux_config(model_cfg) -> None:
+    """ValueError naming the key when ``model_cfg`` cannot be a FLUX model."""
+    check_joint_attention_heads(model_cfg, "FLUX")
     if not 0 <= model_cfg.num_single_layers <= model_cfg.num_layers:
         raise ValueError(
             f"model.num_single_layers ({model_cfg.num_single_layers}) must be in [0, model.num_layers="

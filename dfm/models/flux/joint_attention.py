@@ -17,11 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from dfm.data.packed_batch import PackedBatch
+from dfm.data.packing import cumulative
 from dfm.models.attention.segments import PackedSegments
+from dfm.models.common.packed_segments import packed_segments
 from dfm.models.flux.rope import apply_interleaved_rope, rope_cos_sin
 from dfm.parallel.sequence_split import SequenceSplit
 
@@ -49,28 +50,6 @@ class JointAttentionPlan:
     num_text: int  # S_kv
 
 
-def _cumulative(lengths: list[int], device) -> Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-
-
-def _joint_segments(q_lengths: list[int], kv_lengths: list[int], device) -> PackedSegments:
-    def segments(on) -> PackedSeqParams:
-        cu_q, cu_kv = _cumulative(q_lengths, on), _cumulative(kv_lengths, on)
-        return PackedSeqParams(
-            qkv_format="sbhd",
-            cu_seqlens_q=cu_q,
-            cu_seqlens_q_padded=cu_q,
-            cu_seqlens_kv=cu_kv,
-            cu_seqlens_kv_padded=cu_kv,
-            max_seqlen_q=max(q_lengths),
-            max_seqlen_kv=max(kv_lengths),
-        )
-
-    joint = PackedSegments(**vars(segments(device)))
-    joint.host = segments("cpu")
-    return joint
-
-
 def joint_attention_plan(
     batch: PackedBatch, split: SequenceSplit, axes_dim: list[int], theta: float = 10000.0
 ) -> JointAttentionPlan:
@@ -89,11 +68,12 @@ def joint_attention_plan(
         kv_lengths.append(text_len[i] + image_len[i])
         text_valid.append(torch.arange(len(text)) < text_len[i])
     q_order = torch.cat(q_rows)
+    cu_q, cu_kv = cumulative(q_lengths), cumulative(kv_lengths)
     image_valid = split.local(host.loss_mask != 0)
     q_valid = torch.cat([*text_valid, image_valid]).float()[:, None, None]
     cos, sin = rope_cos_sin(split.local(host.pos_ids), axes_dim, theta)
     return JointAttentionPlan(
-        params=_joint_segments(q_lengths, kv_lengths, device),
+        params=packed_segments(cu_q, cu_q, cu_kv, cu_kv, device),
         q_order=q_order.to(device),
         q_inverse=torch.argsort(q_order).to(device),
         kv_order=torch.cat(kv_rows).to(device),

@@ -17,15 +17,13 @@ import torch
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor, nn
 
-from dfm.data.packed_batch import PackedBatch, segment_lengths
+from dfm.data.packed_batch import PackedBatch
 from dfm.models.attention.modules import BackendModules
 from dfm.models.common.embeddings import TimestepEmbedder
 from dfm.models.common.final_layer import FinalLayer
 from dfm.models.common.init import zero_init
-from dfm.models.flux.flux_layer import FluxPackInputs
-from dfm.models.flux.flux_model import FluxModel
+from dfm.models.flux.flux_model import FluxModel, check_joint_attention_heads
 from dfm.models.flux.flux_spec import flux_layer_specs
-from dfm.models.flux.joint_attention import joint_attention_plan
 from dfm.models.hunyuan.embedders import TokenRefiner, byt5_embedder, image_embedder
 from dfm.models.hunyuan.text_stream import TextStreamPlan, text_stream_plan, text_view
 from dfm.parallel.sequence_split import SequenceSplit
@@ -54,7 +52,7 @@ class HunyuanVideo15Model(FluxModel):
         self.core_attention_spec = layer_spec.submodules.core_attention
         # The scaffold's init, not FluxModel's: FLUX's config check (a pooled text vector) does not apply.
         super(FluxModel, self).__init__(config, layer_spec, model_cfg, pre_process, post_process, vp_stage)
-        self.text_plan: TextStreamPlan | None = None  # this pack's, set by pack_inputs
+        self.text_plan: TextStreamPlan | None = None  # this pack's, set by joint_text (pack_inputs)
         self.c_noise: Tensor | None = None  # this pack's timesteps, for the refiner (first stage)
 
     def build_conditioning(self) -> dict[str, nn.Module | None]:
@@ -110,36 +108,16 @@ class HunyuanVideo15Model(FluxModel):
         parts.append(qwen.new_zeros(1, qwen.shape[1]))
         return torch.cat(parts)[plan.order]
 
-    def pack_inputs(
-        self, batch: PackedBatch, split: SequenceSplit, cond: Tensor, token_ids: Tensor | None = None
-    ) -> FluxPackInputs:
-        """The blocks' inputs for this rank's share of ``batch``; cond [N, h]."""
-        if token_ids is None:
-            token_ids = split.local(batch.token_sample_ids())
+    def joint_text(self, batch: PackedBatch) -> tuple[PackedBatch, int]:
+        """``batch`` with its text stream's segments (this pack's plan, kept for ``text_stream``)."""
         segment, total = self.layout.padding_multiples()
         self.text_plan = text_stream_plan(batch, total // segment)
-        joint = text_view(batch, self.text_plan)
-        text_lengths = segment_lengths(joint.cu_seqlens_kv_padded).long()
-        samples = torch.arange(len(text_lengths), device=text_lengths.device)
-        text_ids = torch.repeat_interleave(samples, text_lengths, output_size=int(self.text_plan.cu_padded[-1]))
-        return FluxPackInputs(
-            cond=cond,
-            text_sample_ids=self.layout.sequence_parallel_slice(text_ids),
-            image_sample_ids=self.layout.sequence_parallel_slice(token_ids),
-            attention=joint_attention_plan(joint, split, list(self.model_cfg.rope_axes_dim), self.model_cfg.rope_theta),
-        )
+        return text_view(batch, self.text_plan), int(self.text_plan.cu_padded[-1])
 
 
 def check_hunyuan_config(model_cfg) -> None:
     """ValueError naming the key when ``model_cfg`` cannot be a HunyuanVideo 1.5 model."""
-    head_dim = model_cfg.hidden_size // model_cfg.num_attention_heads
-    if sum(model_cfg.rope_axes_dim) != head_dim:
-        raise ValueError(
-            f"model.rope_axes_dim {list(model_cfg.rope_axes_dim)} must sum to the head dim "
-            f"hidden_size / num_attention_heads = {head_dim}"
-        )
-    if not model_cfg.qk_layernorm:
-        raise ValueError("HunyuanVideo 1.5 normalises queries and keys per head: set model.qk_layernorm=true")
+    check_joint_attention_heads(model_cfg, "HunyuanVideo 1.5")
     if model_cfg.patch_spatial != 1 or model_cfg.patch_temporal != 1:
         raise ValueError("HunyuanVideo 1.5 patches are 1x1x1: set model.patch_spatial=1 and model.patch_temporal=1")
     for key in ("text_embed_2_dim", "image_embed_dim"):

@@ -15,36 +15,17 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from dfm.data.packed_batch import PackedBatch
+from dfm.data.packing import cumulative
 from dfm.models.attention.segments import PackedSegments
-
-
-def _cumulative(lengths: list[int]) -> Tensor:
-    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
+from dfm.models.common.packed_segments import packed_segments
 
 
 def text_segments(cu_real: Tensor, cu_padded: Tensor, device) -> PackedSegments:
     """Self-attention segments over one text layout (host cu_seqlens [N+1]): each sample's real rows."""
-
-    def segments(on) -> PackedSeqParams:
-        real, padded = cu_real.to(on), cu_padded.to(on)
-        lengths = (cu_real[1:] - cu_real[:-1]).tolist()
-        return PackedSeqParams(
-            qkv_format="sbhd",
-            cu_seqlens_q=real,
-            cu_seqlens_q_padded=padded,
-            cu_seqlens_kv=real,
-            cu_seqlens_kv_padded=padded,
-            max_seqlen_q=max(lengths),
-            max_seqlen_kv=max(lengths),
-        )
-
-    params = PackedSegments(**vars(segments(device)))
-    params.host = segments("cpu")
-    return params
+    return packed_segments(cu_real, cu_padded, cu_real, cu_padded, device)
 
 
 @dataclass
@@ -105,8 +86,8 @@ def text_stream_plan(batch: PackedBatch, total_multiple: int) -> TextStreamPlan:
     return TextStreamPlan(
         i2v_samples=torch.tensor(i2v, dtype=torch.long).to(device),
         order=torch.cat(rows).long().to(device),
-        cu_real=_cumulative(real_lengths),
-        cu_padded=_cumulative(padded_lengths),
+        cu_real=cumulative(real_lengths),
+        cu_padded=cumulative(padded_lengths),
         qwen_segments=text_segments(host.cu_seqlens_kv, host.cu_seqlens_kv_padded, device),
         qwen_sample_ids=_sample_ids(qwen_pad).to(device),
         qwen_real_rows=torch.cat(qwen_rows).long().to(device),
