@@ -7,6 +7,7 @@ so it loads into any TP / PP / CP layout; it has no optimizer, schedule, RNG or 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -57,7 +58,8 @@ def load_pretrained(path: str | Path, model, model_config: ModelConfig | None = 
     directory = choose_checkpoint(path)
     if directory is None and hasattr(model[0].module, "submodels"):
         for name, submodel in model[0].module.submodels().items():
-            load_weights(choose_checkpoint(Path(path) / name), [submodel], model_config, f"{path}/{name}")
+            one = None if model_config is None else dataclasses.replace(model_config, wan_expert=name)
+            load_weights(choose_checkpoint(Path(path) / name), [submodel], one, f"{path}/{name}")
         return Path(path)
     load_weights(directory, [chunk.module for chunk in model], model_config, path)
     return directory

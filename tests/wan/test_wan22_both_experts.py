@@ -21,6 +21,7 @@ import diffusers
 import pytest
 import torch
 
+from dfm.checkpoint.errors import CheckpointError
 from dfm.checkpoint.state import model_sharded_state_dict
 from dfm.checkpoint.weights_only import load_pretrained, save_weights_only
 from dfm.config.errors import ConfigError
@@ -195,6 +196,8 @@ def test_both_experts_load_the_two_transformer_import_and_export_to_a_wan_pipeli
     assert all(
         k.startswith(("high_noise.", "low_noise.")) and v.key.startswith(k.split(".")[0]) for k, v in names.items()
     )
+    with pytest.raises(CheckpointError, match="model.wan_expert: checkpoint 'one model"):
+        load_pretrained(tmp_path / "ckpt" / "high_noise", [SimpleNamespace(module=model)], cfg)
     load_pretrained(tmp_path / "ckpt", [SimpleNamespace(module=model)], cfg)
     for expert, transformer in zip(("high_noise", "low_noise"), transformers):
         expected = {f"{expert}.{k}": v for k, v in to_dfm(transformer.state_dict(), rules(cfg)).items()}
