@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from dfm.checkpoint.errors import CheckpointError
-from dfm.checkpoint.state import model_sharded_state_dict
+from dfm.checkpoint.state import TrainingState, model_sharded_state_dict
 from dfm.checkpoint.weights_only import load_pretrained, save_weights_only
 from dfm.config.errors import ConfigError
-from dfm.config.loader import apply_overrides
+from dfm.config.loader import apply_overrides, build_config
 from dfm.config.recipes import get_recipe
 from dfm.config.validate import validate_config
 from dfm.convert.pretrained import read_full_weights
@@ -33,12 +33,16 @@ from dfm.convert.rules import to_dfm
 from dfm.convert.wan import parity_samples, rules
 from dfm.convert.wan_experts import main
 from dfm.data.packing import pack_samples, sub_pack
-from dfm.diffusion.pipeline import build_pipeline
+from dfm.diffusion.pipeline import build_pipeline, pipeline_from_config
 from dfm.models.build import build_model_chunk
+from dfm.parallel import ParallelLayout
+from dfm.training.data import build_mock_loader
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.metrics_log import MetricsLog
-from dfm.training.pretrain import reduce_expert_losses
+from dfm.training.pretrain import RecordingIterator, finalize_defaults, reduce_expert_losses, train_step
+from dfm.training.setup import build_model, build_optimizer, num_microbatches
 from tests.wan._tiny import tiny_diffusers_wan, tiny_model_config
+from tests.wan.test_wan22_experts import TINY_TEXT, WAN_TINY
 
 BOUNDARY = 0.875
 SHAPES = [((2, 2, 3), 5), ((1, 3, 2), 3), ((2, 2, 2), 6), ((1, 2, 2), 4)]
@@ -237,7 +241,29 @@ def test_both_experts_draw_t_over_the_whole_range():
     cfg = get_recipe("Wan2.2-T2V-A14B")
     apply_overrides(cfg, ["model.wan_expert=both", "flow.training_mode=finetune"])
     validate_config(cfg)
-    from dfm.diffusion.pipeline import pipeline_from_config
-
     t = pipeline_from_config(cfg).draw_level(4000, torch.Generator().manual_seed(0))
     assert t.min() < 0.05 and t.max() > 0.99
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_steps_with_an_expert_left_out_under_overlapped_reduction_and_the_distributed_optimizer(dist):
+    """megatron's DDP with ``overlap_grad_reduce`` reduces a bucket once all its parameters have
+    their gradient (as many as in the first step): the expert without samples still gives its zeros."""
+    overrides = ["model.attention_backend=sdpa", "model.wan_expert=both", f"model.wan_boundary_ratio={BOUNDARY}"]
+    overrides += ["ddp.overlap_grad_reduce=true", "ddp.use_distributed_optimizer=true", "optimizer.weight_decay=0"]
+    cfg = build_config(None, str(WAN_TINY), overrides + TINY_TEXT)
+    layout, device = ParallelLayout(world_size=1), torch.device("cpu")
+    finalize_defaults(cfg, layout)
+    model, tconfig = build_model(cfg, layout, device)
+    optimizer, scheduler = build_optimizer(cfg, model, tconfig)
+    state = TrainingState(model, optimizer, scheduler, RecordingIterator(build_mock_loader(cfg, layout)), None)
+    experts = model[0].module
+    # boundary 0: every sample is the high-noise expert's; 1.01: the low-noise one's.
+    for iteration, (boundary, unused) in enumerate([(0.0, experts.low_noise), (1.01, experts.high_noise)], 1):
+        before = [p.detach().clone() for p in unused.parameters()]
+        step = DiffusionForwardStep(pipeline_from_config(cfg), cfg.rng.seed, 0.0, device, expert_boundary=boundary)
+        step.iteration = iteration
+        losses, updated, _, _ = train_step(step, state, num_microbatches(cfg, layout), device)
+        assert updated and all(min(item["expert_losses"][1::2]) == 0 for item in losses)
+        if iteration == 1:  # untouched by the step (Adam's moments are zero)
+            assert all(torch.equal(p, q) for p, q in zip(unused.parameters(), before))
