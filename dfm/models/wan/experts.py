@@ -76,7 +76,7 @@ class WanExperts(MegatronModule):
             if out is None:
                 out = y.new_zeros((x_in.shape[0], y.shape[1]))
             out = out.index_copy(0, rows, y[: rows.numel()])
-        for model in untouched:  # every parameter gets a (zero) gradient: see the module docstring
+        for model in untouched if torch.is_grad_enabled() else []:  # a (zero) gradient for every parameter
             out = out + 0.0 * sum(param.sum() for param in model.parameters() if param.requires_grad)
         return out
 
