@@ -85,8 +85,9 @@ def export_experts(args: argparse.Namespace, checkpoint_2: str) -> Path:
             one = copy.copy(args)
             one.checkpoint, one.output = checkpoint, str(staging / EXPERT_FOLDERS[expert])
             export_model(WAN, one)
-        write_model_index(staging, ratios.pop())
-    return target
+        ratio = ratios.pop()
+        write_model_index(staging, ratio)
+    return wrote(target, ratio)
 
 
 def write_model_index(folder: Path, ratio: float) -> None:
@@ -95,14 +96,18 @@ def write_model_index(folder: Path, ratio: float) -> None:
     index |= {name: ["diffusers", WAN.diffusers_class] for name in EXPERT_FOLDERS.values()}
     index |= {name: [None, None] for name in ABSENT}
     (folder / MODEL_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    print(f"wrote {folder.name}: transformer/ (high noise), transformer_2/ (low noise), boundary_ratio {ratio}")
+
+
+def wrote(target: Path, ratio: float) -> Path:
+    print(f"wrote {target}: transformer/ (high noise), transformer_2/ (low noise), boundary_ratio {ratio}")
+    return target
 
 
 def holds_both_experts(checkpoint: str) -> bool:
     """Whether ``checkpoint`` is a run of both experts (model.wan_expert=both)."""
     try:
         return checkpoint_config(checkpoint_directory(checkpoint)).model.wan_expert == "both"
-    except Exception:  # noqa: BLE001 - not a readable checkpoint: the family's export reports why
+    except (FileNotFoundError, OSError, ValueError):  # not a checkpoint: the family's export says why
         return False
 
 
@@ -117,7 +122,7 @@ def export_both(args: argparse.Namespace) -> Path:
             own = {name[len(prefix) :]: value for name, value in weights.items() if name.startswith(prefix)}
             write_export(WAN, (cfg, common, own), args, staging / folder)
         write_model_index(staging, cfg.model.wan_boundary_ratio)
-    return target
+    return wrote(target, cfg.model.wan_boundary_ratio)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,9 +1,10 @@
 """Wan 2.2 A14B fine-tuning through the real entry point (torchrun, tiny model, mock data), from the
 import of a two-transformer pipeline folder (checkpoint.pretrained):
 
-* both experts in one run (``model.wan_expert=both``) at TP=2 + SP: losses finite and falling, each
-  expert's loss and sample count logged, the same losses as one process; its export is a pipeline
-  folder WanPipeline loads holding exactly the run's weights;
+* both experts in one run (``model.wan_expert=both``) at TP=2 + SP, and at DP=2 with the distributed
+  optimizer and overlapped gradient reduction: losses finite and falling, each expert's loss and
+  sample count logged, the same as one process; the TP=2 run's export is a pipeline folder
+  WanPipeline loads holding exactly the run's weights;
 * one expert (the low-noise one; test_wan22_experts.py runs the high-noise one) at TP=2: losses
   finite and falling; exported with the high-noise import, WanPipeline loads it.
 """
@@ -69,16 +70,19 @@ def assert_exported(out, run_checkpoints, expert_modules) -> None:
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_both_experts_finetune_at_tp2_like_one_process_and_export_to_wan_pipeline(imported, tmp_path):
+def test_both_experts_finetune_at_tp2_and_dp2_like_one_process_and_export_to_wan_pipeline(imported, tmp_path):
     run = tmp_path / "tp2"
     save = [f"checkpoint.save={run / 'checkpoints'}", f"checkpoint.save_interval={ITERS}"]
     shift = ["flow.shift=5"]  # Wan's: about a third of the samples are the high-noise expert's (t >= 0.875)
     layout = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
     tp2 = finetune(2, run, imported, "both", layout + save + shift)
+    # DP=2, the distributed optimizer, overlapped reduction: the ranks' packs route differently.
+    sharded = ["ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true"]
+    dp2 = finetune(2, tmp_path / "dp2", imported, "both", sharded + shift)
     one = finetune(1, tmp_path / "tp1", imported, "both", shift)
     losses = [m["loss"] for m in tp2]
     assert len(losses) == ITERS and falling(losses), losses
-    for ours, reference in zip(tp2, one):
+    for ours, reference in [*zip(tp2, one), *zip(dp2, one)]:
         for key in ("loss", "loss_high_noise", "loss_low_noise"):
             if reference[key] is None:
                 assert ours[key] is None
