@@ -33,7 +33,9 @@ from dfm.convert.rules import to_dfm
 from dfm.convert.wan import parity_samples, rules
 from dfm.convert.wan_experts import main
 from dfm.data.packing import pack_samples, sub_pack
-from dfm.diffusion.pipeline import build_pipeline, pipeline_from_config
+from dfm.diffusion.pipeline import SamplingOptions, build_pipeline, pipeline_from_config
+from dfm.diffusion.timestep_experts import TimestepExperts
+from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model_chunk
 from dfm.parallel import ParallelLayout
 from dfm.training.data import build_mock_loader
@@ -267,3 +269,22 @@ def test_steps_with_an_expert_left_out_under_overlapped_reduction_and_the_distri
         assert updated and all(min(item["expert_losses"][1::2]) == 0 for item in losses)
         if iteration == 1:  # untouched by the step (Adam's moments are zero)
             assert all(torch.equal(p, q) for p, q in zip(unused.parameters(), before))
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_sampling_a_both_model_routes_each_step_like_timestep_experts(dist):
+    """Generation from a both-run's model (what inference_dit_model.py loads from its checkpoint)
+    gives the latents of TimestepExperts over the same two experts, which equal WanPipeline's
+    (test_wan22_experts.py): each step is routed by its timestep, with no expert_ids in the pack."""
+    cfg, model = both_model()
+    model.float().eval()
+    samples = parity_samples(cfg, [((3, 4, 6), 5)])
+    pack = pack_samples(samples)
+    uncond = pack_samples([dataclasses.replace(samples[0], text=torch.zeros_like(samples[0].text))])
+    flow = build_pipeline("flow", c_noise_scale=1000.0, shift=5.0)
+    options = SamplingOptions(4, 4.0, "euler")  # t = 1, 0.94 (high noise), 0.83, 0.62 (low noise)
+    ours = sample_latent(model, flow, pack, cfg, options, uncond=uncond)
+    routed = TimestepExperts(model.high_noise, model.low_noise, boundary=1000.0 * BOUNDARY)
+    assert torch.equal(ours, sample_latent(routed, flow, pack, cfg, options, uncond=uncond))
+    alone = sample_latent(model.high_noise, flow, pack, cfg, options, uncond=uncond)
+    assert (alone - ours).abs().max() > 1e-3  # both experts ran
