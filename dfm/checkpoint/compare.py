@@ -39,6 +39,8 @@ def resolved(model: dict[str, Any]) -> dict[str, Any]:
     keys["out_channels"] = config.out_channels if config.out_channels is not None else config.in_channels
     if config.pos_embedding == "learned3d":  # sizes the learned position tables
         keys["max_latent_thw"] = list(config.max_latent_thw)
+    # Both Wan 2.2 experts in one model (their weights under high_noise. / low_noise.) or one model.
+    keys["wan_expert"] = "both" if values.get("wan_expert") == "both" else "one model (not both)"
     return keys
 
 

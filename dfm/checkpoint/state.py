@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.transformer.utils import sharded_state_dict_default
 
 from dfm.checkpoint import distopt_state, fsdp_state
@@ -41,7 +42,10 @@ def _bump_replica_for_stage(sharded: dict[str, Any]) -> None:
 
 
 def model_sharded_state_dict(chunk) -> dict[str, Any]:
-    """Sharded state dict of one (unwrapped) model chunk: local dict keys, global tensor keys."""
+    """Sharded state dict of one (unwrapped) model chunk: local dict keys, global tensor keys. A
+    model of submodels (both Wan 2.2 experts) holds each one's under its name as prefix."""
+    if hasattr(chunk, "submodels"):
+        return submodels_sharded_state_dict(chunk)
     state: dict[str, Any] = {}
     for name, child in chunk.named_children():
         if name == "layers":
@@ -57,6 +61,15 @@ def model_sharded_state_dict(chunk) -> dict[str, Any]:
         if any(getattr(p, "pipeline_parallel", False) for p in child.parameters()):
             _bump_replica_for_stage(part)
         state.update(part)
+    return state
+
+
+def submodels_sharded_state_dict(chunk) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for name, submodel in chunk.submodels().items():
+        part = model_sharded_state_dict(submodel)
+        add_prefix_for_sharding(part, f"{name}.")
+        state.update({f"{name}.{key}": value for key, value in part.items()})
     return state
 
 

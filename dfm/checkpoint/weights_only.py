@@ -7,6 +7,7 @@ so it loads into any TP / PP / CP layout; it has no optimizer, schedule, RNG or 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -51,24 +52,34 @@ def load_pretrained(path: str | Path, model, model_config: ModelConfig | None = 
     """Fill the DDP-wrapped ``model`` chunks with the model weights of the checkpoint at ``path`` (any layout).
 
     A different architecture (width, depth, ...) is refused naming the keys; nothing else is restored.
+    A model of submodels (both Wan 2.2 experts) also loads from a root holding one checkpoint per
+    submodel, in folders of their names (what the import of a two-transformer pipeline writes).
     """
     directory = choose_checkpoint(path)
+    if directory is None and hasattr(model[0].module, "submodels"):
+        for name, submodel in model[0].module.submodels().items():
+            one = None if model_config is None else dataclasses.replace(model_config, wan_expert=name)
+            load_weights(choose_checkpoint(Path(path) / name), [submodel], one, f"{path}/{name}")
+        return Path(path)
+    load_weights(directory, [chunk.module for chunk in model], model_config, path)
+    return directory
+
+
+def load_weights(directory: Path | None, modules: list, model_config: ModelConfig | None, path) -> None:
+    """The model weights of the checkpoint ``directory`` into the unwrapped chunks ``modules``."""
     if directory is None:
         raise CheckpointError(f"checkpoint.pretrained={path}: no complete checkpoint there")
     common = dist_checkpointing.load_common_state_dict(str(directory))
     if model_config is not None:
         check_same_model(common, directory, model_config)
-    request = {
-        f"model{index}": base_weights(model_sharded_state_dict(chunk.module)) for index, chunk in enumerate(model)
-    }
+    request = {f"model{index}": base_weights(model_sharded_state_dict(module)) for index, module in enumerate(modules)}
     loaded = dist_checkpointing.load(request, str(directory))
-    for index, chunk in enumerate(model):
+    for index, module in enumerate(modules):
         # strict but for LoRA adapters (dfm/peft): a base checkpoint has none, they keep their init
-        missing, unexpected = chunk.module.load_state_dict(loaded[f"model{index}"], strict=False)
+        missing, unexpected = module.load_state_dict(loaded[f"model{index}"], strict=False)
         if unexpected or [key for key in missing if not is_adapter_param(key)]:
             raise CheckpointError(
                 f"{directory} does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
             )
     if rank() == 0:
         logger.info("initial weights from %s (checkpoint.pretrained; optimizer and schedule start fresh)", directory)
-    return directory

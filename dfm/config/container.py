@@ -95,8 +95,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # Wan 2.2 A14B (dfm/diffusion/timestep_experts.py): two models split the timesteps at
     # wan_boundary_ratio (the high-noise one takes t >= it); a run trains the expert wan_expert names,
-    # its training t drawn on its side of the boundary only.
-    wan_expert: Literal["high_noise", "low_noise"] | None = None
+    # its training t drawn on its side of the boundary only, or both (each sample by its t's expert).
+    wan_expert: Literal["high_noise", "low_noise", "both"] | None = None
     wan_boundary_ratio: float | None = None
 
     @property

@@ -61,8 +61,27 @@ def _check_model(cfg: ConfigContainer) -> None:
     if model.wan_boundary_ratio is not None and model.wan_expert is None:
         raise ConfigError(
             f"model.wan_boundary_ratio={model.wan_boundary_ratio} is a two-expert model (Wan 2.2 A14B): set "
-            "model.wan_expert=high_noise|low_noise, the expert this run trains"
+            "model.wan_expert=high_noise|low_noise|both, the expert this run trains"
         )
+    if model.wan_expert == "both":
+        _check_both_experts(cfg)
+
+
+def _check_both_experts(cfg: ConfigContainer) -> None:
+    """A run of both Wan 2.2 experts splits each pack between them (dfm/models/wan/experts.py): the
+    layouts where ranks of one collective could run different experts, or a pack is cut, are refused."""
+    layout = ParallelLayout.from_config(cfg.model, None)
+    refused = {
+        layout.key("pp"): layout.pp > 1,  # each stage would need both experts' stages and routing
+        layout.key("cp"): layout.cp > 1,  # the sub-packs would need their own CP split
+        "ddp.use_megatron_fsdp": cfg.ddp.use_megatron_fsdp,  # DP ranks would gather different experts
+        "peft.lora_rank": cfg.peft.enabled,  # adapters on two experts: not built
+    }
+    if cfg.model.wan_boundary_ratio is None:
+        raise ConfigError("model.wan_expert=both needs model.wan_boundary_ratio (the experts' boundary)")
+    for key, refuse in refused.items():
+        if refuse:
+            raise ConfigError(f"model.wan_expert=both (two Wan 2.2 experts in one run) does not support {key} here")
 
 
 def _check_parallel_layout(cfg: ConfigContainer, world_size: int | None) -> None:

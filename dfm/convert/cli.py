@@ -125,21 +125,34 @@ def export_model(family: Family, args: argparse.Namespace) -> Path:
     """The checkpoint's model, split one rule at a time into a diffusers folder that replaces --output whole."""
     target = Path(args.output)
     check_target(target, args.overwrite, diffusers_folder_problem)
+    cfg, common, weights = read_export_weights(family, args)
+    with fresh_folder(target) as staging:
+        count, dtype = write_export(family, (cfg, common, weights), args, staging)
+    loader = f"diffusers.{family.diffusers_class}.from_pretrained"
+    print(f"wrote {target}: {count} {dtype_name(dtype)} tensors; load it with {loader}")
+    return target
+
+
+def read_export_weights(family: Family, args: argparse.Namespace) -> tuple[ConfigContainer, dict, dict]:
+    """--checkpoint's (config, common state, {global name: full tensor}) of a ``family`` model."""
     cfg, common, weights = read_checkpoint_weights(args.checkpoint, use_ema=args.ema)
     if cfg.model.architecture != family.architecture:
         raise ConversionError(
             f"{args.checkpoint} holds a model.architecture={cfg.model.architecture} model, not {family.architecture}"
         )
+    return cfg, common, weights
+
+
+def write_export(family: Family, read: tuple, args: argparse.Namespace, folder: Path) -> tuple[int, torch.dtype]:
+    """``read`` = (config, common state, weights) of a checkpoint -> a diffusers model folder; -> (tensors, dtype)."""
+    cfg, common, weights = read
     weights = base_or_merged(weights, cfg, args.merge_lora, str(args.checkpoint))
     dtype, rules, source = export_dtype(args.dtype, common, weights), family.rules(cfg.model), str(args.checkpoint)
     shapes = {name: torch.empty(tensor.shape, dtype=dtype, device="meta") for name, tensor in weights.items()}
     plan = {name: (dtype, tuple(t.shape)) for name, t in convert_stream(shapes.get, shapes, rules, "dfm", source)}
     tensors = ((name, t.to(dtype)) for name, t in convert_stream(weights.get, weights, rules, "dfm", source))
-    with fresh_folder(target) as staging:
-        write_diffusers_folder_streaming(staging, diffusers_config_of(family, cfg.model), plan, tensors)
-    loader = f"diffusers.{family.diffusers_class}.from_pretrained"
-    print(f"wrote {target}: {len(plan)} {dtype_name(dtype)} tensors; load it with {loader}")
-    return target
+    write_diffusers_folder_streaming(folder, diffusers_config_of(family, cfg.model), plan, tensors)
+    return len(plan), dtype
 
 
 def export_arguments(command: argparse.ArgumentParser, output: str, dtype: str) -> None:

@@ -7,7 +7,10 @@ checkpoint whose config names its expert (``model.wan_expert``) and the boundary
 ``checkpoint.pretrained=OUTPUT/high_noise`` fine-tunes that expert on its side of the boundary.
 ``export --checkpoint HIGH --checkpoint_2 LOW`` writes the two back as a pipeline folder that
 ``WanPipeline.from_pretrained`` reads (the text encoder, tokenizer, VAE and scheduler are not
-written: pass them, or None, to from_pretrained, or copy their folders from the original). Every other folder goes through dfm/convert/cli.py unchanged.
+written: pass them, or None, to from_pretrained, or copy their folders from the original).
+``export --checkpoint BOTH`` of a run of both experts (``model.wan_expert=both``, parameters
+``high_noise.*`` and ``low_noise.*``) writes the same folder. Every other folder goes through
+dfm/convert/cli.py unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from dfm.convert.cli import export_model, import_model
+from dfm.convert.cli import export_model, import_model, read_export_weights, write_export
 from dfm.convert.cli import main as family_main
 from dfm.convert.output_folder import check_target, fresh_folder
 from dfm.convert.rules import ConversionError
@@ -82,14 +85,44 @@ def export_experts(args: argparse.Namespace, checkpoint_2: str) -> Path:
             one = copy.copy(args)
             one.checkpoint, one.output = checkpoint, str(staging / EXPERT_FOLDERS[expert])
             export_model(WAN, one)
-        index = {"_class_name": "WanPipeline", "boundary_ratio": ratios.pop(), "expand_timesteps": False}
-        index |= {name: ["diffusers", WAN.diffusers_class] for name in EXPERT_FOLDERS.values()}
-        index |= {name: [None, None] for name in ABSENT}
-        (staging / MODEL_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    print(
-        f"wrote {target}: transformer/ (high noise), transformer_2/ (low noise), boundary_ratio {index['boundary_ratio']}"
-    )
+        ratio = ratios.pop()
+        write_model_index(staging, ratio)
+    return wrote(target, ratio)
+
+
+def write_model_index(folder: Path, ratio: float) -> None:
+    """model_index.json of a two-expert WanPipeline folder (its other components listed absent)."""
+    index = {"_class_name": "WanPipeline", "boundary_ratio": ratio, "expand_timesteps": False}
+    index |= {name: ["diffusers", WAN.diffusers_class] for name in EXPERT_FOLDERS.values()}
+    index |= {name: [None, None] for name in ABSENT}
+    (folder / MODEL_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def wrote(target: Path, ratio: float) -> Path:
+    print(f"wrote {target}: transformer/ (high noise), transformer_2/ (low noise), boundary_ratio {ratio}")
     return target
+
+
+def holds_both_experts(checkpoint: str) -> bool:
+    """Whether ``checkpoint`` is a run of both experts (model.wan_expert=both)."""
+    try:
+        return checkpoint_config(checkpoint_directory(checkpoint)).model.wan_expert == "both"
+    except (FileNotFoundError, OSError, ValueError):  # not a checkpoint: the family's export says why
+        return False
+
+
+def export_both(args: argparse.Namespace) -> Path:
+    """A checkpoint of both experts (parameters ``high_noise.*``, ``low_noise.*``) -> a WanPipeline folder."""
+    target = Path(args.output)
+    check_target(target, False, lambda _: "an existing folder is never replaced by a two-expert export")
+    cfg, common, weights = read_export_weights(WAN, args)
+    with fresh_folder(target) as staging:
+        for expert, folder in EXPERT_FOLDERS.items():
+            prefix = f"{expert}."
+            own = {name[len(prefix) :]: value for name, value in weights.items() if name.startswith(prefix)}
+            write_export(WAN, (cfg, common, own), args, staging / folder)
+        write_model_index(staging, cfg.model.wan_boundary_ratio)
+    return wrote(target, cfg.model.wan_boundary_ratio)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -104,6 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         folder.add_argument("--diffusers")
         diffusers = folder.parse_known_args(rest)[0].diffusers
         two = diffusers if diffusers and is_two_expert_folder(diffusers) else None
+    if command == "export" and two is None:
+        folder = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        folder.add_argument("--checkpoint")
+        checkpoint = folder.parse_known_args(rest)[0].checkpoint
+        if checkpoint and holds_both_experts(checkpoint):
+            return family_main(WAN, rest, run=export_both)
     if two is None:
         return family_main(WAN, rest)
     run = import_experts if command == "import" else lambda args: export_experts(args, known.checkpoint_2)

@@ -44,6 +44,9 @@ class PackedBatch:
     image_embeds: torch.Tensor | None = None  # [N, L_img, D_img]
     # [N] bool: the sample's first latent frame is a clean condition (Wan 2.2 TI2V); None: no sample's is
     first_frame_clean: torch.Tensor | None = None
+    # [N] long: the Wan 2.2 expert each sample is routed to (0 high noise, 1 low noise; set by the
+    # training step of a model.wan_expert=both run, dfm/models/wan/experts.py); None: one model
+    expert_ids: torch.Tensor | None = None
     # The host original of a device copy (set by .to()); None when this batch is the original.
     host: PackedBatch | None = field(default=None, repr=False, compare=False)
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 
 import torch
 
-from dfm.data.packed_batch import PackedBatch
+from dfm.data.packed_batch import PackedBatch, segment_lengths
 from dfm.data.sample import DiffusionSample
 
 
@@ -102,3 +103,62 @@ def pack_samples(samples: Sequence[DiffusionSample], segment_multiple: int = 1, 
         **condition_parts(samples, q_offsets, total_multiple),
         first_frame_clean=first_frame_flags(samples),
     )
+
+
+# Fields of a PackedBatch by what they are indexed by (the rest are per sample, [N, ...]).
+_TOKEN_FIELDS = ("latents", "pos_ids", "loss_mask", "condition")
+_TEXT_FIELDS = {"context": "cu_seqlens_kv", "context_2": "cu_seqlens_kv2"}
+_OFFSETS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_kv2")
+
+
+def segment_rows(cu_seqlens_padded: torch.Tensor, keep: Sequence[int]) -> torch.Tensor:
+    """[sum of the kept segments] long: the rows of the segments ``keep`` of a pack, in order."""
+    starts = cu_seqlens_padded[:-1].tolist()
+    lengths = segment_lengths(cu_seqlens_padded).tolist()
+    return torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in keep])
+
+
+def repadded_offsets(cu_seqlens_padded: torch.Tensor, keep: Sequence[int], total_multiple: int) -> torch.Tensor:
+    """[len(keep)+1] int32: the kept segments' padded offsets in a pack of their own, whose last
+    segment pads the total to ``total_multiple`` (as ``pack_samples`` does)."""
+    lengths = [int(segment_lengths(cu_seqlens_padded)[i]) for i in keep]
+    lengths[-1] += round_up(sum(lengths), total_multiple) - sum(lengths)
+    return _cumulative(lengths)
+
+
+def _taken(values: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
+    out = values.new_zeros((total, *values.shape[1:]))
+    out[: len(rows)] = values[rows]
+    return out
+
+
+def sub_pack(batch: PackedBatch, keep: Sequence[int], total_multiple: int = 1) -> tuple[PackedBatch, torch.Tensor]:
+    """The samples ``keep`` (indices into the host ``batch``) as a pack of their own -> (that pack,
+    rows [S_keep] long: the row of ``batch`` each of its first S_keep video rows is). Every kept
+    sample keeps its padded segments; only the totals are padded again to ``total_multiple``
+    (sequence parallelism's tp), as ``pack_samples`` pads them."""
+    keep = list(keep)
+    parts = {}
+    q_offsets = repadded_offsets(batch.cu_seqlens_q_padded, keep, total_multiple)
+    rows = segment_rows(batch.cu_seqlens_q_padded, keep)
+    for name in _TOKEN_FIELDS:
+        value = getattr(batch, name)
+        parts[name] = None if value is None else _taken(value, rows, int(q_offsets[-1]))
+    parts["cu_seqlens_q_padded"] = q_offsets
+    for name, offsets in _TEXT_FIELDS.items():
+        padded = getattr(batch, f"{offsets}_padded")
+        if padded is None:
+            continue
+        text_offsets = repadded_offsets(padded, keep, total_multiple)
+        parts[f"{offsets}_padded"] = text_offsets
+        parts[name] = _taken(getattr(batch, name), segment_rows(padded, keep), int(text_offsets[-1]))
+    for name in _OFFSETS:
+        offsets = getattr(batch, name)
+        if offsets is not None:
+            parts[name] = _cumulative(segment_lengths(offsets)[keep].tolist())
+    index = torch.tensor(keep, dtype=torch.long)
+    for f in fields(batch):
+        value = getattr(batch, f.name)
+        if f.name not in parts and f.name != "host" and value is not None:
+            parts[f.name] = value[index]  # per sample
+    return PackedBatch(**parts), rows

@@ -1,7 +1,9 @@
 """Wan 2.2 A14B's two experts: one model per side of a timestep boundary (diffusers' WanPipeline
 ``boundary_ratio``): ``transformer`` (the high-noise expert) denoises t >= boundary_ratio,
 ``transformer_2`` (the low-noise one) the rest. A run trains one of them (``model.wan_expert``) on
-training times drawn on its side of the boundary only; sampling routes each step to its expert.
+training times drawn on its side of the boundary only, or both (``model.wan_expert=both``: every
+sample's t drawn over [0, 1], the sample routed to its t's expert, dfm/models/wan/experts.py);
+sampling routes each step to its expert.
 """
 
 from __future__ import annotations
@@ -12,6 +14,12 @@ from torch import Tensor
 from dfm.data.packed_batch import PackedBatch
 
 EXPERTS = ("high_noise", "low_noise")
+BOTH = "both"
+
+
+def expert_of(level: Tensor, boundary_ratio: float) -> Tensor:
+    """[N] long: 0 (high noise) where t >= boundary_ratio, 1 (low noise) below; index into EXPERTS."""
+    return (level < boundary_ratio).long()
 
 
 def expert_t_range(expert: str, boundary_ratio: float) -> tuple[float, float]:
@@ -27,6 +35,8 @@ def expert_flow_settings(model_cfg, flow_settings: dict) -> dict:
         return flow_settings
     if model_cfg.wan_boundary_ratio is None:
         raise ValueError(f"model.wan_expert={model_cfg.wan_expert} needs model.wan_boundary_ratio")
+    if model_cfg.wan_expert == BOTH:  # each sample's t is drawn over [0, 1] and picks its expert
+        return flow_settings
     if (flow_settings.get("t_min", 0.0), flow_settings.get("t_max", 1.0)) != (0.0, 1.0):
         raise ValueError(f"model.wan_expert={model_cfg.wan_expert} sets flow.t_min / flow.t_max: leave them unset")
     t_min, t_max = expert_t_range(model_cfg.wan_expert, model_cfg.wan_boundary_ratio)

@@ -12,6 +12,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.data.video_condition import as_text_to_video, text_to_video_samples
 from dfm.diffusion.first_frame import keep_first_frames_clean
 from dfm.diffusion.pipeline import DiffusionPipeline, cfg_drop_mask, null_dropped_context
+from dfm.diffusion.timestep_experts import EXPERTS, expert_of
 
 
 def sample_noise_generator(seed: int, iteration: int, sample_index: int) -> torch.Generator:
@@ -47,8 +48,11 @@ class DiffusionForwardStep:
         cfg_dropout_prob: float,
         device: torch.device,
         i2v_prob: float = 0.0,
+        expert_boundary: float | None = None,
     ):
         self.pipeline = pipeline
+        # Wan 2.2 both experts (model.wan_expert=both): each sample goes to the expert of its drawn t.
+        self.expert_boundary = expert_boundary
         self.i2v_prob = i2v_prob  # HunyuanVideo 1.5: image-to-video samples' share
         self.seed = seed
         self.cfg_dropout_prob = cfg_dropout_prob
@@ -62,6 +66,8 @@ class DiffusionForwardStep:
         if pooled is not None:  # the pooled text vector (FLUX) is dropped with its sample's text
             pooled = torch.where(dropped[:, None], torch.zeros_like(pooled), pooled)
         batch = dataclasses.replace(batch, context=context, pooled_text=pooled, **self.conditions(batch, dropped))
+        if self.expert_boundary is not None:
+            batch = dataclasses.replace(batch, expert_ids=expert_of(level, self.expert_boundary))
         return batch.to(self.device), noise.to(self.device), level.to(self.device)
 
     def conditions(self, batch: PackedBatch, dropped: torch.Tensor) -> dict:
@@ -89,4 +95,13 @@ class DiffusionForwardStep:
         per_sample = self.pipeline.training_loss(output, batch.latents, noise, level, sample_ids, batch.loss_mask)
         loss = per_sample.mean()
         stats = torch.stack([loss.detach().float(), batch.loss_mask.detach().sum().float()])
-        return loss, {"loss_and_tokens": stats}
+        if batch.expert_ids is None:
+            return loss, {"loss_and_tokens": stats}
+        return loss, {"loss_and_tokens": stats, "expert_losses": expert_loss_sums(per_sample, batch.expert_ids)}
+
+
+def expert_loss_sums(per_sample: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """[2 * experts]: per expert (EXPERTS' order) the sum of its samples' losses and their count."""
+    one_hot = torch.nn.functional.one_hot(expert_ids, len(EXPERTS)).float()
+    sums = one_hot.T @ per_sample.detach().float()
+    return torch.stack([sums, one_hot.sum(0)], dim=1).flatten()

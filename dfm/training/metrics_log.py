@@ -95,6 +95,10 @@ class MetricsLog:
             f"grad norm {_fmt(r['grad_norm'])} | skipped {r['skipped_iterations']} | "
             f"{r['step_time_s'] * 1000:.0f} ms/it | {_fmt(r['tokens_per_sec_per_gpu'])} tok/s/gpu | "
             f"{_fmt(r['tflops_per_gpu'])} TFLOP/s/gpu | MFU {_fmt(r['mfu'])}"
+        ) + "".join(  # both Wan 2.2 experts in one run: each one's loss and samples
+            f" | loss {expert} {_fmt(r[f'loss_{expert}'])} ({r[f'samples_{expert}']})"
+            for expert in ("high_noise", "low_noise")
+            if f"loss_{expert}" in r
         )
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ from dfm.checkpoint.weights_only import load_pretrained
 from dfm.config.container import ConfigContainer
 from dfm.config.loader import config_to_dict, format_config, save_config_yaml
 from dfm.diffusion.pipeline import pipeline_from_config
+from dfm.diffusion.timestep_experts import BOTH, EXPERTS
 from dfm.models.flops import training_flops
 from dfm.parallel.layout import ParallelLayout, launched_world_size
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
@@ -124,6 +125,21 @@ def reduce_loss_and_tokens(losses_reduced: list[dict], device: torch.device) -> 
     return (stats[0] / stats[1].clamp(min=1)).item(), stats[2].item()
 
 
+def reduce_expert_losses(losses_reduced: list[dict], device: torch.device) -> dict[str, float]:
+    """Both experts' runs: per expert its samples' mean loss over micro-batches and DP ranks and
+    their count (``loss_high_noise``, ``samples_high_noise``, ...); valid on every rank."""
+    stats = torch.zeros(2 * len(EXPERTS), device=device)  # per expert: loss sum, samples
+    if is_loss_reporting_rank():
+        for item in losses_reduced:
+            stats += item["expert_losses"]
+    torch.distributed.all_reduce(stats)
+    record = {}
+    for index, expert in enumerate(EXPERTS):
+        total, count = stats[2 * index].item(), stats[2 * index + 1].item()
+        record |= {f"loss_{expert}": total / count if count else None, f"samples_{expert}": int(count)}
+    return record
+
+
 def train_step(
     forward_step, state: TrainingState, n_micro: int, device, preemption: PreemptionSignal | None = None
 ) -> tuple:
@@ -203,9 +219,19 @@ def run(context: RunContext, preemption: PreemptionSignal) -> None:
         start_from_pretrained(cfg, model, optimizer, state.ema)
     warn_if_little_room(cfg.checkpoint.save, model, state.ema)
     forward_step = DiffusionForwardStep(
-        pipeline_from_config(cfg), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device, cfg.dataset.i2v_prob
+        pipeline_from_config(cfg),
+        cfg.rng.seed,
+        cfg.dataset.cfg_dropout_prob,
+        device,
+        cfg.dataset.i2v_prob,
+        both_experts_boundary(cfg),
     )
     TrainLoop(context, state, forward_step, preemption).run(start)
+
+
+def both_experts_boundary(cfg: ConfigContainer) -> float | None:
+    """Wan 2.2's boundary_ratio when the run trains both experts (model.wan_expert=both), else None."""
+    return cfg.model.wan_boundary_ratio if cfg.model.wan_expert == BOTH else None
 
 
 def start_from_pretrained(cfg: ConfigContainer, model, optimizer, ema) -> None:
@@ -235,7 +261,9 @@ class TrainLoop:
         self.cfg, self.layout, self.device = cfg, layout, device
         self.async_saves = AsyncCallsQueue() if cfg.checkpoint.async_save else None
         # Validation: no text dropout, noise fixed (iteration 0) so evaluations are comparable.
-        self.val_forward_step = DiffusionForwardStep(forward_step.pipeline, cfg.rng.seed, 0.0, device)
+        self.val_forward_step = DiffusionForwardStep(
+            forward_step.pipeline, cfg.rng.seed, 0.0, device, expert_boundary=forward_step.expert_boundary
+        )
         self.n_micro = num_microbatches(cfg, layout)
         self.peak = device_peak_flops(device)
         self.metrics = MetricsLog(
@@ -333,10 +361,11 @@ class TrainLoop:
 
     def log(self, iteration: int, losses, grad_norm, window: LogWindow) -> None:
         loss, _ = reduce_loss_and_tokens(losses, self.device)
+        experts = reduce_expert_losses(losses, self.device) if self.forward_step.expert_boundary is not None else {}
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - window.start
-        self.metrics.write(self.record(iteration, loss, grad_norm, elapsed, window))
+        self.metrics.write(self.record(iteration, loss, grad_norm, elapsed, window) | experts)
 
     def record(self, iteration: int, loss: float, grad_norm, elapsed: float, window: LogWindow) -> dict:
         """One metrics.jsonl line. Packs were seen by this rank; scaled to the work per GPU."""

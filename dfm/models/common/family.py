@@ -23,7 +23,7 @@ class Family:
     """One family's code: ``model`` (a PackedDiffusionModel subclass, built with ``layer_spec(model_cfg,
     BackendModules)``), its FLOPs count and what it changes in the shared config and backend choice."""
 
-    model: type
+    model: Callable[..., Any]  # the class, or a function building it (Wan: one model or both experts)
     # (model_cfg, BackendModules) -> what ``model`` takes as its layer_spec (one ModuleSpec or several).
     layer_spec: Callable[..., Any]
     # (model_cfg, video_lens, text_lens, frames | None) -> forward FLOPs of one pack (2 per multiply-add).

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from dfm.models.common.family import Family
+from dfm.models.wan.experts import wan_model
 from dfm.models.wan.flops import wan_forward_flops
-from dfm.models.wan.wan_model import WanModel
 from dfm.models.wan.wan_spec import wan_layer_spec
 
 
@@ -18,7 +18,7 @@ def wan_transformer_settings(model_cfg) -> dict[str, Any]:
 
 
 WAN = Family(
-    model=WanModel,
+    model=wan_model,
     layer_spec=wan_layer_spec,
     forward_flops=wan_forward_flops,
     transformer_settings=wan_transformer_settings,
