@@ -123,7 +123,7 @@ def repadded_offsets(cu_seqlens_padded: torch.Tensor, keep: Sequence[int], total
     segment pads the total to ``total_multiple`` (as ``pack_samples`` does)."""
     lengths = [int(segment_lengths(cu_seqlens_padded)[i]) for i in keep]
     lengths[-1] += round_up(sum(lengths), total_multiple) - sum(lengths)
-    return _cumulative(lengths)
+    return cumulative(lengths)
 
 
 def _taken(values: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
@@ -155,7 +155,7 @@ def sub_pack(batch: PackedBatch, keep: Sequence[int], total_multiple: int = 1) -
     for name in _OFFSETS:
         offsets = getattr(batch, name)
         if offsets is not None:
-            parts[name] = _cumulative(segment_lengths(offsets)[keep].tolist())
+            parts[name] = cumulative(segment_lengths(offsets)[keep].tolist())
     index = torch.tensor(keep, dtype=torch.long)
     for f in fields(batch):
         value = getattr(batch, f.name)
