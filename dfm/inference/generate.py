@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="classifier-free guidance (1 disables it); FLUX: the distilled model's guidance input (e.g. 3.5)",
     )
     p.add_argument(
+        "--guidance_scale_2",
+        type=float,
+        default=None,
+        help="Wan 2.2 A14B (with --checkpoint_path_2): the low-noise expert's steps' guidance, as WanPipeline's "
+        "guidance_scale_2 (default: --guidance_scale)",
+    )
+    p.add_argument(
         "--negative_prompt", default=None, help="text of the guidance's unconditional pass (Wan's); default: no text"
     )
     p.add_argument(
@@ -94,8 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not math.isfinite(args.guidance_scale) or args.guidance_scale < 0:
-        parser.error(f"--guidance_scale {args.guidance_scale}: must be a finite number >= 0 (1 disables guidance)")
+    for name in ("guidance_scale", "guidance_scale_2"):
+        value = getattr(args, name)
+        if value is not None and (not math.isfinite(value) or value < 0):
+            parser.error(f"--{name} {value}: must be a finite number >= 0 (1 disables guidance)")
+    if args.guidance_scale_2 is not None and args.checkpoint_path_2 is None:
+        parser.error("--guidance_scale_2 is the low-noise expert's guidance: it needs --checkpoint_path_2")
     if args.num_steps < 1:
         parser.error(f"--num_steps {args.num_steps}: must be >= 1")
     if args.video_save_path is None:
@@ -168,9 +179,23 @@ def sample_prompt(
         uncond = prompt_batch(args.negative_prompt, noise, encoders, cfg.model, first_frame).to(device)
     logger.info("sampling a latent of shape %s (%d tokens)", tuple(noise.shape), batch.seq_len)
     options = SamplingOptions(
-        args.num_steps, guidance_scale, args.sampler, args.seed, sampling_shift(cfg, batch.seq_len)
+        args.num_steps,
+        guidance_scale,
+        args.sampler,
+        args.seed,
+        sampling_shift(cfg, batch.seq_len),
+        **expert_guidance(model, cfg, args),
     )
     return sample_latent(model, pipeline_from_config(cfg), batch, cfg.model, options, uncond)
+
+
+def expert_guidance(model: torch.nn.Module, cfg: ConfigContainer, args: argparse.Namespace) -> dict:
+    """SamplingOptions' guidance_scale_2 / guidance_boundary: the low-noise expert's steps (as
+    TimestepExperts routes them, at the boundary in flow t) take ``--guidance_scale_2``."""
+    scale_2 = getattr(args, "guidance_scale_2", None)
+    if not isinstance(model, TimestepExperts) or scale_2 is None:
+        return {}
+    return {"guidance_scale_2": scale_2, "guidance_boundary": cfg.model.wan_boundary_ratio}
 
 
 def with_low_noise_expert(
