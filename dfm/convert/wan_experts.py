@@ -6,7 +6,7 @@ one). ``import`` of such a folder writes ``OUTPUT/high_noise`` and ``OUTPUT/low_
 checkpoint whose config names its expert (``model.wan_expert``) and the boundary, so
 ``checkpoint.pretrained=OUTPUT/high_noise`` fine-tunes that expert on its side of the boundary.
 ``export --checkpoint HIGH --checkpoint_2 LOW`` writes the two back as a pipeline folder that
-``WanPipeline.from_pretrained`` reads (the text encoder, tokenizer, VAE and scheduler are not
+``WanPipeline.from_pretrained`` (I2V experts: ``WanImageToVideoPipeline``) reads (the text encoder, tokenizer, VAE and scheduler are not
 written: pass them, or None, to from_pretrained, or copy their folders from the original). Every other folder goes through dfm/convert/cli.py unchanged.
 """
 
@@ -59,22 +59,37 @@ def import_experts(args: argparse.Namespace) -> list[Path]:
     return written
 
 
-def expert_boundary(checkpoint: str, expert: str) -> float:
-    """The boundary recorded in ``checkpoint``'s config, which must be ``expert``'s."""
+def expert_model(checkpoint: str, expert: str):
+    """The ModelConfig recorded in ``checkpoint``, which must be ``expert``'s (with a boundary)."""
     model = checkpoint_config(checkpoint_directory(checkpoint)).model
     if model.wan_expert != expert or model.wan_boundary_ratio is None:
         raise ConversionError(
             f"{checkpoint} holds model.wan_expert={model.wan_expert} (boundary {model.wan_boundary_ratio}), "
             f"not the {expert} expert"
         )
-    return model.wan_boundary_ratio
+    return model
+
+
+def pipeline_index(model, boundary: float) -> dict:
+    """model_index.json of the experts' pipeline: WanPipeline, or (I2V experts, no image encoder as Wan
+    2.2's) WanImageToVideoPipeline; the components not written listed absent."""
+    i2v = model.wan_image_condition
+    absent = (*ABSENT, "image_encoder", "image_processor") if i2v else ABSENT
+    index = {"_class_name": "WanImageToVideoPipeline" if i2v else "WanPipeline", "boundary_ratio": boundary}
+    index |= {"expand_timesteps": False}
+    index |= {name: ["diffusers", WAN.diffusers_class] for name in EXPERT_FOLDERS.values()}
+    return index | {name: [None, None] for name in absent}
 
 
 def export_experts(args: argparse.Namespace, checkpoint_2: str) -> Path:
-    """--checkpoint (high noise) and ``checkpoint_2`` (low noise) -> a WanPipeline folder."""
-    ratios = {expert_boundary(args.checkpoint, "high_noise"), expert_boundary(checkpoint_2, "low_noise")}
-    if len(ratios) != 1:
-        raise ConversionError(f"the experts' checkpoints record different boundaries {sorted(ratios)}")
+    """--checkpoint (high noise) and ``checkpoint_2`` (low noise) -> a WanPipeline (or, for I2V experts,
+    WanImageToVideoPipeline) folder."""
+    models = [expert_model(args.checkpoint, "high_noise"), expert_model(checkpoint_2, "low_noise")]
+    kinds = {(m.wan_boundary_ratio, m.wan_image_condition) for m in models}
+    if len(kinds) != 1:
+        raise ConversionError(
+            f"the experts' checkpoints record different (boundary, wan_image_condition) {sorted(kinds)}"
+        )
     target = Path(args.output)
     check_target(target, False, lambda _: "an existing folder is never replaced by a two-expert export")
     with fresh_folder(target) as staging:
@@ -82,9 +97,7 @@ def export_experts(args: argparse.Namespace, checkpoint_2: str) -> Path:
             one = copy.copy(args)
             one.checkpoint, one.output = checkpoint, str(staging / EXPERT_FOLDERS[expert])
             export_model(WAN, one)
-        index = {"_class_name": "WanPipeline", "boundary_ratio": ratios.pop(), "expand_timesteps": False}
-        index |= {name: ["diffusers", WAN.diffusers_class] for name in EXPERT_FOLDERS.values()}
-        index |= {name: [None, None] for name in ABSENT}
+        index = pipeline_index(models[0], models[0].wan_boundary_ratio)
         (staging / MODEL_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     print(
         f"wrote {target}: transformer/ (high noise), transformer_2/ (low noise), boundary_ratio {index['boundary_ratio']}"

@@ -44,6 +44,8 @@ class PackedBatch:
     image_embeds: torch.Tensor | None = None  # [N, L_img, D_img]
     # [N] bool: the sample's first latent frame is a clean condition (Wan 2.2 TI2V); None: no sample's is
     first_frame_clean: torch.Tensor | None = None
+    # Wan 2.2 I2V-A14B: per-token mask + image-condition latent, appended to x_in's features by the model
+    image_condition: torch.Tensor | None = None  # [S, pt*ph*pw*(4 + C)]
     # The host original of a device copy (set by .to()); None when this batch is the original.
     host: PackedBatch | None = field(default=None, repr=False, compare=False)
 

@@ -37,7 +37,7 @@ from dfm.inference.encoders import (
     uses_pooled_text,
 )
 from dfm.inference.generation_batch import draw_noise, generation_batch, latent_shape_for
-from dfm.inference.image_condition import image_latent
+from dfm.inference.image_condition import image_inputs
 from dfm.inference.media import check_output_path, to_uint8_frames, write_media
 from dfm.inference.sampling import sample_latent
 
@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--negative_prompt", default=None, help="text of the guidance's unconditional pass (Wan's); default: no text"
     )
     p.add_argument(
-        "--image", default=None, help="Wan 2.2 TI2V: image-to-video, this image's latent the clean first frame"
+        "--image",
+        default=None,
+        help="Wan 2.2 image-to-video: TI2V, this image's latent the clean first frame; I2V-A14B, the image condition",
     )
     p.add_argument("--sampler", default=None, help="edm: heun|euler; flow: euler|heun (default: the pipeline's)")
     p.add_argument("--seed", type=int, default=0)
@@ -147,12 +149,10 @@ def sampling_shift(cfg: ConfigContainer, num_tokens: int) -> float | None:
     return None
 
 
-def prompt_batch(
-    prompt: str, noise: torch.Tensor, encoders, model_cfg, first_frame: torch.Tensor | None = None
-) -> PackedBatch:
+def prompt_batch(prompt: str, noise: torch.Tensor, encoders, model_cfg, images: dict) -> PackedBatch:
     """noise [C, T', H', W'] + prompt -> a one-sample pack: the prompt's T5 text and, for FLUX, CLIP's
-    pooled vector [1, D_pool]; ``first_frame``: TI2V's image latent [C, 1, H', W']."""
-    batch = generation_batch(noise, encoders.text.encode([prompt])[0], model_cfg, first_frame)
+    pooled vector [1, D_pool]; ``images``: the image inputs (``image_inputs``: TI2V's first frame, I2V's condition)."""
+    batch = generation_batch(noise, encoders.text.encode([prompt])[0], model_cfg, **images)
     if encoders.pooled is not None:
         batch.pooled_text = encoders.pooled.encode([prompt])
     return batch
@@ -168,15 +168,14 @@ def sample_prompt(
     device: torch.device,
 ) -> torch.Tensor:
     """The clean latent [C, T', H', W'] sampled from ``noise`` for ``prompt`` (``cfg`` from
-    ``with_embedded_guidance``; args: num_steps, guidance_scale, sampler, seed, negative_prompt, and
-    image: TI2V's first frame, encoded by ``encoders.vae``)."""
+    ``with_embedded_guidance``; args: num_steps, guidance_scale(_2), sampler, seed, negative_prompt, and
+    image: TI2V's first frame or I2V's condition image, encoded by ``encoders.vae``)."""
     _, guidance_scale = with_embedded_guidance(cfg, args.guidance_scale)
-    image = getattr(args, "image", None)
-    first_frame = None if image is None else image_latent(encoders.vae, image, args.height, args.width)
-    batch = prompt_batch(prompt, noise, encoders, cfg.model, first_frame).to(device)
+    images = image_inputs(encoders.vae, cfg.model, args)
+    batch = prompt_batch(prompt, noise, encoders, cfg.model, images).to(device)
     uncond = None
     if args.negative_prompt is not None:
-        uncond = prompt_batch(args.negative_prompt, noise, encoders, cfg.model, first_frame).to(device)
+        uncond = prompt_batch(args.negative_prompt, noise, encoders, cfg.model, images).to(device)
     logger.info("sampling a latent of shape %s (%d tokens)", tuple(noise.shape), batch.seq_len)
     options = SamplingOptions(
         args.num_steps,
