@@ -6,15 +6,20 @@ WanTransformer3DModel reads cat([latents, condition]) on channels:
 * a two-transformer WanImageToVideoPipeline folder imports to two expert checkpoints and exports
   back bit for bit, as a folder WanImageToVideoPipeline.from_pretrained loads;
 * generation from an image (both experts, --image's code) gives WanImageToVideoPipeline's latents;
-* the preset's parameter count is diffusers' for the published config.
+* the preset's parameter count is diffusers' for the published config;
+* preparation stores each clip's image-condition latent, the loader's packs carry it, and a training
+  step on them has a finite loss and gradients on the condition channels' weights.
 """
 
 import dataclasses
+import importlib.util
+import io
 import json
 
 import diffusers
 import pytest
 import torch
+import webdataset as wds
 from PIL import Image
 
 from dfm.convert.rules import to_diffusers
@@ -22,6 +27,8 @@ from dfm.convert.wan import dfm_sample_outputs, diffusers_sample_output, max_abs
 from dfm.convert.wan import rules as wan_rules
 from dfm.data.encoders.tiny import build_tiny_wan_vae
 from dfm.data.encoders.vae import VideoVAE
+from dfm.data.energon.data_module import EnergonDataSettings, build_train_loader
+from dfm.data.energon.task_encoder import PackingSettings
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import unpatchify
 from dfm.diffusion.pipeline import SamplingOptions, build_pipeline
@@ -31,7 +38,9 @@ from dfm.inference.generation_batch import generation_batch
 from dfm.inference.image_condition import image_condition_latent
 from dfm.inference.sampling import sample_latent
 from dfm.models.presets_cli import preset_parameter_counts
-from tests.wan._tiny import TEXT_LEN, TINY, dfm_wan_of, tiny_diffusers_wan, tiny_model_config
+from dfm.training.forward_step import DiffusionForwardStep
+from tests.training.entry import RECIPE_DIR
+from tests.wan._tiny import TEXT_LEN, TINY, dfm_wan_of, tiny_diffusers_wan, tiny_model_config, write_tiny_videos
 from tests.wan.test_wan22_experts import TINY_TEXT, export_bit_exact, run_cli
 from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, pipeline_latents, wan_pipeline
 
@@ -145,3 +154,42 @@ def test_i2v_a14b_preset_counts_what_diffusers_builds():
         reference = sum(p.numel() for p in diffusers.WanTransformer3DModel(**config).parameters())
     assert reference == 14_288_901_184
     assert preset_parameter_counts(["Wan2.2-I2V-A14B"]) == {"Wan2.2-I2V-A14B": reference}
+
+
+def test_prepared_image_conditions_train_the_condition_channels(tmp_path, dist):
+    """prepare_energon_dataset.py --wan_image_condition (tiny random encoders: Wan VAE, 4 channels) stores
+    each clip's image-condition latent; the energon loader's packs carry its tokens; one training step of
+    a tiny I2V model on such a pack has a finite loss and gradients on the condition channels' weights."""
+    script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
+    module = importlib.util.module_from_spec(script)
+    script.loader.exec_module(module)
+    write_tiny_videos(tmp_path / "videos")
+    args = ["--input_dir", tmp_path / "videos", "--output_dir", tmp_path / "shards", "--tiny_random_encoders"]
+    args += ["--caption_format", "sidecar", "--height", "32", "--width", "64", "--num_frames", "5"]
+    args += ["--max_text_len", "16", "--wan_image_condition", "--run_energon_prepare"]
+    assert module.main([str(a) for a in args]) == 0
+    shards = wds.WebDataset([str(p) for p in sorted((tmp_path / "shards").glob("*.tar"))], shardshuffle=False)
+    for sample in shards:
+        latent = torch.load(io.BytesIO(sample["pth"]), weights_only=True)
+        condition = torch.load(io.BytesIO(sample["image_condition.pth"]), weights_only=True)
+        assert condition.shape == latent.shape == (4, 2, 4, 8)
+        # The causal VAE's first latent frame is the first frame's alone; the later ones are the zero frames'.
+        assert (condition[:, 0] - latent[:, 0]).abs().max() <= 1e-5 < (condition[:, 1] - latent[:, 1]).abs().max()
+    packing = PackingSettings(seq_length=64, max_text_len=16, in_channels=4)
+    settings = EnergonDataSettings(path=str(tmp_path / "shards"), packing=packing, num_workers=0)
+    batch = next(build_train_loader(settings, dp_rank=0, dp_size=1))
+    assert batch.image_condition.shape == (batch.seq_len, 4 * (4 + 4))
+    first_frame = batch.pos_ids[:, 0] == 0
+    mask = batch.image_condition.unflatten(1, (4, 8))[:, :, :4]  # per patch position: mask, then latent
+    assert bool((mask[first_frame] == 1).all()) and bool((mask[~first_frame] == 0).all())
+    cfg = tiny_model_config({**TINY_I2V, "text_dim": 32}, max_text_len=16)
+    model = dfm_wan_of(tiny_diffusers_wan(config={**TINY_I2V, "text_dim": 32}), cfg)
+    step = DiffusionForwardStep(
+        build_pipeline("flow", c_noise_scale=1000.0), seed=0, cfg_dropout_prob=0.0, device=torch.device("cpu")
+    )
+    output, loss_fn = step.run(model, *step.prepare(batch))
+    loss, _ = loss_fn(output)
+    loss.backward()
+    assert torch.isfinite(loss)
+    grad = model.x_embedder.weight.grad.unflatten(1, (4, 12))  # [h, positions, 4 latent + 4 mask + 4 image]
+    assert grad[:, :, 4:].abs().amax() > 0 and bool(torch.isfinite(grad).all())
