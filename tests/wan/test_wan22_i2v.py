@@ -4,7 +4,8 @@ WanTransformer3DModel reads cat([latents, condition]) on channels:
 
 * a pack of three samples equals diffusers on each alone (outputs, gradients), fp32;
 * a two-transformer WanImageToVideoPipeline folder imports to two expert checkpoints and exports
-  back bit for bit, as a folder WanImageToVideoPipeline.from_pretrained loads;
+  back bit for bit, as a folder WanImageToVideoPipeline.from_pretrained loads; inference_dit_model.py
+  generates from the imports with --image (and refuses without one);
 * generation from an image (both experts, --image's code) gives WanImageToVideoPipeline's latents;
 * the preset's parameter count is diffusers' for the published config;
 * preparation stores each clip's image-condition latent, the loader's packs carry it, and a training
@@ -34,6 +35,7 @@ from dfm.data.patchify import unpatchify
 from dfm.diffusion.pipeline import SamplingOptions, build_pipeline
 from dfm.diffusion.timestep_experts import TimestepExperts
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory
+from dfm.inference.generate import generate, parse_args
 from dfm.inference.generation_batch import generation_batch
 from dfm.inference.image_condition import image_condition_latent
 from dfm.inference.sampling import sample_latent
@@ -96,7 +98,7 @@ def i2v_folder(tmp_path_factory):
     return folder
 
 
-def test_i2v_two_expert_folder_round_trip_is_bit_exact_and_loads(i2v_folder, tmp_path):
+def test_i2v_two_expert_folder_round_trip_is_bit_exact_loads_and_generates(i2v_folder, tmp_path, dist):
     ckpt = tmp_path / "ckpt"
     run_cli(["import", "--diffusers", i2v_folder, "--output", ckpt, "--verify", *TINY_TEXT])
     for expert in ("high_noise", "low_noise"):
@@ -113,6 +115,35 @@ def test_i2v_two_expert_folder_round_trip_is_bit_exact_and_loads(i2v_folder, tmp
     high, low = experts()
     assert torch.equal(pipe.transformer.patch_embedding.weight, high.patch_embedding.weight)
     assert torch.equal(pipe.transformer_2.patch_embedding.weight, low.patch_embedding.weight)
+    # inference_dit_model.py from the imports: --image conditions both experts, --guidance_scale_2 the low-noise one.
+    Image.new("RGB", (48, 32), (200, 30, 90)).save(tmp_path / "image.png")
+    args = [
+        "--checkpoint_path",
+        ckpt / "high_noise",
+        "--checkpoint_path_2",
+        ckpt / "low_noise",
+        "--tiny_random_encoders",
+    ]
+    args += [
+        "--num_video_frames",
+        "5",
+        "--height",
+        "32",
+        "--width",
+        "48",
+        "--num_steps",
+        "2",
+        "--guidance_scale_2",
+        "2",
+    ]
+    video = tmp_path / "i2v.mp4"
+    cpu = torch.device("cpu")  # generate() is main() without its process group (the `dist` fixture's)
+    assert generate(
+        parse_args([str(a) for a in [*args, "--image", tmp_path / "image.png", "--video_save_path", video]]), cpu
+    )
+    assert video.stat().st_size > 0
+    with pytest.raises(ValueError, match="pass --image"):
+        generate(parse_args([str(a) for a in args]), cpu)
 
 
 @pytest.mark.filterwarnings("ignore")
