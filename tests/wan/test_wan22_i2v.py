@@ -23,6 +23,8 @@ import torch
 import webdataset as wds
 from PIL import Image
 
+from dfm.config.container import ModelConfig
+from dfm.config.presets import PRESETS
 from dfm.convert.rules import to_diffusers
 from dfm.convert.wan import dfm_sample_outputs, diffusers_sample_output, max_abs_diff, parity_samples, parity_timesteps
 from dfm.convert.wan import rules as wan_rules
@@ -40,6 +42,7 @@ from dfm.inference.generation_batch import generation_batch
 from dfm.inference.image_condition import image_condition_latent
 from dfm.inference.sampling import sample_latent
 from dfm.models.presets_cli import preset_parameter_counts
+from dfm.models.wan.flops import wan_forward_flops
 from dfm.training.forward_step import DiffusionForwardStep
 from tests.training.entry import RECIPE_DIR
 from tests.wan._tiny import TEXT_LEN, TINY, dfm_wan_of, tiny_diffusers_wan, tiny_model_config, write_tiny_videos
@@ -185,6 +188,9 @@ def test_i2v_a14b_preset_counts_what_diffusers_builds():
         reference = sum(p.numel() for p in diffusers.WanTransformer3DModel(**config).parameters())
     assert reference == 14_288_901_184
     assert preset_parameter_counts(["Wan2.2-I2V-A14B"]) == {"Wan2.2-I2V-A14B": reference}
+    # Its forward FLOPs count the 20 condition channels' patch embedding: 2 n h x 20 x 4 more than T2V's.
+    i2v, t2v = (ModelConfig(**PRESETS[name]) for name in ("Wan2.2-I2V-A14B", "Wan2.2-T2V-A14B"))
+    assert wan_forward_flops(i2v, [1000], [10]) - wan_forward_flops(t2v, [1000], [10]) == 2 * 1000 * 5120 * 20 * 4
 
 
 def test_prepared_image_conditions_train_the_condition_channels(tmp_path, dist):
