@@ -9,13 +9,14 @@ WanTransformer3DModel reads cat([latents, condition]) on channels:
 * generation from an image (both experts, --image's code) gives WanImageToVideoPipeline's latents;
 * the preset's parameter count is diffusers' for the published config;
 * preparation stores each clip's image-condition latent, the loader's packs carry it, and a training
-  step on them has a finite loss and gradients on the condition channels' weights.
+  step on them has a finite loss and gradients on the condition channels' weights; the entry point
+  fine-tunes the low-noise expert's import on such data.
 """
 
 import dataclasses
-import importlib.util
 import io
 import json
+import math
 
 import diffusers
 import pytest
@@ -25,6 +26,7 @@ from PIL import Image
 
 from dfm.config.container import ModelConfig
 from dfm.config.presets import PRESETS
+from dfm.convert.pretrained import read_full_weights
 from dfm.convert.rules import to_diffusers
 from dfm.convert.wan import dfm_sample_outputs, diffusers_sample_output, max_abs_diff, parity_samples, parity_timesteps
 from dfm.convert.wan import rules as wan_rules
@@ -44,9 +46,10 @@ from dfm.inference.sampling import sample_latent
 from dfm.models.presets_cli import preset_parameter_counts
 from dfm.models.wan.flops import wan_forward_flops
 from dfm.training.forward_step import DiffusionForwardStep
-from tests.training.entry import RECIPE_DIR
-from tests.wan._tiny import TEXT_LEN, TINY, dfm_wan_of, tiny_diffusers_wan, tiny_model_config, write_tiny_videos
-from tests.wan.test_wan22_experts import TINY_TEXT, export_bit_exact, run_cli
+from tests.training.entry import read_metrics, run_entry
+from tests.wan._tiny import TEXT_LEN, TINY, dfm_wan_of, tiny_diffusers_wan, tiny_model_config
+from tests.wan.test_wan22_experts import TINY_TEXT, WAN_TINY, export_bit_exact, run_cli
+from tests.wan.test_wan_convert import finetune_overrides, prepare_with_wan_encoders
 from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, pipeline_latents, wan_pipeline
 
 BOUNDARY = 0.9  # Wan2.2-I2V-A14B's; 4 steps at shift 5: t = 1, 0.94 (high noise), 0.83, 0.62 (low noise)
@@ -101,9 +104,16 @@ def i2v_folder(tmp_path_factory):
     return folder
 
 
-def test_i2v_two_expert_folder_round_trip_is_bit_exact_loads_and_generates(i2v_folder, tmp_path, dist):
-    ckpt = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def imported(i2v_folder):
+    """The checkpoint root the import (with --verify) wrote: <root>/high_noise, <root>/low_noise."""
+    ckpt = i2v_folder.parent / "ckpt"
     run_cli(["import", "--diffusers", i2v_folder, "--output", ckpt, "--verify", *TINY_TEXT])
+    return ckpt
+
+
+def test_i2v_two_expert_folder_round_trip_is_bit_exact_loads_and_generates(i2v_folder, imported, tmp_path, dist):
+    ckpt = imported
     for expert in ("high_noise", "low_noise"):
         model = checkpoint_config(checkpoint_directory(ckpt / expert)).model
         assert (model.wan_expert, model.wan_boundary_ratio, model.wan_image_condition) == (expert, BOUNDARY, True)
@@ -193,34 +203,32 @@ def test_i2v_a14b_preset_counts_what_diffusers_builds():
     assert wan_forward_flops(i2v, [1000], [10]) - wan_forward_flops(t2v, [1000], [10]) == 2 * 1000 * 5120 * 20 * 4
 
 
-def test_prepared_image_conditions_train_the_condition_channels(tmp_path, dist):
-    """prepare_energon_dataset.py --wan_image_condition (tiny random encoders: Wan VAE, 4 channels) stores
-    each clip's image-condition latent; the energon loader's packs carry its tokens; one training step of
-    a tiny I2V model on such a pack has a finite loss and gradients on the condition channels' weights."""
-    script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
-    module = importlib.util.module_from_spec(script)
-    script.loader.exec_module(module)
-    write_tiny_videos(tmp_path / "videos")
-    args = ["--input_dir", tmp_path / "videos", "--output_dir", tmp_path / "shards", "--tiny_random_encoders"]
-    args += ["--caption_format", "sidecar", "--height", "32", "--width", "64", "--num_frames", "5"]
-    args += ["--max_text_len", "16", "--wan_image_condition", "--run_energon_prepare"]
-    assert module.main([str(a) for a in args]) == 0
-    shards = wds.WebDataset([str(p) for p in sorted((tmp_path / "shards").glob("*.tar"))], shardshuffle=False)
+@pytest.fixture(scope="module")
+def i2v_shards(tmp_path_factory):
+    """prepare_energon_dataset.py --wan_image_condition with a tiny Wan pipeline folder's UMT5 (24-d) and VAE."""
+    return prepare_with_wan_encoders(tmp_path_factory.mktemp("i2v_data"), "--wan_image_condition")
+
+
+def test_prepared_image_conditions_train_the_condition_channels(i2v_shards, dist):
+    """prepare_energon_dataset.py --wan_image_condition (a tiny Wan VAE, 4 channels) stores each clip's
+    image-condition latent; the energon loader's packs carry its tokens; one training step of a tiny
+    I2V model on such a pack has a finite loss and gradients on the condition channels' weights."""
+    shards = wds.WebDataset([str(p) for p in sorted(i2v_shards.glob("*.tar"))], shardshuffle=False)
     for sample in shards:
         latent = torch.load(io.BytesIO(sample["pth"]), weights_only=True)
         condition = torch.load(io.BytesIO(sample["image_condition.pth"]), weights_only=True)
-        assert condition.shape == latent.shape == (4, 2, 4, 8)
+        assert condition.shape == latent.shape == (4, 2, 4, 6)
         # The causal VAE's first latent frame is the first frame's alone; the later ones are the zero frames'.
         assert (condition[:, 0] - latent[:, 0]).abs().max() <= 1e-5 < (condition[:, 1] - latent[:, 1]).abs().max()
     packing = PackingSettings(seq_length=64, max_text_len=16, in_channels=4)
-    settings = EnergonDataSettings(path=str(tmp_path / "shards"), packing=packing, num_workers=0)
+    settings = EnergonDataSettings(path=str(i2v_shards), packing=packing, num_workers=0)
     batch = next(build_train_loader(settings, dp_rank=0, dp_size=1))
     assert batch.image_condition.shape == (batch.seq_len, 4 * (4 + 4))
     first_frame = batch.pos_ids[:, 0] == 0
     mask = batch.image_condition.unflatten(1, (4, 8))[:, :, :4]  # per patch position: mask, then latent
     assert bool((mask[first_frame] == 1).all()) and bool((mask[~first_frame] == 0).all())
-    cfg = tiny_model_config({**TINY_I2V, "text_dim": 32}, max_text_len=16)
-    model = dfm_wan_of(tiny_diffusers_wan(config={**TINY_I2V, "text_dim": 32}), cfg)
+    cfg = tiny_model_config(TINY_I2V, max_text_len=16)
+    model = dfm_wan_of(experts()[0], cfg)
     step = DiffusionForwardStep(
         build_pipeline("flow", c_noise_scale=1000.0), seed=0, cfg_dropout_prob=0.0, device=torch.device("cpu")
     )
@@ -230,3 +238,20 @@ def test_prepared_image_conditions_train_the_condition_channels(tmp_path, dist):
     assert torch.isfinite(loss)
     grad = model.x_embedder.weight.grad.unflatten(1, (4, 12))  # [h, positions, 4 latent + 4 mask + 4 image]
     assert grad[:, :, 4:].abs().amax() > 0 and bool(torch.isfinite(grad).all())
+
+
+def test_entry_point_fine_tunes_the_low_noise_i2v_expert_on_prepared_data(imported, i2v_shards, tmp_path):
+    """pretrain_dit_model.py (one process) from the low-noise import on the --wan_image_condition shards:
+    3 iterations, finite losses, and the patch embedding's condition columns move."""
+    run = tmp_path / "run"
+    overrides = [*finetune_overrides(i2v_shards, imported / "low_noise", run), "model.wan_expert=low_noise"]
+    overrides += [f"model.wan_boundary_ratio={BOUNDARY}", "model.wan_image_condition=true", "optimizer.lr=1e-3"]
+    overrides += TINY_TEXT
+    result = run_entry(1, overrides, config=WAN_TINY, mock=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    losses = [m["loss"] for m in read_metrics(run / "logs")]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
+    _, trained = read_full_weights(run / "checkpoints")
+    _, initial = read_full_weights(imported / "low_noise")
+    moved = (trained["x_embedder.weight"] - initial["x_embedder.weight"]).unflatten(1, (4, 12))[:, :, 4:]
+    assert moved.abs().amax() > 1e-4
