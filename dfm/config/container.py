@@ -37,6 +37,10 @@ class ModelConfig:
     ffn_hidden_size: int | None = None  # None: 4 * hidden_size
     in_channels: int = 16
     out_channels: int | None = None  # None: in_channels; 2x for DiT's learned-sigma head
+    # Wan 2.2 I2V-A14B (dfm/data/video_condition.py): after each patch's in_channels latent channels the patch
+    # embedding reads 4 mask + in_channels image-condition channels (diffusers' in_channels 2C + 4 = 36),
+    # given per token by the pack (PackedBatch.image_condition).
+    wan_image_condition: bool = False
     patch_spatial: int = 2
     patch_temporal: int = 1
     text_embed_dim: int = 4096

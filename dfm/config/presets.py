@@ -121,7 +121,7 @@ PRESETS = MappingProxyType(
         # Wan 2.2 (docs/wan.md): TI2V-5B reads the 48-channel Wan 2.2 VAE's latents.
         "Wan2.2-TI2V-5B": _shape(30, 3072, 24, ffn_hidden_size=14336, **{**_WAN, "in_channels": 48}),
         # A14B: two experts of Wan2.1-T2V-14B's shape split at the boundary (pick one: model.wan_expert).
-        # I2V reads 36 channels (16 noisy latent + 4 mask + 16 image latent) and predicts 16.
+        # I2V reads 36 channels (16 noisy latent + 4 mask + 16 image latent: wan_image_condition), predicts 16.
         "Wan2.2-T2V-A14B": _shape(40, 5120, 40, ffn_hidden_size=13824, wan_boundary_ratio=0.875, **_WAN),
         "Wan2.2-I2V-A14B": _shape(
             40,
@@ -129,7 +129,8 @@ PRESETS = MappingProxyType(
             40,
             ffn_hidden_size=13824,
             wan_boundary_ratio=0.9,
-            **{**_WAN, "in_channels": 36, "out_channels": 16},
+            wan_image_condition=True,
+            **_WAN,
         ),
     }
 )

@@ -57,6 +57,8 @@ def _check_model(cfg: ConfigContainer) -> None:
             f"model.hidden_size ({model.hidden_size}) must be divisible by "
             f"model.num_attention_heads ({model.num_attention_heads})"
         )
+    if model.wan_image_condition and model.architecture != "wan":
+        raise ConfigError(f"model.wan_image_condition is Wan's (Wan 2.2 I2V); model.architecture={model.architecture}")
     _check_sizes([model.max_latent_thw], 3, "model.max_latent_thw")
     if model.wan_boundary_ratio is not None and model.wan_expert is None:
         raise ConfigError(

@@ -20,6 +20,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify, unpatchify
 from dfm.data.sample import DiffusionSample
+from dfm.data.video_condition import WAN_MASK_CHANNELS, wan_condition_channels, wan_image_condition
 from dfm.inference.checkpoint_loading import single_process_config
 
 FREQ_DIM = 256  # the timestep sinusoid width of every published Wan (dfm's TimestepEmbedder)
@@ -46,14 +47,24 @@ def model_overrides(config: dict) -> dict:
     if ph != pw:
         raise ConversionError(f"config.json patch_size={[pt, ph, pw]}: dfm needs equal spatial patch sides")
     heads, head_dim = config.get("num_attention_heads", 40), config.get("attention_head_dim", 128)
-    in_channels = config.get("in_channels", 16)
+    in_channels, out_channels = config.get("in_channels", 16), config.get("out_channels")
+    # Wan 2.2 I2V: the input is the latent, 4 mask and the image latent's channels (2 out + 4).
+    image_condition = out_channels is not None and in_channels == 2 * out_channels + WAN_MASK_CHANNELS
+    if out_channels not in (None, in_channels) and not image_condition:
+        raise ConversionError(
+            f"config.json in_channels={in_channels}, out_channels={out_channels}: dfm's Wan reads "
+            "in_channels = out_channels, or 2 out_channels + 4 (image-to-video: latent, mask, image latent)"
+        )
+    if image_condition:
+        in_channels = out_channels
     return {
         "model.num_layers": config.get("num_layers", 40),
         "model.hidden_size": heads * head_dim,
         "model.num_attention_heads": heads,
         "model.ffn_hidden_size": config.get("ffn_dim", 13824),
         "model.in_channels": in_channels,
-        "model.out_channels": config.get("out_channels") or in_channels,
+        "model.out_channels": out_channels or in_channels,
+        "model.wan_image_condition": image_condition,
         "model.patch_temporal": pt,
         "model.patch_spatial": ph,
         "model.text_embed_dim": config.get("text_dim", 4096),
@@ -71,7 +82,7 @@ def diffusers_config(model: ModelConfig) -> dict:
         "patch_size": [model.patch_temporal, model.patch_spatial, model.patch_spatial],
         "num_attention_heads": model.num_attention_heads,
         "attention_head_dim": model.hidden_size // model.num_attention_heads,
-        "in_channels": model.in_channels,
+        "in_channels": model.in_channels + wan_condition_channels(model),
         "out_channels": model.out_channels or model.in_channels,
         "text_dim": model.text_embed_dim,
         "freq_dim": FREQ_DIM,
@@ -88,8 +99,9 @@ def diffusers_config(model: ModelConfig) -> dict:
 
 
 def patch_embedding_rule(model: ModelConfig) -> Rule:
-    """Conv3d weight [h, c, pt, ph, pw] <-> dfm's Linear [h, pt*ph*pw*c] (token features (pt, ph, pw, c))."""
-    pt, ps, c = model.patch_temporal, model.patch_spatial, model.in_channels
+    """Conv3d weight [h, c, pt, ph, pw] <-> dfm's Linear [h, pt*ph*pw*c] (token features (pt, ph, pw, c);
+    I2V: c counts the image condition's channels too, after the latent's, as diffusers' input)."""
+    pt, ps, c = model.patch_temporal, model.patch_spatial, model.in_channels + wan_condition_channels(model)
 
     def join(tensors: list[Tensor]) -> Tensor:
         return tensors[0].permute(0, 2, 3, 4, 1).reshape(tensors[0].shape[0], -1).contiguous()
@@ -172,6 +184,9 @@ def parity_samples(
         text = torch.randn((min(text_len, model.max_text_len), model.text_embed_dim), generator=gen)
         sample = DiffusionSample(tokens, pos_ids, text, tuple(latent.shape), index)
         sample.first_frame_clean = index < len(first_frame_clean) and first_frame_clean[index]
+        if model.wan_image_condition:  # I2V: a random image-condition latent
+            image = torch.randn(latent.shape, generator=gen)
+            sample.image_condition = wan_image_condition(image, model.patch_temporal, model.patch_spatial)
         samples.append(sample)
     return samples
 
@@ -198,6 +213,12 @@ def diffusers_sample_output(transformer, sample: DiffusionSample, timestep: Tens
     latent = unpatchify(sample.tokens, sample.latent_shape, pt, ps)
     text = torch.zeros(1, text_len, sample.text.shape[-1], dtype=sample.text.dtype)
     text[0, : sample.text.shape[0]] = sample.text
+    if sample.image_condition is not None:  # I2V: cat([latents, condition]) on channels, as the pipeline
+        _, t, h, w = sample.latent_shape
+        condition = unpatchify(
+            sample.image_condition, (sample.image_condition.shape[1] // (pt * ps * ps), t, h, w), pt, ps
+        )
+        latent = torch.cat([latent, condition])
     out = transformer(latent[None], diffusers_timestep(sample, timestep, pt, ps), text, return_dict=False)[0]
     return out[0]
 

@@ -6,7 +6,7 @@ one). ``import`` of such a folder writes ``OUTPUT/high_noise`` and ``OUTPUT/low_
 checkpoint whose config names its expert (``model.wan_expert``) and the boundary, so
 ``checkpoint.pretrained=OUTPUT/high_noise`` fine-tunes that expert on its side of the boundary.
 ``export --checkpoint HIGH --checkpoint_2 LOW`` writes the two back as a pipeline folder that
-``WanPipeline.from_pretrained`` reads (the text encoder, tokenizer, VAE and scheduler are not
+``WanPipeline.from_pretrained`` (I2V experts: ``WanImageToVideoPipeline``) reads (the text encoder, tokenizer, VAE and scheduler are not
 written: pass them, or None, to from_pretrained, or copy their folders from the original).
 ``export --checkpoint BOTH`` of a run of both experts (``model.wan_expert=both``, parameters
 ``high_noise.*`` and ``low_noise.*``) writes the same folder. Every other folder goes through
@@ -62,22 +62,26 @@ def import_experts(args: argparse.Namespace) -> list[Path]:
     return written
 
 
-def expert_boundary(checkpoint: str, expert: str) -> float:
-    """The boundary recorded in ``checkpoint``'s config, which must be ``expert``'s."""
+def expert_model(checkpoint: str, expert: str):
+    """The ModelConfig recorded in ``checkpoint``, which must be ``expert``'s (with a boundary)."""
     model = checkpoint_config(checkpoint_directory(checkpoint)).model
     if model.wan_expert != expert or model.wan_boundary_ratio is None:
         raise ConversionError(
             f"{checkpoint} holds model.wan_expert={model.wan_expert} (boundary {model.wan_boundary_ratio}), "
             f"not the {expert} expert"
         )
-    return model.wan_boundary_ratio
+    return model
 
 
 def export_experts(args: argparse.Namespace, checkpoint_2: str) -> Path:
-    """--checkpoint (high noise) and ``checkpoint_2`` (low noise) -> a WanPipeline folder."""
-    ratios = {expert_boundary(args.checkpoint, "high_noise"), expert_boundary(checkpoint_2, "low_noise")}
-    if len(ratios) != 1:
-        raise ConversionError(f"the experts' checkpoints record different boundaries {sorted(ratios)}")
+    """--checkpoint (high noise) and ``checkpoint_2`` (low noise) -> a WanPipeline (or, for I2V experts,
+    WanImageToVideoPipeline) folder."""
+    models = [expert_model(args.checkpoint, "high_noise"), expert_model(checkpoint_2, "low_noise")]
+    kinds = {(m.wan_boundary_ratio, m.wan_image_condition) for m in models}
+    if len(kinds) != 1:
+        raise ConversionError(
+            f"the experts' checkpoints record different (boundary, wan_image_condition) {sorted(kinds)}"
+        )
     target = Path(args.output)
     check_target(target, False, lambda _: "an existing folder is never replaced by a two-expert export")
     with fresh_folder(target) as staging:
@@ -85,17 +89,24 @@ def export_experts(args: argparse.Namespace, checkpoint_2: str) -> Path:
             one = copy.copy(args)
             one.checkpoint, one.output = checkpoint, str(staging / EXPERT_FOLDERS[expert])
             export_model(WAN, one)
-        ratio = ratios.pop()
-        write_model_index(staging, ratio)
-    return wrote(target, ratio)
+        write_model_index(staging, models[0])
+    return wrote(target, models[0].wan_boundary_ratio)
 
 
-def write_model_index(folder: Path, ratio: float) -> None:
-    """model_index.json of a two-expert WanPipeline folder (its other components listed absent)."""
-    index = {"_class_name": "WanPipeline", "boundary_ratio": ratio, "expand_timesteps": False}
+def pipeline_index(model) -> dict:
+    """model_index.json of the experts' pipeline: WanPipeline, or (I2V experts, no image encoder as Wan
+    2.2's) WanImageToVideoPipeline; the components not written listed absent."""
+    i2v = model.wan_image_condition
+    absent = (*ABSENT, "image_encoder", "image_processor") if i2v else ABSENT
+    index = {"_class_name": "WanImageToVideoPipeline" if i2v else "WanPipeline"}
+    index |= {"boundary_ratio": model.wan_boundary_ratio, "expand_timesteps": False}
     index |= {name: ["diffusers", WAN.diffusers_class] for name in EXPERT_FOLDERS.values()}
-    index |= {name: [None, None] for name in ABSENT}
-    (folder / MODEL_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return index | {name: [None, None] for name in absent}
+
+
+def write_model_index(folder: Path, model) -> None:
+    """model_index.json of the experts' ModelConfig ``model`` into ``folder``."""
+    (folder / MODEL_INDEX).write_text(json.dumps(pipeline_index(model), indent=2) + "\n")
 
 
 def wrote(target: Path, ratio: float) -> Path:
@@ -121,7 +132,7 @@ def export_both(args: argparse.Namespace) -> Path:
             prefix = f"{expert}."
             own = {name[len(prefix) :]: value for name, value in weights.items() if name.startswith(prefix)}
             write_export(WAN, (cfg, common, own), args, staging / folder)
-        write_model_index(staging, cfg.model.wan_boundary_ratio)
+        write_model_index(staging, cfg.model)
     return wrote(target, cfg.model.wan_boundary_ratio)
 
 

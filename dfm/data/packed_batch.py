@@ -47,6 +47,8 @@ class PackedBatch:
     # [N] long: the Wan 2.2 expert each sample is routed to (0 high noise, 1 low noise; set by the
     # training step of a model.wan_expert=both run, dfm/models/wan/experts.py); None: one model
     expert_ids: torch.Tensor | None = None
+    # Wan 2.2 I2V-A14B: per-token mask + image-condition latent, appended to x_in's features by the model
+    image_condition: torch.Tensor | None = None  # [S, pt*ph*pw*(4 + C)]
     # The host original of a device copy (set by .to()); None when this batch is the original.
     host: PackedBatch | None = field(default=None, repr=False, compare=False)
 

@@ -72,6 +72,17 @@ def first_frame_flags(samples: Sequence[DiffusionSample]) -> torch.Tensor | None
     return torch.tensor(flags, dtype=torch.bool) if any(flags) else None
 
 
+def image_condition_tokens(samples: Sequence[DiffusionSample], q_offsets: torch.Tensor) -> torch.Tensor | None:
+    """[S, D_cond] Wan 2.2 I2V condition tokens laid out as the latents; None when no sample has them."""
+    conditions = [s.image_condition for s in samples]
+    if all(c is None for c in conditions):
+        return None
+    missing = [s.metadata.get("key", s.sample_index) for s in samples if s.image_condition is None]
+    if missing:
+        raise ValueError(f"samples {missing} have no image condition while others in their pack do")
+    return _scatter_segments([c.float() for c in conditions], q_offsets, int(q_offsets[-1]))
+
+
 def pack_samples(samples: Sequence[DiffusionSample], segment_multiple: int = 1, total_multiple: int = 1) -> PackedBatch:
     """Pack samples along the sequence.
 
@@ -102,11 +113,12 @@ def pack_samples(samples: Sequence[DiffusionSample], segment_multiple: int = 1, 
         pooled_text=stack_pooled_text(samples),
         **condition_parts(samples, q_offsets, total_multiple),
         first_frame_clean=first_frame_flags(samples),
+        image_condition=image_condition_tokens(samples, q_offsets),
     )
 
 
 # Fields of a PackedBatch by what they are indexed by (the rest are per sample, [N, ...]).
-_TOKEN_FIELDS = ("latents", "pos_ids", "loss_mask", "condition")
+_TOKEN_FIELDS = ("latents", "pos_ids", "loss_mask", "condition", "image_condition")
 _TEXT_FIELDS = {"context": "cu_seqlens_kv", "context_2": "cu_seqlens_kv2"}
 _OFFSETS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_kv2")
 

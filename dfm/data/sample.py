@@ -23,6 +23,8 @@ class DiffusionSample:
     image_embeds: torch.Tensor | None = None  # [L_img, D_img]; all zero: none (text-to-video)
     # Image-to-video by a clean first frame (Wan 2.2 TI2V): its tokens are given at t = 0, not trained.
     first_frame_clean: bool = False
+    # Wan 2.2 I2V-A14B: per-token mask + image-condition latent (dfm/data/video_condition.py); None: none.
+    image_condition: torch.Tensor | None = None  # [L, pt*ph*pw*(4 + C)]
 
     @property
     def seq_len_q(self) -> int:

@@ -42,6 +42,22 @@ class SamplingOptions:
     sampler: str | None = None  # None: the pipeline settings' sampler
     seed: int = 0  # the CPU generator of the starting noise (for a shape) and of EDM's churn
     shift: float | None = None  # flow matching only: overrides the settings' shift
+    # Two guidance scales split at a noise level (WanPipeline's guidance_scale_2 for Wan 2.2 A14B's
+    # low-noise expert): levels >= guidance_boundary (flow: t) use guidance_scale, lower ones
+    # guidance_scale_2. None: guidance_scale at every level.
+    guidance_scale_2: float | None = None
+    guidance_boundary: float | None = None
+
+    def guidance_at(self, level: float) -> float:
+        """The guidance scale of the step at ``level`` (sigma or t)."""
+        if self.guidance_scale_2 is None or self.guidance_boundary is None or level >= self.guidance_boundary:
+            return self.guidance_scale
+        return self.guidance_scale_2
+
+    @property
+    def guided(self) -> bool:
+        """Whether any step needs the unconditional pass (a scale other than 1)."""
+        return self.guidance_scale != 1.0 or self.guidance_scale_2 not in (None, 1.0)
 
 
 class SamplingSchedule(NamedTuple):
@@ -138,7 +154,7 @@ class DiffusionPipeline(ABC):
         shape from ``options.seed``); guidance acts on the integrated field (EDM: D; flow: v)."""
         generator = torch.Generator().manual_seed(options.seed)
         schedule = self.sampling_schedule(options)
-        field = guided_field(schedule.field, net, sample_ids, cond, uncond, options.guidance_scale)
+        field = guided_field(schedule.field, net, sample_ids, cond, uncond, options.guidance_at)
         x = at_least_fp32(initial_noise(noise, generator)) * schedule.start_std  # integrate in >= fp32
         return self.sampler(options.sampler).run(field, x, schedule.levels, schedule.churn, generator)
 
@@ -215,15 +231,18 @@ def guided_field(
     sample_ids: torch.Tensor,
     cond: dict[str, Any] | None,
     uncond: dict[str, Any] | None,
-    guidance_scale: float,
+    guidance_at: Callable[[float], float],
 ) -> Callable[[torch.Tensor, float], torch.Tensor]:
     """The field a sampler integrates: ``(x [S, *], level) -> predict_at(net, x, level per sample, ...)``
-    with classifier-free guidance (EDM: the denoiser at sigma; flow: the velocity at t)."""
+    with classifier-free guidance (EDM: the denoiser at sigma; flow: the velocity at t) of scale
+    ``guidance_at(level)`` (``SamplingOptions.guidance_at``)."""
     num_samples = count_samples(sample_ids)  # one device sync, not one per step
 
     def field(x: torch.Tensor, level: float) -> torch.Tensor:
         per_sample = torch.full((num_samples,), level, dtype=x.dtype, device=x.device)
-        return guided(lambda kwargs: predict_at(net, x, per_sample, sample_ids, **kwargs), cond, uncond, guidance_scale)
+        return guided(
+            lambda kwargs: predict_at(net, x, per_sample, sample_ids, **kwargs), cond, uncond, guidance_at(level)
+        )
 
     return field
 

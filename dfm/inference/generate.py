@@ -37,7 +37,7 @@ from dfm.inference.encoders import (
     uses_pooled_text,
 )
 from dfm.inference.generation_batch import draw_noise, generation_batch, latent_shape_for
-from dfm.inference.image_condition import image_latent
+from dfm.inference.image_condition import image_inputs
 from dfm.inference.media import check_output_path, to_uint8_frames, write_media
 from dfm.inference.sampling import sample_latent
 
@@ -65,10 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="classifier-free guidance (1 disables it); FLUX: the distilled model's guidance input (e.g. 3.5)",
     )
     p.add_argument(
+        "--guidance_scale_2",
+        type=float,
+        default=None,
+        help="Wan 2.2 A14B (with --checkpoint_path_2): the low-noise expert's steps' guidance, as WanPipeline's "
+        "guidance_scale_2 (default: --guidance_scale)",
+    )
+    p.add_argument(
         "--negative_prompt", default=None, help="text of the guidance's unconditional pass (Wan's); default: no text"
     )
     p.add_argument(
-        "--image", default=None, help="Wan 2.2 TI2V: image-to-video, this image's latent the clean first frame"
+        "--image",
+        default=None,
+        help="Wan 2.2 image-to-video: TI2V, this image's latent the clean first frame; I2V-A14B, the image condition",
     )
     p.add_argument("--sampler", default=None, help="edm: heun|euler; flow: euler|heun (default: the pipeline's)")
     p.add_argument("--seed", type=int, default=0)
@@ -94,8 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not math.isfinite(args.guidance_scale) or args.guidance_scale < 0:
-        parser.error(f"--guidance_scale {args.guidance_scale}: must be a finite number >= 0 (1 disables guidance)")
+    for name in ("guidance_scale", "guidance_scale_2"):
+        value = getattr(args, name)
+        if value is not None and (not math.isfinite(value) or value < 0):
+            parser.error(f"--{name} {value}: must be a finite number >= 0 (1 disables guidance)")
+    if args.guidance_scale_2 is not None and args.checkpoint_path_2 is None:
+        parser.error("--guidance_scale_2 is the low-noise expert's guidance: it needs --checkpoint_path_2")
     if args.num_steps < 1:
         parser.error(f"--num_steps {args.num_steps}: must be >= 1")
     if args.video_save_path is None:
@@ -136,12 +149,10 @@ def sampling_shift(cfg: ConfigContainer, num_tokens: int) -> float | None:
     return None
 
 
-def prompt_batch(
-    prompt: str, noise: torch.Tensor, encoders, model_cfg, first_frame: torch.Tensor | None = None
-) -> PackedBatch:
+def prompt_batch(prompt: str, noise: torch.Tensor, encoders, model_cfg, images: dict) -> PackedBatch:
     """noise [C, T', H', W'] + prompt -> a one-sample pack: the prompt's T5 text and, for FLUX, CLIP's
-    pooled vector [1, D_pool]; ``first_frame``: TI2V's image latent [C, 1, H', W']."""
-    batch = generation_batch(noise, encoders.text.encode([prompt])[0], model_cfg, first_frame)
+    pooled vector [1, D_pool]; ``images``: the image inputs (``image_inputs``: TI2V's first frame, I2V's condition)."""
+    batch = generation_batch(noise, encoders.text.encode([prompt])[0], model_cfg, **images)
     if encoders.pooled is not None:
         batch.pooled_text = encoders.pooled.encode([prompt])
     return batch
@@ -157,20 +168,33 @@ def sample_prompt(
     device: torch.device,
 ) -> torch.Tensor:
     """The clean latent [C, T', H', W'] sampled from ``noise`` for ``prompt`` (``cfg`` from
-    ``with_embedded_guidance``; args: num_steps, guidance_scale, sampler, seed, negative_prompt, and
-    image: TI2V's first frame, encoded by ``encoders.vae``)."""
+    ``with_embedded_guidance``; args: num_steps, guidance_scale(_2), sampler, seed, negative_prompt, and
+    image: TI2V's first frame or I2V's condition image, encoded by ``encoders.vae``)."""
     _, guidance_scale = with_embedded_guidance(cfg, args.guidance_scale)
-    image = getattr(args, "image", None)
-    first_frame = None if image is None else image_latent(encoders.vae, image, args.height, args.width)
-    batch = prompt_batch(prompt, noise, encoders, cfg.model, first_frame).to(device)
+    images = image_inputs(encoders.vae, cfg.model, args)
+    batch = prompt_batch(prompt, noise, encoders, cfg.model, images).to(device)
     uncond = None
     if args.negative_prompt is not None:
-        uncond = prompt_batch(args.negative_prompt, noise, encoders, cfg.model, first_frame).to(device)
+        uncond = prompt_batch(args.negative_prompt, noise, encoders, cfg.model, images).to(device)
     logger.info("sampling a latent of shape %s (%d tokens)", tuple(noise.shape), batch.seq_len)
     options = SamplingOptions(
-        args.num_steps, guidance_scale, args.sampler, args.seed, sampling_shift(cfg, batch.seq_len)
+        args.num_steps,
+        guidance_scale,
+        args.sampler,
+        args.seed,
+        sampling_shift(cfg, batch.seq_len),
+        **expert_guidance(model, cfg, args),
     )
     return sample_latent(model, pipeline_from_config(cfg), batch, cfg.model, options, uncond)
+
+
+def expert_guidance(model: torch.nn.Module, cfg: ConfigContainer, args: argparse.Namespace) -> dict:
+    """SamplingOptions' guidance_scale_2 / guidance_boundary: the low-noise expert's steps (as
+    TimestepExperts routes them, at the boundary in flow t) take ``--guidance_scale_2``."""
+    scale_2 = getattr(args, "guidance_scale_2", None)
+    if not isinstance(model, TimestepExperts) or scale_2 is None:
+        return {}
+    return {"guidance_scale_2": scale_2, "guidance_boundary": cfg.model.wan_boundary_ratio}
 
 
 def with_low_noise_expert(

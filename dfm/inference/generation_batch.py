@@ -14,6 +14,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import check_patchable, patchify
 from dfm.data.sample import DiffusionSample
+from dfm.data.video_condition import wan_image_condition
 
 
 def latent_shape_for(vae, model_cfg, height: int, width: int, num_frames: int) -> tuple[int, int, int, int]:
@@ -42,11 +43,20 @@ def draw_noise(latent_shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def generation_batch(
-    noise: torch.Tensor, text: torch.Tensor, model_cfg, first_frame: torch.Tensor | None = None
+    noise: torch.Tensor,
+    text: torch.Tensor,
+    model_cfg,
+    first_frame: torch.Tensor | None = None,
+    image_condition: torch.Tensor | None = None,
 ) -> PackedBatch:
     """noise [C, T', H', W'], text [L, D_text] -> a one-sample PackedBatch (latents = patchified noise).
     ``first_frame`` [C, 1, H', W']: an image's latent, the clean first frame of image-to-video (Wan 2.2
-    TI2V); the sampler keeps it at every step (dfm/diffusion/first_frame.py)."""
+    TI2V); the sampler keeps it at every step (dfm/diffusion/first_frame.py). ``image_condition``
+    [C, T', H', W']: Wan 2.2 I2V's image-condition latent (dfm/data/video_condition.py)."""
+    if image_condition is not None:
+        batch = generation_pack([noise], [text], model_cfg)
+        tokens = wan_image_condition(image_condition.to(noise.dtype), model_cfg.patch_temporal, model_cfg.patch_spatial)
+        return dataclasses.replace(batch, image_condition=tokens)
     if first_frame is None:
         return generation_pack([noise], [text], model_cfg)
     batch = generation_pack([torch.cat([first_frame.to(noise.dtype), noise[:, 1:]], dim=1)], [text], model_cfg)

@@ -45,11 +45,11 @@ def sample_latents(
     """Denoise ``batch.latents`` (the starting noise of every sample in the pack) at once
     -> one clean latent [C, T', H', W'] per sample.
 
-    Guidance scale 1 is the conditional prediction alone, so the unconditional pass is skipped.
+    Guidance scale 1 (every step's) is the conditional prediction alone, so the unconditional pass is skipped.
     ``uncond``: the unconditional pass's pack (a negative prompt's text, as Wan samples); None: the
     text zeroed, as cfg dropout trains it.
     """
-    guided = options.guidance_scale != 1.0
+    guided = options.guided
     solver = pipeline.sampler(options.sampler)
     total = solver.model_calls(options.steps, guided)
     with tqdm(total=total, desc=f"{pipeline.name}/{solver.name} {options.steps} steps", unit="eval") as progress:

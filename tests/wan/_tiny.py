@@ -77,3 +77,15 @@ def write_tiny_videos(folder) -> None:
         frames = (torch.rand(5, 32, 48, 3, generator=gen) * 255).to(torch.uint8).numpy()
         iio.imwrite(folder / f"{name}.mp4", frames, fps=8)
         (folder / f"{name}.json").write_text(json.dumps({"caption": caption}))
+
+
+def dfm_wan_of(transformer, cfg: ModelConfig):
+    """The dfm Wan of ``cfg`` holding ``transformer``'s weights (fp32, eval); needs the process group."""
+    from dfm.convert.pretrained import fill_weights
+    from dfm.convert.rules import to_dfm
+    from dfm.convert.wan import rules
+    from dfm.models.build import build_model
+
+    model, _ = build_model(cfg, "fp32")
+    fill_weights(model, to_dfm(transformer.state_dict(), rules(cfg)), "a tiny diffusers Wan")
+    return model.eval()

@@ -56,6 +56,16 @@ def run_cli(argv) -> None:
         assert main([str(a) for a in argv]) == 0
 
 
+def export_bit_exact(source, ckpt, out) -> None:
+    """Export ckpt/high_noise + ckpt/low_noise to ``out``: every tensor of ``source``'s transformers, bit for bit."""
+    run_cli(["export", "--checkpoint", ckpt / "high_noise", "--checkpoint_2", ckpt / "low_noise", "--output", out])
+    for name in ("transformer", "transformer_2"):
+        original = load_file(source / name / "diffusion_pytorch_model.safetensors")
+        exported = load_file(out / name / "diffusion_pytorch_model.safetensors")
+        assert sorted(exported) == sorted(original)
+        assert all(torch.equal(exported[k], v) and exported[k].dtype == v.dtype for k, v in original.items()), name
+
+
 @pytest.fixture(scope="module")
 def two_expert_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("a14b") / "pipeline"
@@ -78,23 +88,7 @@ def test_two_expert_folder_round_trip_is_bit_exact_and_loads_in_wan_pipeline(two
     for expert in ("high_noise", "low_noise"):
         model = checkpoint_config(checkpoint_directory(imported / expert)).model
         assert (model.wan_expert, model.wan_boundary_ratio) == (expert, BOUNDARY)
-    ckpt = imported
-    run_cli(
-        [
-            "export",
-            "--checkpoint",
-            ckpt / "high_noise",
-            "--checkpoint_2",
-            ckpt / "low_noise",
-            "--output",
-            tmp_path / "out",
-        ]
-    )
-    for name in ("transformer", "transformer_2"):
-        original = load_file(two_expert_folder / name / "diffusion_pytorch_model.safetensors")
-        exported = load_file(tmp_path / "out" / name / "diffusion_pytorch_model.safetensors")
-        assert sorted(exported) == sorted(original)
-        assert all(torch.equal(exported[k], v) and exported[k].dtype == v.dtype for k, v in original.items()), name
+    export_bit_exact(two_expert_folder, imported, tmp_path / "out")
     absent = dict.fromkeys(("tokenizer", "text_encoder", "vae", "scheduler"))  # not exported: the original's
     pipe = diffusers.WanPipeline.from_pretrained(tmp_path / "out", torch_dtype=torch.float32, **absent)
     assert pipe.config.boundary_ratio == BOUNDARY

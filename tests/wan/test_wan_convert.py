@@ -78,8 +78,9 @@ def test_import_export_round_trip_is_bit_exact(imported, tmp_path):
     assert loaded.config.num_layers == 2 and loaded.config.qk_norm == "rms_norm_across_heads"
 
 
-def prepare_with_wan_encoders(tmp_path):
-    """Energon shards of two tiny clips, encoded by a tiny Wan pipeline folder's UMT5 and VAE."""
+def prepare_with_wan_encoders(tmp_path, *extra: str):
+    """Energon shards of two tiny clips, encoded by a tiny Wan pipeline folder's UMT5 and VAE; ``extra``:
+    more prepare_energon_dataset.py flags."""
     script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
     module = importlib.util.module_from_spec(script)
     script.loader.exec_module(module)
@@ -88,22 +89,29 @@ def prepare_with_wan_encoders(tmp_path):
     args = ["--input_dir", str(tmp_path / "videos"), "--output_dir", str(tmp_path / "shards")]
     args += ["--caption_format", "sidecar", "--height", "32", "--width", "48", "--num_frames", "5"]
     args += ["--t5", str(tmp_path / "wan_pipeline"), "--vae", str(tmp_path / "wan_pipeline"), "--max_text_len", "16"]
-    assert module.main([*args, "--run_energon_prepare"]) == 0
+    assert module.main([*args, *extra, "--run_energon_prepare"]) == 0
     return tmp_path / "shards"
+
+
+def finetune_overrides(data, pretrained, run) -> list[str]:
+    """A 3-iteration fine-tune of ``pretrained`` on the shards ``data``, saved and logged under ``run``."""
+    return [
+        f"dataset.path={data}",
+        "dataset.num_workers=0",
+        f"checkpoint.pretrained={pretrained}",
+        f"checkpoint.save={run / 'checkpoints'}",
+        "checkpoint.save_interval=3",
+        "train.train_iters=3",
+        f"logger.log_dir={run / 'logs'}",
+    ]
 
 
 def test_finetune_at_tp2_then_export_loads_in_diffusers(imported, tmp_path):
     _, state, checkpoint, _ = imported
     run = tmp_path / "run"
     overrides = [
-        f"dataset.path={prepare_with_wan_encoders(tmp_path)}",
-        "dataset.num_workers=0",
-        f"checkpoint.pretrained={checkpoint}",
-        f"checkpoint.save={run / 'checkpoints'}",
-        "checkpoint.save_interval=3",
-        "train.train_iters=3",
+        *finetune_overrides(prepare_with_wan_encoders(tmp_path), checkpoint, run),
         "model.tensor_model_parallel_size=2",
-        f"logger.log_dir={run / 'logs'}",
     ]
     result = run_entry(2, overrides, config=WAN_TINY, mock=False)
     assert result.returncode == 0, result.stderr[-4000:]

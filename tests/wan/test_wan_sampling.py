@@ -46,17 +46,18 @@ def wan_pipeline(transformer, shift: float = SHIFT, pipeline=diffusers.WanPipeli
     return pipeline(scheduler=scheduler, transformer=transformer, **parts)
 
 
-def pipeline_latents(pipe, start, negative, noise, **inputs) -> torch.Tensor:
+def pipeline_latents(pipe, start, negative, noise, spatial: int = 16, **inputs) -> torch.Tensor:
     """``pipe``'s latents [C, T, H, W] from ``noise`` for ``start``'s text (``negative``'s: the negative
-    prompt), STEPS steps at guidance GUIDANCE; ``inputs``: more (e.g. the image)."""
+    prompt), STEPS steps at guidance GUIDANCE; ``spatial``: the VAE's pixels per latent (the size asked
+    for); ``inputs``: more (e.g. the image)."""
     _, t, h, w = start.latent_shape
     with torch.no_grad():
         return pipe(
             prompt_embeds=padded(start.text),
             negative_prompt_embeds=padded(negative.text),
             latents=noise[None],
-            height=16 * h,
-            width=16 * w,
+            height=spatial * h,
+            width=spatial * w,
             num_frames=4 * (t - 1) + 1,
             num_inference_steps=STEPS,
             guidance_scale=GUIDANCE,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from megatron.energon import Cooker, Sample, basic_sample_keys, edataclass, stateless
 
-from dfm.data.prepare.shards import BYT5_PART, FIRST_FRAME_PART, IMAGE_PART, POOLED_PART
+from dfm.data.prepare.shards import BYT5_PART, FIRST_FRAME_PART, IMAGE_CONDITION_PART, IMAGE_PART, POOLED_PART
 
 LATENT_PART = "pth"
 TEXT_PART = "pickle"
@@ -41,6 +41,8 @@ class CookedDiffusionSample(Sample):
     text_2: torch.Tensor | None = None
     first_frame: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    # Wan 2.2 I2V-A14B: the image-condition latent [C, T, H, W] (None: no such part)
+    image_condition: torch.Tensor | None = None
 
 
 def sample_location(shard: Any, key: Any) -> str:
@@ -120,6 +122,7 @@ def cook_diffusion_sample(crude: dict) -> CookedDiffusionSample:
         text_2=read_optional_tensor(crude, BYT5_PART, 2, "ByT5 text embeddings"),
         first_frame=read_optional_tensor(crude, FIRST_FRAME_PART, 4, "first-frame latent"),
         image_embeds=read_optional_tensor(crude, IMAGE_PART, 2, "image embeddings"),
+        image_condition=read_optional_tensor(crude, IMAGE_CONDITION_PART, 4, "image-condition latent"),
     )
 
 

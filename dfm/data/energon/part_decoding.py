@@ -14,10 +14,10 @@ import pickle
 from typing import Any
 
 from dfm.data.energon.cooker import LATENT_PART, TEXT_PART, BadSampleError, describe_source
-from dfm.data.prepare.shards import HUNYUAN_PARTS, POOLED_PART
+from dfm.data.prepare.shards import HUNYUAN_PARTS, IMAGE_CONDITION_PART, POOLED_PART
 from dfm.safe_unpickle import UnsafePickleError, array_globals, load_rank_object, restricted_loads
 
-TORCH_PARTS = (LATENT_PART, POOLED_PART, *HUNYUAN_PARTS)
+TORCH_PARTS = (LATENT_PART, POOLED_PART, *HUNYUAN_PARTS, IMAGE_CONDITION_PART)
 PICKLE_PARTS = (TEXT_PART,)
 
 

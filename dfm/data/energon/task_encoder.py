@@ -28,7 +28,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify
 from dfm.data.sample import DiffusionSample
-from dfm.data.video_condition import first_frame_condition
+from dfm.data.video_condition import first_frame_condition, wan_image_condition
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,20 @@ def image_condition_fields(sample: CookedDiffusionSample) -> dict:
     return dict(condition=patchify(condition, 1, 1)[0], text_2=sample.text_2, image_embeds=sample.image_embeds)
 
 
+def wan_image_condition_fields(sample: CookedDiffusionSample, settings: PackingSettings) -> dict:
+    """DiffusionSample's Wan 2.2 I2V condition tokens when the shard has the image-condition part."""
+    condition = sample.image_condition
+    if condition is None:
+        return {}
+    if condition.shape != sample.latent.shape:
+        where = source_description(sample.__key__, sample.__sources__)
+        raise BadSampleError(
+            where,
+            f"image-condition latent of shape {tuple(condition.shape)}, the latent's is {tuple(sample.latent.shape)}",
+        )
+    return {"image_condition": wan_image_condition(condition, settings.patch_temporal, settings.patch_spatial)}
+
+
 def encode_cooked_sample(
     sample: CookedDiffusionSample, settings: PackingSettings, sample_index: int
 ) -> tuple[DiffusionSample, bool]:
@@ -99,6 +113,7 @@ def encode_cooked_sample(
         **(image_condition_fields(sample) if settings.image_conditions else {}),
         # Wan 2.2 TI2V: the shard's metadata asks for image-to-video (first frame given clean).
         first_frame_clean=bool(sample.metadata.get("first_frame_clean", False)),
+        **wan_image_condition_fields(sample, settings),
     )
     # energon keeps buffered samples restorable through these keys (packing buffer state).
     encoded.__key__ = sample.__key__

@@ -39,7 +39,7 @@ from dfm.data.prepare.energon_prepare import run_energon_prepare
 from dfm.data.prepare.media import MediaItem, find_media_files, read_media
 from dfm.data.prepare.output_dir import inputs_digest, open_output_dir
 from dfm.data.prepare.record import COMPLETE, PrepareRecord
-from dfm.data.prepare.shards import AtomicShardWriter, encode_sample_parts
+from dfm.data.prepare.shards import IMAGE_CONDITION_PART, AtomicShardWriter, encode_sample_parts
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,9 @@ class PrepareSettings:
     # Wan 2.2 TI2V: the samples train image-to-video (metadata first_frame_clean): their first latent
     # frame, which the causal Wan VAE encodes from the first frame alone, is the image's latent.
     first_frame_clean: bool = False
+    # Wan 2.2 I2V-A14B: each sample also stores its image-condition latent, the VAE's encoding of the clip's
+    # first frame followed by zero frames (dfm/data/video_condition.py): one more VAE pass per file.
+    wan_image_condition: bool = False
 
     def resolution_policy(self, multiple: int) -> ResolutionPolicy:
         preset = self.resolution_preset
@@ -224,6 +227,12 @@ def sample_metadata(
     }
 
 
+def image_condition_of(vae: VideoVAE, video: torch.Tensor) -> torch.Tensor:
+    """video [1, 3, F, H, W] -> the latent [C, T, H', W'] of its first frame followed by F - 1 zero frames."""
+    condition = torch.cat([video[:, :, :1], torch.zeros_like(video[:, :, 1:])], dim=2)
+    return vae.encode(condition)[0].float().cpu()
+
+
 def read_input(
     path: Path, settings: PrepareSettings, encoders: Encoders, captions: CaptionLookup, policy: ResolutionPolicy
 ) -> tuple[MediaItem, Caption, tuple[int, int]]:
@@ -254,6 +263,8 @@ def encode_file(
         text = encoders.text.encode([caption.text])[0]
         pooled = encoders.pooled.encode([caption.text])[0] if encoders.pooled is not None else None
         extra = hunyuan_parts(encoders.hunyuan, video[0], caption.text) if encoders.hunyuan is not None else None
+        if settings.wan_image_condition:
+            extra = {**(extra or {}), IMAGE_CONDITION_PART: image_condition_of(encoders.vae, video)}
     except Exception as error:
         raise PreparationError(
             f"{path}: encoding failed ({type(error).__name__}: {error}); the file is not marked done: "

@@ -24,6 +24,9 @@ POOLED_PART = "pooled.pth"  # decoded by its extension, like the latent
 # and its SigLIP image embedding [L_img, D_img].
 BYT5_PART, FIRST_FRAME_PART, IMAGE_PART = "byt5.pth", "first_frame.pth", "image.pth"
 HUNYUAN_PARTS = (BYT5_PART, FIRST_FRAME_PART, IMAGE_PART)
+# Wan 2.2 I2V-A14B: the VAE's normalised latent [C, T, H, W] of the clip's [first frame, zero frames ...]
+# (dfm/data/video_condition.py), encoded once here; the mask is added when the sample is loaded.
+IMAGE_CONDITION_PART = "image_condition.pth"
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
@@ -40,7 +43,7 @@ def encode_sample_parts(
     pooled: torch.Tensor | None = None,
     extra: dict[str, torch.Tensor] | None = None,
 ) -> dict:
-    """``extra``: more tensor parts by name (HunyuanVideo 1.5's ``HUNYUAN_PARTS``)."""
+    """``extra``: more tensor parts by name (HunyuanVideo 1.5's ``HUNYUAN_PARTS``, ``IMAGE_CONDITION_PART``)."""
     if latent.dim() != 4:
         raise ValueError(f"sample {key}: latent must be [C, T, H, W], got {tuple(latent.shape)}")
     if text.dim() != 2:

@@ -14,7 +14,10 @@ with Wan's conditioning, blocks and head. The oracle is diffusers' ``WanTransfor
 * per-token timesteps (Wan 2.2 TI2V): the first frame of a sample flagged ``first_frame_clean``
   is conditioned on timestep 0, the rest of the pack on its sample's; as the timestep takes two
   values per pack at most, the conditioning runs on N + 1 rows (the last one timestep 0) and each
-  token reads its row, instead of diffusers' MLP per token.
+  token reads its row, instead of diffusers' MLP per token;
+* image condition (Wan 2.2 I2V-A14B, ``model.wan_image_condition``): each token's features are its
+  noisy latent's then the pack's ``image_condition`` (mask + image latent) per patch position, the
+  input diffusers' Conv3d reads from cat([latents, condition]) on channels.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dfm.data.packed_batch import PackedBatch
+from dfm.data.video_condition import wan_condition_channels
 from dfm.diffusion.first_frame import first_frame_tokens
 from dfm.models.common.init import zero_init
 from dfm.models.common.pack_inputs import PackInputs
@@ -53,6 +57,22 @@ class WanModel(DiTModel):
         # Registered after the head: the parameter order (grad buckets, norms) stays what it was.
         self.time_proj = replicate_across_stages(zero_init(nn.Linear(h, NUM_BLOCK_MODULATIONS * h)))
 
+    def build_embedding(self) -> dict[str, nn.Module]:
+        """The patch embedding reads the image condition's channels too (I2V)."""
+        cfg = self.model_cfg
+        width = (cfg.in_channels + wan_condition_channels(cfg)) * cfg.patch_temporal * cfg.patch_spatial**2
+        return {**super().build_embedding(), "x_embedder": nn.Linear(width, self.config.hidden_size)}
+
+    def embed(self, x_local: Tensor, batch: PackedBatch, split: SequenceSplit) -> Tensor:
+        if self.model_cfg.wan_image_condition:
+            if batch.image_condition is None:
+                raise ValueError(
+                    "model.wan_image_condition (Wan 2.2 I2V) needs the image condition per sample: data prepared "
+                    "with --wan_image_condition, or --image in generation"
+                )
+            x_local = with_image_condition(x_local, split.local(batch.image_condition), self.model_cfg)
+        return super().embed(x_local, batch, split)
+
     def build_head(self, layer_spec) -> nn.Module:
         return WanHead(self.config.hidden_size, self.out_dim, self.config.layernorm_epsilon)
 
@@ -73,3 +93,11 @@ class WanModel(DiTModel):
         self, batch: PackedBatch, split: SequenceSplit, cond: Tensor, token_ids: Tensor | None = None
     ) -> PackInputs:
         return super().pack_inputs(pad_text_per_sample(batch, self.model_cfg.max_text_len), split, cond, token_ids)
+
+
+def with_image_condition(x: Tensor, condition: Tensor, model_cfg) -> Tensor:
+    """x [s, P*C], condition [s, P*C_cond] (P = pt*ph*pw patch positions) -> [s, P*(C + C_cond)]: per
+    position the latent's channels, then the condition's (diffusers' cat([latents, condition], dim=1))."""
+    positions = model_cfg.patch_temporal * model_cfg.patch_spatial**2
+    parts = (x.unflatten(1, (positions, -1)), condition.to(x.dtype).unflatten(1, (positions, -1)))
+    return torch.cat(parts, dim=-1).flatten(1)

@@ -61,6 +61,12 @@ def add_encoding_arguments(parser: argparse.ArgumentParser) -> None:
         help="Wan 2.2 TI2V: the samples train image-to-video, their first latent frame the clean condition",
     )
     parser.add_argument(
+        "--wan_image_condition",
+        action="store_true",
+        help="Wan 2.2 I2V-A14B: store each sample's image-condition latent (the VAE's of its first frame then "
+        "zero frames) for model.wan_image_condition",
+    )
+    parser.add_argument(
         "--encoders",
         choices=["t5", "flux", "hunyuan_video15"],
         default="t5",
@@ -130,6 +136,7 @@ def settings_from_args(args: argparse.Namespace, input_dir: str | None = None) -
             resume=args.resume,
             max_skip_fraction=args.max_skip_fraction,
             first_frame_clean=args.first_frame_clean,
+            wan_image_condition=args.wan_image_condition,
         )
     )
 
