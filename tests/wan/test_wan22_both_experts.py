@@ -134,7 +134,10 @@ def test_a_pack_of_one_expert_still_gives_the_other_zero_gradients(dist):
 def test_a_sub_pack_keeps_its_samples_segments_and_repads_the_total():
     cfg = tiny_model_config()
     pack = pack_samples(parity_samples(cfg, SHAPES), 1, 8)
+    # I2V-A14B's per-token condition goes with its tokens
+    pack = dataclasses.replace(pack, image_condition=torch.randn(pack.seq_len, 5))
     sub, rows = sub_pack(pack, [1, 3], 8)
+    assert torch.equal(sub.image_condition[: rows.numel()], pack.image_condition[rows])
     lengths = pack.sample_lengths
     assert sub.sample_lengths.tolist() == lengths[[1, 3]].tolist() and sub.seq_len % 8 == 0
     assert sub.text_lengths.tolist() == pack.text_lengths[[1, 3]].tolist() and sub.context.shape[0] % 8 == 0
