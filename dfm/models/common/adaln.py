@@ -85,15 +85,19 @@ class AdaLNModulation(MegatronModule):
         # The input is one row per sample, not a sequence: never all-gather it over SP ranks.
         self.linear.sequence_parallel = False
 
-    def forward(self, cond: Tensor, token_sample_ids: Tensor) -> tuple[Tensor, ...]:
-        """cond [N, h], token_sample_ids [s] -> num_chunks x [s, 1, h]."""
+    def rows(self, cond: Tensor) -> Tensor:
+        """cond [N, h] -> [N, num_chunks * h], one row per sample."""
         hidden = F.silu(cond)
         per_sample, _ = self.linear(hidden if self.down is None else self.down(hidden))
         if self.config.sequence_parallel:
             # Each TP rank modulates only its slice of the tokens: sum their grads over TP ranks
             # before the column-parallel gather hands each rank its partition's grad.
             per_sample = copy_to_tensor_model_parallel_region(per_sample)
-        per_token = rows_to_tokens(per_sample, token_sample_ids).unsqueeze(1)
+        return per_sample
+
+    def forward(self, cond: Tensor, token_sample_ids: Tensor) -> tuple[Tensor, ...]:
+        """cond [N, h], token_sample_ids [s] -> num_chunks x [s, 1, h]."""
+        per_token = rows_to_tokens(self.rows(cond), token_sample_ids).unsqueeze(1)
         return per_token.chunk(self.num_chunks, dim=-1)
 
 

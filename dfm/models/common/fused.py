@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dfm.models.common.adaln import modulate
+from dfm.models.common.norm_recompute import norm_modulate_rows
+from dfm.models.common.row_modulation import gated_residual_rows
 
 
 def norm_modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float, rms: bool) -> Tensor:
@@ -47,10 +49,13 @@ def silu(x: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class BlockOps:
-    """The elementwise functions a block calls: eager or compiled, same signatures."""
+    """The elementwise functions a block calls: eager or compiled, same signatures. The ``_rows`` pair
+    takes per-sample modulation rows [N, h] and token ids [s] (row_modulation.py, norm_recompute.py)."""
 
     norm_modulate: Callable[..., Tensor] = norm_modulate
     gated_residual: Callable[..., Tensor] = gated_residual
+    norm_modulate_rows: Callable[..., Tensor] = norm_modulate_rows
+    gated_residual_rows: Callable[..., Tensor] = gated_residual_rows
 
 
 def compile_region(fn: Callable, backend: str = "inductor") -> Callable:
@@ -73,7 +78,8 @@ def compile_region(fn: Callable, backend: str = "inductor") -> Callable:
 @functools.cache
 def compiled_block_ops(backend: str = "inductor") -> BlockOps:
     """One compiled copy per process, shared by every layer (one graph per function, not per layer)."""
-    return BlockOps(compile_region(norm_modulate, backend), compile_region(gated_residual, backend))
+    functions = (norm_modulate, gated_residual, norm_modulate_rows, gated_residual_rows)
+    return BlockOps(*(compile_region(fn, backend) for fn in functions))
 
 
 @functools.cache
