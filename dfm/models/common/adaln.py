@@ -22,9 +22,10 @@ def sum_rows_by_one_hot_gemm(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor
 
 
 def sum_rows_by_index_add(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor:
-    """Same sums by index_add_ in fp32 (deterministic on the CPU, in token order)."""
-    sums = torch.zeros(num_rows, grad.shape[1], dtype=torch.float32, device=grad.device)
-    return sums.index_add_(0, ids, grad.float()).to(grad.dtype)
+    """Same sums by index_add_ in fp32, or fp64 for fp64 grads (deterministic on the CPU, in token order)."""
+    acc = torch.promote_types(grad.dtype, torch.float32)
+    sums = torch.zeros(num_rows, grad.shape[1], dtype=acc, device=grad.device)
+    return sums.index_add_(0, ids, grad.to(acc)).to(grad.dtype)
 
 
 class _RowsToTokens(torch.autograd.Function):
