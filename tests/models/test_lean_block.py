@@ -9,6 +9,7 @@ from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_
 
 from dfm.models.attention.qk_norm_rope import qk_norm_rope
 from dfm.models.attention.rope_tables import RotaryTables
+from dfm.models.attention.sdpa_cpu import segment_attention_cpu
 from dfm.models.common.adaln import modulate
 from dfm.models.common.norm_recompute import norm_modulate_rows
 from dfm.models.common.row_modulation import gated_residual_rows
@@ -77,3 +78,17 @@ def test_qk_norm_rope_equals_rmsnorm_then_megatron_rope(interleaved):
     inputs = (rand(5, 1, 3, 8), rand(8, seed=1), cos, sin, 1e-6, interleaved)
     assert_same_grads(qk_norm_rope, reference, inputs)
     assert tables.cos_sin(torch.float64)[0] is cos  # made once, shared by every later call
+
+
+def test_cpu_segment_attention_equals_sdpa_per_segment_with_padding():
+    segments = [(0, 3, 0, 2), (4, 2, 2, 3), (6, 3, 5, 1)]  # row 3 and the last row: padding
+
+    def reference(query, key, value, segments, scale):
+        out = torch.zeros_like(query)
+        for q0, nq, k0, nk in segments:
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query[q0 : q0 + nq], key[k0 : k0 + nk], value[k0 : k0 + nk]))
+            out[q0 : q0 + nq] = F.scaled_dot_product_attention(q, k, v, scale=scale).permute(2, 0, 1, 3)
+        return out
+
+    inputs = (rand(10, 1, 2, 4), rand(7, 1, 2, 4, seed=1), rand(7, 1, 2, 4, seed=2), segments, 0.4)
+    assert_same_grads(segment_attention_cpu, reference, inputs)
