@@ -4,6 +4,8 @@
   tensor [s, 1, 1, d], as megatron takes it, still works: its tables are made per call).
 * q / k RMSNorm and RoPE in one Function (qk_norm_rope.py): the normed q and k are recomputed in
   backward, not kept beside their inputs.
+* RoPE without q / k norms: the value is copied out of the fused QKV output, which is then freed
+  (a view of it would keep all three of q, k, v alive beside the rotated q and k).
 
 Values are megatron's: the same norm kernel and the same RoPE products, in the same dtype.
 """
@@ -59,7 +61,11 @@ class LeanSelfAttention(SelfAttention):
                 return outputs
             cos, sin = self.rotary.cos_sin(outputs[0].dtype)
             query, key = (rotate(t, cos, sin, self.rotary.interleaved) for t in outputs[:2])
-            return (query, key, *outputs[2:])
+            value = outputs[2]
+            if self.q_layernorm is None and self.k_layernorm is None:
+                # RoPE keeps only cos / sin: once the value leaves the fused QKV output, it is freed.
+                value = value.contiguous()
+            return (query, key, value, *outputs[3:])
         mixed_qkv, split_sizes = super().get_query_key_value_tensors(hidden_states, key_value_states, split_qkv=False)
         query, key, value = torch.split(mixed_qkv, split_sizes, dim=3)
         query = query.reshape(query.size(0), query.size(1), -1, self.hidden_size_per_attention_head)

@@ -75,11 +75,32 @@ def compile_region(fn: Callable, backend: str = "inductor") -> Callable:
     return run
 
 
+def padded_rows(rows: Tensor) -> Tensor:
+    """rows [N, h] (a chunk view of the adaLN output) -> a fresh [N + 1, h], a zero row appended that no
+    token takes. The compiled graph then sees N + 1 >= 2 rows at storage offset 0: dynamic shapes
+    specialise sizes 0 and 1, and a view's storage offset, so a one-sample pack or another chunk of
+    the same output would compile graphs of its own."""
+    return torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+
+
+def compiled_rows_ops(backend: str) -> tuple[Callable[..., Tensor], Callable[..., Tensor]]:
+    """norm_modulate_rows and gated_residual_rows compiled, their rows passed through ``padded_rows``."""
+    norm_mod, gated = compile_region(norm_modulate_rows, backend), compile_region(gated_residual_rows, backend)
+
+    def norm_modulate_rows_compiled(x, shift_rows, scale_rows, ids, eps, rms):
+        return norm_mod(x, padded_rows(shift_rows), padded_rows(scale_rows), ids, eps, rms)
+
+    def gated_residual_rows_compiled(x, gate_rows, ids, out, bias):
+        return gated(x, padded_rows(gate_rows), ids, out, bias)
+
+    return norm_modulate_rows_compiled, gated_residual_rows_compiled
+
+
 @functools.cache
 def compiled_block_ops(backend: str = "inductor") -> BlockOps:
     """One compiled copy per process, shared by every layer (one graph per function, not per layer)."""
-    functions = (norm_modulate, gated_residual, norm_modulate_rows, gated_residual_rows)
-    return BlockOps(*(compile_region(fn, backend) for fn in functions))
+    per_token = compile_region(norm_modulate, backend), compile_region(gated_residual, backend)
+    return BlockOps(*per_token, *compiled_rows_ops(backend))
 
 
 @functools.cache
