@@ -46,9 +46,9 @@ class _NormModulateRows(torch.autograd.Function):
         acc = torch.promote_types(x.dtype, torch.float32)  # recompute and reduce in at least fp32
         centred = x.to(acc) if mean is None else x.to(acc) - mean.to(acc)
         normed, grad = centred * rstd.to(acc), grad.to(acc)
-        num_rows = scale_rows.shape[0]
-        d_shift = sum_to_rows(grad, ids, num_rows).to(scale_rows.dtype) if ctx.needs_input_grad[1] else None
-        d_scale = sum_to_rows(grad * normed, ids, num_rows).to(scale_rows.dtype) if ctx.needs_input_grad[2] else None
+        # Shift and scale rows summed in one pass over [s, b, 2h].
+        d_rows = sum_to_rows(torch.cat([grad, grad * normed], dim=-1), ids, scale_rows.shape[0])
+        d_shift, d_scale = d_rows.to(scale_rows.dtype).chunk(2, dim=-1)
         d_x = None
         if ctx.needs_input_grad[0]:
             grad_normed = grad * (1 + gather_rows(scale_rows, ids).to(acc))
