@@ -116,14 +116,19 @@ class DiTLayer(MegatronModule):
         out, bias = attention(attn_in, attention_mask=None, rotary_pos_emb=rotary_pos_emb, packed_seq_params=params)
         return self.gated_residual(hidden, gate, out, bias)
 
-    def norm_modulate(self, norm: nn.Module, hidden: Tensor, shift: ModulationRows, scale: ModulationRows) -> Tensor:
+    def norm_modulate(self, norm: nn.Module, hidden: Tensor, shift, scale) -> Tensor:
         """modulate(norm(hidden), shift, scale) [s, b, h] in one fused region (tensors and plain numbers only
-        cross into it); the normed tensor and per-token modulation are not kept for backward."""
+        cross into it). shift / scale: ModulationRows (the normed tensor and per-token modulation are not
+        kept for backward) or per-token tensors [s, 1, h]."""
         rms = isinstance(norm, nn.RMSNorm)
+        if not isinstance(shift, ModulationRows):  # per-token [s, 1, h] (Wan's modulation)
+            return self.ops.norm_modulate(hidden, shift, scale, norm.eps, rms)
         return self.ops.norm_modulate_rows(hidden, shift.rows, scale.rows, shift.ids, norm.eps, rms)
 
-    def gated_residual(self, hidden: Tensor, gate: ModulationRows, out: Tensor, bias: Tensor | None) -> Tensor:
-        """hidden + gate * (out + bias), [s, b, h], the gate applied from its per-sample rows."""
+    def gated_residual(self, hidden: Tensor, gate, out: Tensor, bias: Tensor | None) -> Tensor:
+        """hidden + gate * (out + bias), [s, b, h]; gate: ModulationRows or a per-token [s, 1, h]."""
+        if not isinstance(gate, ModulationRows):
+            return self.ops.gated_residual(hidden, gate, out, bias)
         return self.ops.gated_residual_rows(hidden, gate.rows, gate.ids, out, bias)
 
     def cross_attend(self, hidden: Tensor, context: Tensor | None, params: PackedSeqParams | None) -> Tensor:
