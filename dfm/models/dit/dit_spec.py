@@ -17,15 +17,14 @@ def dit_layer_spec(model_cfg, modules: BackendModules) -> ModuleSpec:
     """The block of ``model_cfg.architecture`` on ``modules``."""
     architecture, qk_layernorm = model_cfg.architecture, model_cfg.qk_layernorm
     stdit = architecture == "stdit"
-    attention = self_attention_spec(modules, qk_layernorm, LeanSelfAttention)
     return ModuleSpec(
         module=STDiTLayer if stdit else DiTLayer,
         submodules=DiTLayerSubmodules(
             adaln=AdaLNRows,
-            self_attention=attention,
+            self_attention=self_attention_spec(modules, qk_layernorm, LeanSelfAttention),
             mlp=mlp_spec(modules, model_cfg.num_moe_experts),
             cross_attention=None if architecture == "dit_adaln" else cross_attention_spec(modules),
-            temporal_attention=attention if stdit else None,
+            temporal_attention=self_attention_spec(modules, qk_layernorm, LeanSelfAttention) if stdit else None,
             norm=AdaLNRMSNorm if architecture == "moviegen" else AdaLNNorm,
         ),
     )
