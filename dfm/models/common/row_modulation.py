@@ -26,10 +26,6 @@ class ModulationRows:
     rows: Tensor
     ids: Tensor
 
-    def per_token(self) -> Tensor:
-        """[s, 1, h]: each token's row (the unfused reference)."""
-        return gather_rows(self.rows, self.ids)
-
 
 class AdaLNRows(AdaLNModulation):
     """``AdaLNModulation`` (same parameters) that hands out per-sample rows instead of per-token copies:
