@@ -140,7 +140,7 @@ class DiTLayer(MegatronModule):
         return self.ops.gated_residual(hidden, None, out, bias)
 
     def feed_forward(self, hidden: Tensor, shift, scale, gate, padding_mask=None) -> Tensor:
-        """shift, scale, gate: ModulationRows."""
+        """shift, scale, gate: ModulationRows (Wan: per-token [s, 1, h])."""
         # megatron's MoE layer takes the mask as [b, s] (a dense MLP ignores it).
         mask = {} if padding_mask is None else {"padding_mask": padding_mask[None]}
         out, bias = self.mlp(self.norm_modulate(self.norm3, hidden, shift, scale), **mask)
