@@ -7,19 +7,26 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
+from dfm.models.attention.sdpa_cpu import heads_first, padded_concat, segment_attention_cpu, uses_cpu_flash
 from dfm.models.attention.segments import segment_bounds
 
 
 def sdpa_per_segment(query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams, scale: float) -> Tensor:
-    """query [sq, b, np, hn], key/value [sk, b, np, hn] -> [sq, b, np, hn]; padding rows are 0."""
-    out = torch.zeros_like(query)
+    """query [sq, b, np, hn], key/value [sk, b, np, hn] -> [sq, b, np, hn]; padding rows are 0.
+
+    The output is one buffer written once: on the CPU's flash kernel the only copy kept for backward
+    (sdpa_cpu.py); elsewhere the segments' outputs concatenated with zero padding rows."""
     q_starts, q_lens = segment_bounds(params, "q")
     kv_starts, kv_lens = segment_bounds(params, "kv")
-    for q0, nq, k0, nk in zip(q_starts, q_lens, kv_starts, kv_lens):
-        if nq == 0 or nk == 0:
-            continue
-        q = query[q0 : q0 + nq].permute(1, 2, 0, 3)  # [b, np, nq, hn]
-        k = key[k0 : k0 + nk].permute(1, 2, 0, 3)
-        v = value[k0 : k0 + nk].permute(1, 2, 0, 3)
-        out[q0 : q0 + nq] = F.scaled_dot_product_attention(q, k, v, scale=scale).permute(2, 0, 1, 3)
-    return out
+    segments = [seg for seg in zip(q_starts, q_lens, kv_starts, kv_lens) if seg[1] and seg[3]]
+    if not segments:
+        return torch.zeros_like(query)
+    q0, nq, k0, nk = segments[0]
+    first = (heads_first(t, start, n) for t, start, n in ((query, q0, nq), (key, k0, nk), (value, k0, nk)))
+    if uses_cpu_flash(*first, scale):
+        return segment_attention_cpu(query, key, value, segments, scale)
+    outputs = []
+    for q0, nq, k0, nk in segments:
+        q, k, v = heads_first(query, q0, nq), heads_first(key, k0, nk), heads_first(value, k0, nk)
+        outputs.append((q0, F.scaled_dot_product_attention(q, k, v, scale=scale).permute(2, 0, 1, 3)))
+    return padded_concat(query, outputs)

@@ -22,9 +22,10 @@ def sum_rows_by_one_hot_gemm(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor
 
 
 def sum_rows_by_index_add(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor:
-    """Same sums by index_add_ in fp32 (deterministic on the CPU, in token order)."""
-    sums = torch.zeros(num_rows, grad.shape[1], dtype=torch.float32, device=grad.device)
-    return sums.index_add_(0, ids, grad.float()).to(grad.dtype)
+    """Same sums by index_add_ in fp32, or fp64 for fp64 grads (deterministic on the CPU, in token order)."""
+    acc = torch.promote_types(grad.dtype, torch.float32)
+    sums = torch.zeros(num_rows, grad.shape[1], dtype=acc, device=grad.device)
+    return sums.index_add_(0, ids, grad.to(acc)).to(grad.dtype)
 
 
 class _RowsToTokens(torch.autograd.Function):
@@ -85,15 +86,19 @@ class AdaLNModulation(MegatronModule):
         # The input is one row per sample, not a sequence: never all-gather it over SP ranks.
         self.linear.sequence_parallel = False
 
-    def forward(self, cond: Tensor, token_sample_ids: Tensor) -> tuple[Tensor, ...]:
-        """cond [N, h], token_sample_ids [s] -> num_chunks x [s, 1, h]."""
+    def rows(self, cond: Tensor) -> Tensor:
+        """cond [N, h] -> [N, num_chunks * h], one row per sample."""
         hidden = F.silu(cond)
         per_sample, _ = self.linear(hidden if self.down is None else self.down(hidden))
         if self.config.sequence_parallel:
             # Each TP rank modulates only its slice of the tokens: sum their grads over TP ranks
             # before the column-parallel gather hands each rank its partition's grad.
             per_sample = copy_to_tensor_model_parallel_region(per_sample)
-        per_token = rows_to_tokens(per_sample, token_sample_ids).unsqueeze(1)
+        return per_sample
+
+    def forward(self, cond: Tensor, token_sample_ids: Tensor) -> tuple[Tensor, ...]:
+        """cond [N, h], token_sample_ids [s] -> num_chunks x [s, 1, h]."""
+        per_token = rows_to_tokens(self.rows(cond), token_sample_ids).unsqueeze(1)
         return per_token.chunk(self.num_chunks, dim=-1)
 
 

@@ -18,13 +18,14 @@ from dfm.models.common.activation_mlp import ActivationMLP
 from dfm.models.common.adaln import QKRMSNorm
 
 
-def self_attention_spec(modules: BackendModules, qk_layernorm: bool) -> ModuleSpec:
-    """Fused-qkv self-attention, q / k RMS-normalised per head when ``qk_layernorm``."""
+def self_attention_spec(modules: BackendModules, qk_layernorm: bool, module: type = SelfAttention) -> ModuleSpec:
+    """Fused-qkv self-attention, q / k RMS-normalised per head when ``qk_layernorm``; ``module``:
+    SelfAttention or a subclass with its parameters (LeanSelfAttention)."""
     qk_norm = QKRMSNorm if qk_layernorm else None
     submodules = SelfAttentionSubmodules(
         modules.column_linear, modules.core_attention, modules.row_linear, q_layernorm=qk_norm, k_layernorm=qk_norm
     )
-    return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.no_mask}, submodules=submodules)
+    return ModuleSpec(module=module, params={"attn_mask_type": AttnMaskType.no_mask}, submodules=submodules)
 
 
 def cross_attention_spec(modules: BackendModules) -> ModuleSpec:

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dfm.models.common.adaln import modulate
+from dfm.models.common.norm_recompute import norm_modulate_rows
+from dfm.models.common.row_modulation import gated_residual_rows
 
 
 def norm_modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float, rms: bool) -> Tensor:
@@ -60,10 +62,13 @@ def swiglu_grad(grad: Tensor, y: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class BlockOps:
-    """The elementwise functions a block calls: eager or compiled, same signatures."""
+    """The elementwise functions a block calls: eager or compiled, same signatures. The ``_rows`` pair
+    takes per-sample modulation rows [N, h] and token ids [s] (row_modulation.py, norm_recompute.py)."""
 
     norm_modulate: Callable[..., Tensor] = norm_modulate
     gated_residual: Callable[..., Tensor] = gated_residual
+    norm_modulate_rows: Callable[..., Tensor] = norm_modulate_rows
+    gated_residual_rows: Callable[..., Tensor] = gated_residual_rows
 
 
 def compile_region(fn: Callable, backend: str = "inductor") -> Callable:
@@ -83,10 +88,32 @@ def compile_region(fn: Callable, backend: str = "inductor") -> Callable:
     return run
 
 
+def padded_rows(rows: Tensor) -> Tensor:
+    """rows [N, h] (a chunk view of the adaLN output) -> a fresh [N + 1, h], a zero row appended that no
+    token takes. The compiled graph then sees N + 1 >= 2 rows at storage offset 0: dynamic shapes
+    specialise sizes 0 and 1, and a view's storage offset, so a one-sample pack or another chunk of
+    the same output would compile graphs of its own."""
+    return torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+
+
+def compiled_rows_ops(backend: str) -> tuple[Callable[..., Tensor], Callable[..., Tensor]]:
+    """norm_modulate_rows and gated_residual_rows compiled, their rows passed through ``padded_rows``."""
+    norm_mod, gated = compile_region(norm_modulate_rows, backend), compile_region(gated_residual_rows, backend)
+
+    def norm_modulate_rows_compiled(x, shift_rows, scale_rows, ids, eps, rms):
+        return norm_mod(x, padded_rows(shift_rows), padded_rows(scale_rows), ids, eps, rms)
+
+    def gated_residual_rows_compiled(x, gate_rows, ids, out, bias):
+        return gated(x, padded_rows(gate_rows), ids, out, bias)
+
+    return norm_modulate_rows_compiled, gated_residual_rows_compiled
+
+
 @functools.cache
 def compiled_block_ops(backend: str = "inductor") -> BlockOps:
     """One compiled copy per process, shared by every layer (one graph per function, not per layer)."""
-    return BlockOps(compile_region(norm_modulate, backend), compile_region(gated_residual, backend))
+    per_token = compile_region(norm_modulate, backend), compile_region(gated_residual, backend)
+    return BlockOps(*per_token, *compiled_rows_ops(backend))
 
 
 @functools.cache

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
+from dfm.models.attention.rope_tables import RotaryTables
 from dfm.models.common.factorized_layout import FactorizedAttentionParams
 
 
@@ -23,5 +24,6 @@ class PackInputs:
     self_attention: PackedSeqParams | FactorizedAttentionParams  # factorized: ST-DiT
     cross_attention: PackedSeqParams | None = None  # None: no text conditioning (dit_adaln)
     context: Tensor | None = None  # [s_kv (/ tp under SP), 1, h] embedded text
-    rotary_pos_emb: Tensor | None = None  # [s, 1, 1, d] (attention sees all s) RoPE angles, rope3d only
+    # [s, 1, 1, d] (attention sees all s) RoPE angles, rope3d only; DiT: wrapped in RotaryTables
+    rotary_pos_emb: Tensor | RotaryTables | None = None
     padding_mask: Tensor | None = None  # [s_sp] bool, True on padding (MoE routing statistics leave it out)

@@ -4,6 +4,9 @@
     x = x + CrossAttn(norm2(x), text)                        # text-conditioned variants only
     x = x + gate_mlp * MLP(modulate(norm3(x), shift_mlp, scale_mlp))
 
+The modulation stays one row per sample (``AdaLNRows``); tokens take their sample's row inside the
+norm-modulate and gated-residual ops, which keep neither per-token rows nor the normed input.
+
 ST-DiT replaces the self-attention line with a spatial (per-frame) and a temporal (per-position)
 one, each modulated and gated on its own.
 
@@ -26,6 +29,7 @@ from dfm.models.common.factorized_layout import FactorizedAttentionParams
 from dfm.models.common.fused import block_ops
 from dfm.models.common.init import zero_init
 from dfm.models.common.pack_inputs import PackInputs
+from dfm.models.common.row_modulation import ModulationRows
 
 
 @dataclass
@@ -98,21 +102,34 @@ class DiTLayer(MegatronModule):
         hidden = self.cross_attend(hidden, inputs.context, inputs.cross_attention)
         return self.feed_forward(hidden, shift_mlp, scale_mlp, gate_mlp, inputs.padding_mask)
 
-    def self_attend(self, hidden: Tensor, modulation: list[Tensor], rotary_pos_emb, params: PackedSeqParams) -> Tensor:
-        """modulation: (shift, scale, gate), each [s, 1, h]."""
+    def self_attend(
+        self, hidden: Tensor, modulation: list[ModulationRows], rotary_pos_emb, params: PackedSeqParams
+    ) -> Tensor:
+        """modulation: (shift, scale, gate), per-sample rows."""
         return self.attend(self.self_attention, self.norm1, hidden, modulation, rotary_pos_emb, params)
 
     def attend(self, attention, norm, hidden: Tensor, modulation, rotary_pos_emb, params) -> Tensor:
-        """Gated residual self-attention; modulation: (shift, scale, gate), each [s, 1, h] (the segments'
+        """Gated residual self-attention; modulation: (shift, scale, gate) per-sample rows (the segments'
         token order is the attention's business)."""
         shift, scale, gate = modulation
         attn_in = self.norm_modulate(norm, hidden, shift, scale)
         out, bias = attention(attn_in, attention_mask=None, rotary_pos_emb=rotary_pos_emb, packed_seq_params=params)
-        return self.ops.gated_residual(hidden, gate, out, bias)
+        return self.gated_residual(hidden, gate, out, bias)
 
-    def norm_modulate(self, norm: nn.Module, hidden: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-        """modulate(norm(hidden), shift, scale) in one fused region (plain numbers only cross into it)."""
-        return self.ops.norm_modulate(hidden, shift, scale, norm.eps, isinstance(norm, nn.RMSNorm))
+    def norm_modulate(self, norm: nn.Module, hidden: Tensor, shift, scale) -> Tensor:
+        """modulate(norm(hidden), shift, scale) [s, b, h] in one fused region (tensors and plain numbers only
+        cross into it). shift / scale: ModulationRows (the normed tensor and per-token modulation are not
+        kept for backward) or per-token tensors [s, 1, h]."""
+        rms = isinstance(norm, nn.RMSNorm)
+        if not isinstance(shift, ModulationRows):  # per-token [s, 1, h] (Wan's modulation)
+            return self.ops.norm_modulate(hidden, shift, scale, norm.eps, rms)
+        return self.ops.norm_modulate_rows(hidden, shift.rows, scale.rows, shift.ids, norm.eps, rms)
+
+    def gated_residual(self, hidden: Tensor, gate, out: Tensor, bias: Tensor | None) -> Tensor:
+        """hidden + gate * (out + bias), [s, b, h]; gate: ModulationRows or a per-token [s, 1, h]."""
+        if not isinstance(gate, ModulationRows):
+            return self.ops.gated_residual(hidden, gate, out, bias)
+        return self.ops.gated_residual_rows(hidden, gate.rows, gate.ids, out, bias)
 
     def cross_attend(self, hidden: Tensor, context: Tensor | None, params: PackedSeqParams | None) -> Tensor:
         if self.cross_attention is None:
@@ -122,11 +139,12 @@ class DiTLayer(MegatronModule):
         )
         return self.ops.gated_residual(hidden, None, out, bias)
 
-    def feed_forward(self, hidden: Tensor, shift: Tensor, scale: Tensor, gate: Tensor, padding_mask=None) -> Tensor:
+    def feed_forward(self, hidden: Tensor, shift, scale, gate, padding_mask=None) -> Tensor:
+        """shift, scale, gate: ModulationRows (Wan: per-token [s, 1, h])."""
         # megatron's MoE layer takes the mask as [b, s] (a dense MLP ignores it).
         mask = {} if padding_mask is None else {"padding_mask": padding_mask[None]}
         out, bias = self.mlp(self.norm_modulate(self.norm3, hidden, shift, scale), **mask)
-        return self.ops.gated_residual(hidden, gate, out, bias)
+        return self.gated_residual(hidden, gate, out, bias)
 
 
 class STDiTLayer(DiTLayer):
@@ -141,9 +159,9 @@ class STDiTLayer(DiTLayer):
         self.temporal_attention = build_module(submodules.temporal_attention, config=config, layer_number=layer_number)
 
     def self_attend(
-        self, hidden: Tensor, modulation: list[Tensor], rotary_pos_emb, params: FactorizedAttentionParams
+        self, hidden: Tensor, modulation: list[ModulationRows], rotary_pos_emb, params: FactorizedAttentionParams
     ) -> Tensor:
-        """Spatial then temporal attention; modulation: (shift, scale, gate) of each, [s, 1, h]."""
+        """Spatial then temporal attention; modulation: (shift, scale, gate) of each, per-sample rows."""
         hidden = self.attend(self.self_attention, self.norm1, hidden, modulation[0:3], rotary_pos_emb, params.spatial)
         return self.attend(
             self.temporal_attention, self.norm_temporal, hidden, modulation[3:6], rotary_pos_emb, params.temporal

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from dfm.data.packed_batch import PackedBatch
 from dfm.models.attention.context_parallel import UlyssesAttention, local_query_attention
+from dfm.models.attention.rope_tables import RotaryTables
 from dfm.models.attention.segments import PackedSegments
 from dfm.models.common.embeddings import (
     FactorizedLearned3DEmbedding,
@@ -146,10 +147,16 @@ class DiTModel(PackedDiffusionModel):
                 packed_seq_params(batch, True, split),
             )
         if self.model_cfg.pos_embedding == "rope3d":
-            inputs.rotary_pos_emb = rope_3d_freqs(
+            angles = rope_3d_freqs(
                 split.local(batch.pos_ids), self.config.kv_channels, interleaved=self.config.rotary_interleaved
             )
+            inputs.rotary_pos_emb = self.rotary_inputs(angles)
         return inputs
+
+    def rotary_inputs(self, angles: Tensor) -> RotaryTables | Tensor:
+        """The blocks' RoPE input from the angles [s, 1, 1, d]: cos / sin tables made once for the pack and
+        shared by every layer (LeanSelfAttention reads them, rope_tables.py)."""
+        return RotaryTables(angles, self.config.rotary_interleaved)
 
     def self_attention_params(self, batch: PackedBatch, split: SequenceSplit | None = None):
         """Per-sample segments; ST-DiT's factorized attention needs per-frame / per-position ones

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from dfm.models.attention.lean_self_attention import LeanSelfAttention
 from dfm.models.attention.modules import BackendModules
-from dfm.models.common.adaln import AdaLNModulation, AdaLNNorm, AdaLNRMSNorm
+from dfm.models.common.adaln import AdaLNNorm, AdaLNRMSNorm
 from dfm.models.common.block_specs import cross_attention_spec, mlp_spec, self_attention_spec
+from dfm.models.common.row_modulation import AdaLNRows
 from dfm.models.dit.dit_layer import DiTLayer, DiTLayerSubmodules, STDiTLayer
 
 
@@ -18,11 +20,11 @@ def dit_layer_spec(model_cfg, modules: BackendModules) -> ModuleSpec:
     return ModuleSpec(
         module=STDiTLayer if stdit else DiTLayer,
         submodules=DiTLayerSubmodules(
-            adaln=AdaLNModulation,
-            self_attention=self_attention_spec(modules, qk_layernorm),
+            adaln=AdaLNRows,
+            self_attention=self_attention_spec(modules, qk_layernorm, LeanSelfAttention),
             mlp=mlp_spec(modules, model_cfg.num_moe_experts),
             cross_attention=None if architecture == "dit_adaln" else cross_attention_spec(modules),
-            temporal_attention=self_attention_spec(modules, qk_layernorm) if stdit else None,
+            temporal_attention=self_attention_spec(modules, qk_layernorm, LeanSelfAttention) if stdit else None,
             norm=AdaLNRMSNorm if architecture == "moviegen" else AdaLNNorm,
         ),
     )

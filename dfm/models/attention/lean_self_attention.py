@@ -1,0 +1,76 @@
+"""megatron's fused-qkv SelfAttention (same parameters) that keeps less for backward.
+
+* RoPE from ``RotaryTables``: cos / sin made once per pack and shared by every layer (an angles
+  tensor [s, 1, 1, d], as megatron takes it, still works: its tables are made per call).
+* q / k RMSNorm and RoPE in one Function (qk_norm_rope.py): the normed q and k are recomputed in
+  backward, not kept beside their inputs.
+* RoPE without q / k norms: the value is copied out of the fused QKV output, which is then freed
+  (a view of it would keep all three of q, k, v alive beside the rotated q and k).
+
+Values are megatron's: the same norm kernel and the same RoPE products, in the same dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.attention import SelfAttention
+from torch import Tensor, nn
+
+from dfm.models.attention.qk_norm_rope import qk_norm_rope
+from dfm.models.attention.rope_tables import RotaryTables, rotate
+
+
+def as_tables(rotary_pos_emb: Tensor | RotaryTables | None, interleaved: bool) -> RotaryTables | None:
+    """The pack's tables, or tables for a bare angles tensor [s, 1, 1, d]."""
+    if rotary_pos_emb is None or isinstance(rotary_pos_emb, RotaryTables):
+        return rotary_pos_emb
+    return RotaryTables(rotary_pos_emb, interleaved)
+
+
+def fusable_norm(norm) -> bool:
+    """A per-head RMSNorm with a weight and an explicit eps (QKRMSNorm)."""
+    return isinstance(norm, nn.RMSNorm) and norm.weight is not None and norm.eps is not None
+
+
+class LeanSelfAttention(SelfAttention):
+    """hidden [s, b, h] -> ([s, b, h], bias), like SelfAttention; ``rotary_pos_emb`` may be RotaryTables."""
+
+    rotary: RotaryTables | None = None
+
+    def forward(self, hidden_states: Tensor, attention_mask=None, rotary_pos_emb=None, **kwargs):
+        # RoPE is applied here, in get_query_key_value_tensors: megatron's forward sees no rotary input.
+        self.rotary = as_tables(rotary_pos_emb, self.config.rotary_interleaved)
+        try:
+            return super().forward(hidden_states, attention_mask, rotary_pos_emb=None, **kwargs)
+        finally:
+            self.rotary = None
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        """query [sq, b, np, hn], key / value [sq, b, ng, hn] (+ gate), RoPE applied to query and key."""
+        fused = (
+            self.rotary is not None
+            and split_qkv
+            and not output_gate
+            and self.config.num_query_groups >= self.world_size
+            and fusable_norm(self.q_layernorm)
+            and fusable_norm(self.k_layernorm)
+        )
+        if not fused:
+            outputs = super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
+            if self.rotary is None or not split_qkv:
+                return outputs
+            cos, sin = self.rotary.cos_sin(outputs[0].dtype)
+            query, key = (rotate(t, cos, sin, self.rotary.interleaved) for t in outputs[:2])
+            value = outputs[2]
+            if self.q_layernorm is None and self.k_layernorm is None:
+                # RoPE keeps only cos / sin: once the value leaves the fused QKV output, it is freed.
+                value = value.contiguous()
+            return (query, key, value, *outputs[3:])
+        mixed_qkv, split_sizes = super().get_query_key_value_tensors(hidden_states, key_value_states, split_qkv=False)
+        query, key, value = torch.split(mixed_qkv, split_sizes, dim=3)
+        query = query.reshape(query.size(0), query.size(1), -1, self.hidden_size_per_attention_head)
+        return self.norm_rope(query, self.q_layernorm), self.norm_rope(key, self.k_layernorm), value
+
+    def norm_rope(self, x: Tensor, norm: nn.RMSNorm) -> Tensor:
+        cos, sin = self.rotary.cos_sin(x.dtype)
+        return qk_norm_rope(x, norm.weight, cos, sin, norm.eps, self.rotary.interleaved)

@@ -1,0 +1,61 @@
+"""Affine-free LayerNorm / RMSNorm followed by adaLN modulation, the normed tensor recomputed in backward.
+
+    out = norm(x) * (1 + scale[ids]) + shift[ids]
+
+Saved for backward: x (the residual stream, which the next op needs anyway), the per-token statistics
+(mean and rstd [s, b, 1]; rstd alone for RMSNorm), the scale rows [N, h] and ids [s]; not norm(x)
+[s, b, h] nor a per-token (1 + scale). The forward runs the same kernels as ``F.layer_norm`` /
+``F.rms_norm``, so outputs are bitwise those of the unfused ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dfm.models.common.row_modulation import gather_rows, sum_to_rows
+
+
+def norm_with_stats(x: Tensor, eps: float, rms: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+    """x [s, b, h] -> (norm(x), mean [s, b, 1] or None for RMSNorm, rstd [s, b, 1])."""
+    if rms:
+        normed, rstd = torch._fused_rms_norm(x, x.shape[-1:], None, eps)
+        return normed, None, rstd
+    return torch.native_layer_norm(x, x.shape[-1:], None, None, eps)
+
+
+def norm_backward(grad_normed: Tensor, normed: Tensor, rstd: Tensor, rms: bool) -> Tensor:
+    """d loss / d x of the affine-free norm from d loss / d norm(x) (all [s, b, h], rstd [s, b, 1])."""
+    inner = grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True)
+    if not rms:
+        inner = inner - grad_normed.mean(-1, keepdim=True)
+    return rstd * inner
+
+
+class _NormModulateRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shift_rows, scale_rows, ids, eps: float, rms: bool) -> Tensor:
+        normed, mean, rstd = norm_with_stats(x, eps, rms)
+        ctx.save_for_backward(x, mean, rstd, scale_rows, ids)
+        ctx.rms = rms
+        return normed * (1 + gather_rows(scale_rows, ids)) + gather_rows(shift_rows, ids)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, mean, rstd, scale_rows, ids = ctx.saved_tensors
+        acc = torch.promote_types(x.dtype, torch.float32)  # recompute and reduce in at least fp32
+        centred = x.to(acc) if mean is None else x.to(acc) - mean.to(acc)
+        normed, grad = centred * rstd.to(acc), grad.to(acc)
+        # Shift and scale rows summed in one pass over [s, b, 2h].
+        d_rows = sum_to_rows(torch.cat([grad, grad * normed], dim=-1), ids, scale_rows.shape[0])
+        d_shift, d_scale = d_rows.to(scale_rows.dtype).chunk(2, dim=-1)
+        d_x = None
+        if ctx.needs_input_grad[0]:
+            grad_normed = grad * (1 + gather_rows(scale_rows, ids).to(acc))
+            d_x = norm_backward(grad_normed, normed, rstd.to(acc), ctx.rms).to(x.dtype)
+        return d_x, d_shift, d_scale, None, None, None
+
+
+def norm_modulate_rows(x: Tensor, shift_rows: Tensor, scale_rows: Tensor, ids: Tensor, eps: float, rms: bool) -> Tensor:
+    """norm(x [s, b, h]) * (1 + scale_rows[ids]) + shift_rows[ids]; rows [N, h], ids [s] -> [s, b, h]."""
+    return _NormModulateRows.apply(x, shift_rows, scale_rows, ids, eps, rms)

@@ -1,0 +1,75 @@
+"""adaLN modulation kept per sample: shift / scale / gate stay rows [N, h] and reach tokens inside the op.
+
+A per-token copy of the modulation ([s, 6h] for a DiT block, the gather of ``rows_to_tokens``) is as
+large as six activations, and the gate multiplies' views keep it alive until the backward. Here the
+gathers happen inside two autograd Functions that save only the rows, the token ids and the inputs
+they must have; the backward gathers again (cheap) and sums the per-token grads back into rows.
+
+Shapes: x, out [s, b, h]; rows [N, h] (N samples, one row each); ids [s] long, the row of each token
+(under sequence parallelism: this rank's slice of the tokens, the rows whole).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dfm.models.common.adaln import AdaLNModulation, sum_rows_by_index_add, sum_rows_by_one_hot_gemm
+
+
+@dataclass(frozen=True)
+class ModulationRows:
+    """One adaLN chunk (shift, scale or gate): rows [N, h] and the row of each token, ids [s]."""
+
+    rows: Tensor
+    ids: Tensor
+
+
+class AdaLNRows(AdaLNModulation):
+    """``AdaLNModulation`` (same parameters) that hands out per-sample rows instead of per-token copies:
+    cond [N, h], token_sample_ids [s] -> num_chunks x ModulationRows (rows [N, h])."""
+
+    def forward(self, cond: Tensor, token_sample_ids: Tensor) -> tuple[ModulationRows, ...]:
+        chunks = self.rows(cond).chunk(self.num_chunks, dim=-1)
+        return tuple(ModulationRows(rows, token_sample_ids) for rows in chunks)
+
+
+def gather_rows(rows: Tensor, ids: Tensor) -> Tensor:
+    """rows [N, h], ids [s] -> [s, 1, h]."""
+    return rows.index_select(0, ids).unsqueeze(1)
+
+
+def sum_to_rows(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor:
+    """Per-token grads [s, b, h] -> [N, h], row n summing its tokens' (and batch entries') grads."""
+    grad = grad.sum(1) if grad.shape[1] > 1 else grad[:, 0]
+    sum_rows = sum_rows_by_one_hot_gemm if grad.is_cuda else sum_rows_by_index_add
+    return sum_rows(grad.contiguous(), ids, num_rows)
+
+
+class _GatedResidualRows(torch.autograd.Function):
+    """x + gate[ids] * (out + bias), saving the gate rows, ids, out and bias (no per-token gate)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, gate_rows: Tensor, ids: Tensor, out: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(gate_rows, ids, out, bias)
+        return x + gather_rows(gate_rows, ids) * (out if bias is None else out + bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        gate_rows, ids, out, bias = ctx.saved_tensors
+        d_gate = d_out = d_bias = None
+        if ctx.needs_input_grad[1]:
+            branch = out if bias is None else out + bias
+            d_gate = sum_to_rows(grad * branch, ids, gate_rows.shape[0]).to(gate_rows.dtype)
+        if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
+            d_out = grad * gather_rows(gate_rows, ids)
+            if bias is not None and ctx.needs_input_grad[4]:
+                d_bias = d_out.sum(dim=(0, 1)).to(bias.dtype)
+        return grad, d_gate, None, d_out, d_bias
+
+
+def gated_residual_rows(x: Tensor, gate_rows: Tensor, ids: Tensor, out: Tensor, bias: Tensor | None) -> Tensor:
+    """x [s, b, h] + gate_rows[ids] * (out [s, b, h] + bias [h]); gate_rows [N, h], ids [s]."""
+    return _GatedResidualRows.apply(x, gate_rows, ids, out, bias)

@@ -1,0 +1,94 @@
+"""The lean DiT block's autograd Functions against the unfused ops they replace: float64 gradcheck
+(analytic == numerical gradients) and equal forward / backward to the plain ops, on mixed packs of
+several samples (a row no token takes, as on a CP / SP rank) and on a sequence-parallel slice of ids."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+from dfm.models.attention.qk_norm_rope import qk_norm_rope
+from dfm.models.attention.rope_tables import RotaryTables
+from dfm.models.attention.sdpa_cpu import segment_attention_cpu
+from dfm.models.common.adaln import modulate
+from dfm.models.common.norm_recompute import norm_modulate_rows
+from dfm.models.common.row_modulation import gated_residual_rows
+
+H = 6
+PACK_IDS = torch.tensor([0, 0, 0, 2, 2, 3, 3, 3, 3, 3, 0])  # 4 samples, row 1 unused; last token: padding
+IDS = {"pack": PACK_IDS, "sp_slice": PACK_IDS[4:9]}  # a sequence-parallel rank's tokens, rows whole
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+
+
+def assert_same_grads(fused, reference, inputs):
+    out_f, out_r = fused(*inputs), reference(*inputs)
+    torch.testing.assert_close(out_f, out_r, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(out_r)
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    for got, expected in zip(torch.autograd.grad(out_f, tensors, grad), torch.autograd.grad(out_r, tensors, grad)):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradcheck(fused, inputs)
+
+
+@pytest.mark.parametrize("ids", list(IDS.values()), ids=list(IDS))
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_norm_modulate_rows_equals_norm_then_gathered_modulation(ids, rms):
+    def reference(x, shift, scale, ids, eps, rms):
+        normed = F.rms_norm(x, (H,), eps=eps) if rms else F.layer_norm(x, (H,), eps=eps)
+        return modulate(normed, shift[ids].unsqueeze(1), scale[ids].unsqueeze(1))
+
+    inputs = (rand(len(ids), 1, H), rand(4, H, seed=1), rand(4, H, seed=2), ids, 1e-6, rms)
+    assert_same_grads(norm_modulate_rows, reference, inputs)
+
+
+@pytest.mark.parametrize("ids", list(IDS.values()), ids=list(IDS))
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gated_residual_rows_equals_gathered_gate(ids, with_bias):
+    def reference(x, gate, ids, out, bias):
+        return x + gate[ids].unsqueeze(1) * (out if bias is None else out + bias)
+
+    bias = rand(H, seed=3) if with_bias else None
+    inputs = (rand(len(ids), 1, H), rand(4, H, seed=1), ids, rand(len(ids), 1, H, seed=2), bias)
+    assert_same_grads(gated_residual_rows, reference, inputs)
+
+
+def test_rows_functions_match_the_unfused_ops_in_fp32_forward_bitwise():
+    x, shift, scale, gate, out, bias = (
+        t.detach().float() for t in (rand(11, 1, H), *[rand(4, H, seed=s) for s in (1, 2, 3)], rand(11, 1, H), rand(H))
+    )
+    gathered = [t[PACK_IDS].unsqueeze(1) for t in (shift, scale, gate)]
+    for rms, norm in ((False, F.layer_norm), (True, F.rms_norm)):
+        expected = modulate(norm(x, (H,), eps=1e-6), gathered[0], gathered[1])
+        assert torch.equal(norm_modulate_rows(x, shift, scale, PACK_IDS, 1e-6, rms), expected)
+    assert torch.equal(gated_residual_rows(x, gate, PACK_IDS, out, bias), x + gathered[2] * (out + bias))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_qk_norm_rope_equals_rmsnorm_then_megatron_rope(interleaved):
+    tables = RotaryTables(torch.rand(5, 1, 1, 8, dtype=torch.float64) * 6, interleaved)
+    cos, sin = tables.cos_sin(torch.float64)
+
+    def reference(x, weight, cos, sin, eps, interleaved):
+        normed = F.rms_norm(x, (8,), weight, eps)
+        return _apply_rotary_pos_emb_bshd(normed, tables.angles, rotary_interleaved=interleaved)
+
+    inputs = (rand(5, 1, 3, 8), rand(8, seed=1), cos, sin, 1e-6, interleaved)
+    assert_same_grads(qk_norm_rope, reference, inputs)
+    assert tables.cos_sin(torch.float64)[0] is cos  # made once, shared by every later call
+
+
+def test_cpu_segment_attention_equals_sdpa_per_segment_with_padding():
+    segments = [(0, 3, 0, 2), (4, 2, 2, 3), (6, 3, 5, 1)]  # row 3 and the last row: padding
+
+    def reference(query, key, value, segments, scale):
+        out = torch.zeros_like(query)
+        for q0, nq, k0, nk in segments:
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query[q0 : q0 + nq], key[k0 : k0 + nk], value[k0 : k0 + nk]))
+            out[q0 : q0 + nq] = F.scaled_dot_product_attention(q, k, v, scale=scale).permute(2, 0, 1, 3)
+        return out
+
+    inputs = (rand(10, 1, 2, 4), rand(7, 1, 2, 4, seed=1), rand(7, 1, 2, 4, seed=2), segments, 0.4)
+    assert_same_grads(segment_attention_cpu, reference, inputs)
