@@ -23,6 +23,7 @@ text and image tokens alike, and its single-stream blocks their concatenation: b
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from dfm.training.memory import RankBytes, bytes_per_parameter, layout_name, sta
 BUILD_CHUNK = 256 * 2**20  # the meta-device build's largest materialised chunk
 IO_BUFFER = 256 * 2**20  # one bounded staging / read buffer of the sharded save and load
 RECOMPUTE_TOKEN_H = 2.0  # a recomputed layer keeps its bf16 input
+RECOMPUTE_ACTIVATION_TOKEN_FFN = 2.0  # model.recompute_activation: the activation output (fc2's input) is not kept
 logger = logging.getLogger("dfm.train")
 DEVICE_RESERVE = 0.10  # CUDA context, NCCL buffers and allocator fragmentation: a fit leaves 10% free
 
@@ -59,7 +61,7 @@ FAMILY = {
     "dit_adaln": Coefficients(21.1, 3.9, 0.0, 8.5, 0.0),
     "dit_cross": Coefficients(35.5, 3.7, 4.7, 8.4, 4.6),
     "stdit": Coefficients(48.4, 3.7, 4.7, 8.4, 4.6),
-    "moviegen": Coefficients(37.5, 9.7, 4.7, 10.4, 4.6),
+    "moviegen": Coefficients(33.0, 6.0, 4.7, 10.4, 4.6),
     "wan": Coefficients(90.0, 3.7, 16.8, 8.4, 4.6),
     "flux": Coefficients(63.8, 2.9, 0.0, 8.5, 3.0, single_token_h=41.9, single_token_ffn=4.5),
 }
@@ -71,6 +73,8 @@ JOINT = ("flux", "hunyuan_video15")  # text counts as tokens of the joint sequen
 def layer_activation_bytes(model_cfg, tokens: int, text_tokens: int) -> list[float]:
     """Bytes one micro-batch's forward keeps in each block (no recompute), in block order."""
     c, h, f = FAMILY[model_cfg.architecture], model_cfg.hidden_size, model_cfg.effective_ffn_hidden_size
+    if model_cfg.recompute_activation:  # the dense MLPs (not FLUX's single-stream blocks)
+        c = dataclasses.replace(c, token_ffn=c.token_ffn - RECOMPUTE_ACTIVATION_TOKEN_FFN)
     if model_cfg.architecture in JOINT:
         joint = tokens + text_tokens
         double = joint * (c.token_h * h + c.token_ffn * f)

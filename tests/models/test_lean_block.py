@@ -11,7 +11,7 @@ from dfm.models.attention.qk_norm_rope import qk_norm_rope
 from dfm.models.attention.rope_tables import RotaryTables
 from dfm.models.attention.sdpa_cpu import segment_attention_cpu
 from dfm.models.common.adaln import modulate
-from dfm.models.common.norm_recompute import norm_modulate_rows
+from dfm.models.common.norm_recompute import norm_modulate_rows, norm_recomputed
 from dfm.models.common.row_modulation import gated_residual_rows
 
 H = 6
@@ -42,6 +42,23 @@ def test_norm_modulate_rows_equals_norm_then_gathered_modulation(ids, rms):
 
     inputs = (rand(len(ids), 1, H), rand(4, H, seed=1), rand(4, H, seed=2), ids, 1e-6, rms)
     assert_same_grads(norm_modulate_rows, reference, inputs)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_norm_recomputed_equals_the_plain_norm(rms):
+    def reference(x, eps, rms):
+        return F.rms_norm(x, (H,), eps=eps) if rms else F.layer_norm(x, (H,), eps=eps)
+
+    assert_same_grads(norm_recomputed, reference, (rand(11, 1, H), 1e-6, rms))
+
+
+def test_norm_recomputed_keeps_a_bf16_input_as_is():
+    """F.rms_norm on the CPU keeps an fp32 copy of a bf16 input; the Function keeps x and rstd only."""
+    x = torch.randn(16, 1, 32, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        norm_recomputed(x, 1e-6, True)
+    assert sum(t.numel() * t.element_size() for t in saved) == x.numel() * 2 + 16 * 4
 
 
 @pytest.mark.parametrize("ids", list(IDS.values()), ids=list(IDS))

@@ -40,6 +40,15 @@ def test_activation_formula_matches_saved_tensors(family, size):
     assert abs(predicted / measured - 1) < 0.15, f"{family} {size}: formula {predicted:.0f}, measured {measured}"
 
 
+@pytest.mark.parametrize("family", ["dit_cross", "moviegen"])
+def test_recompute_activation_drops_the_mlp_activation_output(family):
+    hidden, layers, text_len, video, ffn = SIZES["larger"]
+    cfg = model_config(family, hidden, layers, text_len, ffn, recompute_activation=True)
+    measured, tokens, text_tokens = measure(cfg, video)
+    predicted = activation_bytes(cfg, tokens, text_tokens).saved
+    assert abs(predicted / measured - 1) < 0.15, f"{family}: formula {predicted:.0f}, measured {measured}"
+
+
 @pytest.mark.parametrize("size", list(SIZES))
 def test_recompute_keeps_each_layer_input(size):
     hidden, layers, text_len, video, ffn = SIZES[size]

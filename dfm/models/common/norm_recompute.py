@@ -32,6 +32,13 @@ def norm_backward(grad_normed: Tensor, normed: Tensor, rstd: Tensor, rms: bool) 
     return rstd * inner
 
 
+def normed_again(x: Tensor, mean: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """(norm(x), rstd) recomputed from the saved statistics in at least fp32 (backward's precision)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    centred = x.to(acc) if mean is None else x.to(acc) - mean.to(acc)
+    return centred * rstd.to(acc), rstd.to(acc)
+
+
 class _NormModulateRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shift_rows, scale_rows, ids, eps: float, rms: bool) -> Tensor:
@@ -43,17 +50,39 @@ class _NormModulateRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, mean, rstd, scale_rows, ids = ctx.saved_tensors
-        acc = torch.promote_types(x.dtype, torch.float32)  # recompute and reduce in at least fp32
-        centred = x.to(acc) if mean is None else x.to(acc) - mean.to(acc)
-        normed, grad = centred * rstd.to(acc), grad.to(acc)
+        normed, rstd = normed_again(x, mean, rstd)  # recompute and reduce in at least fp32
+        grad = grad.to(normed.dtype)
         # Shift and scale rows summed in one pass over [s, b, 2h].
         d_rows = sum_to_rows(torch.cat([grad, grad * normed], dim=-1), ids, scale_rows.shape[0])
         d_shift, d_scale = d_rows.to(scale_rows.dtype).chunk(2, dim=-1)
         d_x = None
         if ctx.needs_input_grad[0]:
-            grad_normed = grad * (1 + gather_rows(scale_rows, ids).to(acc))
-            d_x = norm_backward(grad_normed, normed, rstd.to(acc), ctx.rms).to(x.dtype)
+            grad_normed = grad * (1 + gather_rows(scale_rows, ids).to(normed.dtype))
+            d_x = norm_backward(grad_normed, normed, rstd, ctx.rms).to(x.dtype)
         return d_x, d_shift, d_scale, None, None, None
+
+
+class _Norm(torch.autograd.Function):
+    """The affine-free norm alone, saving x and its statistics: F.rms_norm on the CPU upcasts a bf16
+    input and keeps that fp32 copy for backward (2 more bytes per element than x itself)."""
+
+    @staticmethod
+    def forward(ctx, x, eps: float, rms: bool) -> Tensor:
+        normed, mean, rstd = norm_with_stats(x, eps, rms)
+        ctx.save_for_backward(x, mean, rstd)
+        ctx.rms = rms
+        return normed
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, mean, rstd = ctx.saved_tensors
+        normed, rstd = normed_again(x, mean, rstd)
+        return norm_backward(grad.to(normed.dtype), normed, rstd, ctx.rms).to(x.dtype), None, None
+
+
+def norm_recomputed(x: Tensor, eps: float, rms: bool) -> Tensor:
+    """Affine-free LayerNorm / RMSNorm of x [s, b, h], keeping x and the statistics only."""
+    return _Norm.apply(x, eps, rms)
 
 
 def norm_modulate_rows(x: Tensor, shift_rows: Tensor, scale_rows: Tensor, ids: Tensor, eps: float, rms: bool) -> Tensor:

@@ -28,6 +28,7 @@ from dfm.models.common.adaln import AdaLNNorm, AdaLNRMSNorm
 from dfm.models.common.factorized_layout import FactorizedAttentionParams
 from dfm.models.common.fused import block_ops
 from dfm.models.common.init import zero_init
+from dfm.models.common.norm_recompute import norm_recomputed
 from dfm.models.common.pack_inputs import PackInputs
 from dfm.models.common.row_modulation import ModulationRows
 
@@ -134,8 +135,9 @@ class DiTLayer(MegatronModule):
     def cross_attend(self, hidden: Tensor, context: Tensor | None, params: PackedSeqParams | None) -> Tensor:
         if self.cross_attention is None:
             return hidden
+        normed = norm_recomputed(hidden, self.norm2.eps, isinstance(self.norm2, nn.RMSNorm))
         out, bias = self.cross_attention(
-            self.norm2(hidden), attention_mask=None, key_value_states=context, packed_seq_params=params
+            normed, attention_mask=None, key_value_states=context, packed_seq_params=params
         )
         return self.ops.gated_residual(hidden, None, out, bias)
 
