@@ -135,11 +135,17 @@ class DiTLayer(MegatronModule):
     def cross_attend(self, hidden: Tensor, context: Tensor | None, params: PackedSeqParams | None) -> Tensor:
         if self.cross_attention is None:
             return hidden
-        normed = norm_recomputed(hidden, self.norm2.eps, isinstance(self.norm2, nn.RMSNorm))
         out, bias = self.cross_attention(
-            normed, attention_mask=None, key_value_states=context, packed_seq_params=params
+            self.cross_norm(hidden), attention_mask=None, key_value_states=context, packed_seq_params=params
         )
         return self.ops.gated_residual(hidden, None, out, bias)
+
+    def cross_norm(self, hidden: Tensor) -> Tensor:
+        """norm2(hidden): an affine-free norm keeps only its input and statistics (``norm_recomputed``);
+        an affine one (Wan's) runs as its module."""
+        if isinstance(self.norm2, (AdaLNNorm, AdaLNRMSNorm)):
+            return norm_recomputed(hidden, self.norm2.eps, isinstance(self.norm2, nn.RMSNorm))
+        return self.norm2(hidden)
 
     def feed_forward(self, hidden: Tensor, shift, scale, gate, padding_mask=None) -> Tensor:
         """shift, scale, gate: ModulationRows (Wan: per-token [s, 1, h])."""
