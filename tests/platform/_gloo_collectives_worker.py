@@ -25,18 +25,19 @@ def wide_values(numel: int, seed: int) -> torch.Tensor:
 
 
 def reduce(function, bucket: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Reduce ``bucket`` into this rank's chunk, as megatron's start_grad_sync does; -> the chunk."""
+    """Reduce ``bucket`` into this rank's chunk, as megatron's start_grad_sync does; -> the chunk (a view:
+    a copy here would be counted in the collective's peak)."""
     chunk = bucket.view(size, -1)[rank]
     with _coalescing_manager(dist.group.WORLD):
         function(chunk, bucket, op=dist.ReduceOp.SUM, group=dist.group.WORLD)
-    return chunk.clone()
+    return chunk
 
 
 def gather(function, bucket: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """Gather every rank's chunk into ``bucket``, as megatron's start_param_sync does; -> the bucket."""
     with _coalescing_manager(dist.group.WORLD):
         function(bucket, bucket.view(size, -1)[rank], group=dist.group.WORLD)
-    return bucket.clone()
+    return bucket
 
 
 def peak_added(call) -> int:
