@@ -97,8 +97,15 @@ def test_qk_norm_rope_equals_rmsnorm_then_megatron_rope(interleaved):
     assert tables.cos_sin(torch.float64)[0] is cos  # made once, shared by every later call
 
 
-def test_cpu_segment_attention_equals_sdpa_per_segment_with_padding():
-    segments = [(0, 3, 0, 2), (4, 2, 2, 3), (6, 3, 5, 1)]  # row 3 and the last row: padding
+SEGMENTS = {
+    "padding": [(0, 3, 0, 2), (4, 2, 2, 3), (6, 3, 5, 1)],  # row 3 and the last row: padding
+    # context parallel: a rank's two query chunks of one sample read the same keys
+    "shared_keys": [(0, 3, 0, 5), (4, 2, 0, 5), (6, 3, 5, 2)],
+}
+
+
+@pytest.mark.parametrize("segments", list(SEGMENTS.values()), ids=list(SEGMENTS))
+def test_cpu_segment_attention_equals_sdpa_per_segment(segments):
 
     def reference(query, key, value, segments, scale):
         out = torch.zeros_like(query)

@@ -21,12 +21,14 @@ def sdpa_per_segment(query: Tensor, key: Tensor, value: Tensor, params: PackedSe
     segments = [seg for seg in zip(q_starts, q_lens, kv_starts, kv_lens) if seg[1] and seg[3]]
     if not segments:
         return torch.zeros_like(query)
+    q, k, v = heads_first(query), heads_first(key), heads_first(value)
     q0, nq, k0, nk = segments[0]
-    first = (heads_first(t, start, n) for t, start, n in ((query, q0, nq), (key, k0, nk), (value, k0, nk)))
-    if uses_cpu_flash(*first, scale):
+    if uses_cpu_flash(q[:, :, q0 : q0 + nq], k[:, :, k0 : k0 + nk], v[:, :, k0 : k0 + nk], scale):
         return segment_attention_cpu(query, key, value, segments, scale)
     outputs = []
     for q0, nq, k0, nk in segments:
-        q, k, v = heads_first(query, q0, nq), heads_first(key, k0, nk), heads_first(value, k0, nk)
-        outputs.append((q0, F.scaled_dot_product_attention(q, k, v, scale=scale).permute(2, 0, 1, 3)))
+        out = F.scaled_dot_product_attention(
+            q[:, :, q0 : q0 + nq], k[:, :, k0 : k0 + nk], v[:, :, k0 : k0 + nk], scale=scale
+        )
+        outputs.append((q0, out.permute(2, 0, 1, 3)))
     return padded_concat(query, outputs)

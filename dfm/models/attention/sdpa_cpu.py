@@ -17,9 +17,9 @@ from torch.nn.attention import SDPBackend
 Segment = tuple[int, int, int, int]  # (q start, q length, kv start, kv length), all > 0 lengths
 
 
-def heads_first(x: Tensor, start: int, length: int) -> Tensor:
-    """[s, b, np, hn] -> the segment's [b, np, length, hn] view."""
-    return x[start : start + length].permute(1, 2, 0, 3)
+def heads_first(x: Tensor) -> Tensor:
+    """[s, b, np, hn] -> the [b, np, s, hn] view a segment is sliced from (dim 2)."""
+    return x.permute(1, 2, 0, 3)
 
 
 def uses_cpu_flash(query: Tensor, key: Tensor, value: Tensor, scale: float) -> bool:
@@ -43,19 +43,24 @@ def padded_concat(like: Tensor, outputs: list[tuple[int, Tensor]]) -> Tensor:
     return torch.cat(pieces)
 
 
+def ordered_disjoint(segments: list[Segment]) -> bool:
+    """The kv ranges of ``segments`` follow one another without overlap (false under context
+    parallelism, where two query chunks of a sample read the same keys)."""
+    ends = [k0 + nk for _, _, k0, nk in segments]
+    return all(k0 >= end for (_, _, k0, _), end in zip(segments[1:], ends))
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
 class _SegmentAttentionCPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query: Tensor, key: Tensor, value: Tensor, segments: list[Segment], scale: float) -> Tensor:
+        q, k, v = heads_first(query), heads_first(key), heads_first(value)
         outputs, lse = [], []
         for q0, nq, k0, nk in segments:
-            out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                heads_first(query, q0, nq),
-                heads_first(key, k0, nk),
-                heads_first(value, k0, nk),
-                0.0,
-                False,
-                scale=scale,
-            )
+            out, logsumexp = _FLASH(q[:, :, q0 : q0 + nq], k[:, :, k0 : k0 + nk], v[:, :, k0 : k0 + nk], scale=scale)
             outputs.append((q0, out.permute(2, 0, 1, 3)))
             lse.append(logsumexp)
         out = padded_concat(query, outputs)
@@ -66,22 +71,33 @@ class _SegmentAttentionCPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         query, key, value, out, *lse = ctx.saved_tensors
-        grads = [torch.zeros_like(t) for t in (query, key, value)]
+        q, k, v, o, g = (heads_first(t) for t in (query, key, value, out, grad))
+        q_parts, kv_parts = [], []
         for (q0, nq, k0, nk), logsumexp in zip(ctx.segments, lse):
-            seg_grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                heads_first(grad, q0, nq),
-                heads_first(query, q0, nq),
-                heads_first(key, k0, nk),
-                heads_first(value, k0, nk),
-                heads_first(out, q0, nq),
+            rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
+            d_q, d_k, d_v = _FLASH_BACKWARD(
+                g[:, :, rows],
+                q[:, :, rows],
+                k[:, :, keys],
+                v[:, :, keys],
+                o[:, :, rows],
                 logsumexp,
                 0.0,
                 False,
                 scale=ctx.scale,
             )
-            for total, seg, (start, length) in zip(grads, seg_grads, ((q0, nq), (k0, nk), (k0, nk))):
-                heads_first(total, start, length).add_(seg)
-        return *grads, None, None
+            q_parts.append((q0, d_q.permute(2, 0, 1, 3)))
+            kv_parts.append((k0, d_k.permute(2, 0, 1, 3), d_v.permute(2, 0, 1, 3)))
+        d_query = padded_concat(query, q_parts)  # query segments never overlap: written once
+        if ordered_disjoint(ctx.segments):
+            d_key = padded_concat(key, [(k0, d_k) for k0, d_k, _ in kv_parts])
+            d_value = padded_concat(value, [(k0, d_v) for k0, _, d_v in kv_parts])
+        else:
+            d_key, d_value = torch.zeros_like(key), torch.zeros_like(value)
+            for k0, d_k, d_v in kv_parts:
+                d_key[k0 : k0 + d_k.shape[0]] += d_k
+                d_value[k0 : k0 + d_v.shape[0]] += d_v
+        return d_query, d_key, d_value, None, None
 
 
 def segment_attention_cpu(query: Tensor, key: Tensor, value: Tensor, segments: list[Segment], scale: float) -> Tensor:
