@@ -138,7 +138,8 @@ def repadded_offsets(cu_seqlens_padded: torch.Tensor, keep: Sequence[int], total
     return cumulative(lengths)
 
 
-def _taken(values: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
+def rows_padded(values: torch.Tensor, rows: torch.Tensor, total: int) -> torch.Tensor:
+    """values[rows] [len(rows), ...] followed by zero rows up to ``total``."""
     out = values.new_zeros((total, *values.shape[1:]))
     out[: len(rows)] = values[rows]
     return out
@@ -155,7 +156,7 @@ def sub_pack(batch: PackedBatch, keep: Sequence[int], total_multiple: int = 1) -
     rows = segment_rows(batch.cu_seqlens_q_padded, keep)
     for name in _TOKEN_FIELDS:
         value = getattr(batch, name)
-        parts[name] = None if value is None else _taken(value, rows, int(q_offsets[-1]))
+        parts[name] = None if value is None else rows_padded(value, rows, int(q_offsets[-1]))
     parts["cu_seqlens_q_padded"] = q_offsets
     for name, offsets in _TEXT_FIELDS.items():
         padded = getattr(batch, f"{offsets}_padded")
@@ -163,7 +164,7 @@ def sub_pack(batch: PackedBatch, keep: Sequence[int], total_multiple: int = 1) -
             continue
         text_offsets = repadded_offsets(padded, keep, total_multiple)
         parts[f"{offsets}_padded"] = text_offsets
-        parts[name] = _taken(getattr(batch, name), segment_rows(padded, keep), int(text_offsets[-1]))
+        parts[name] = rows_padded(getattr(batch, name), segment_rows(padded, keep), int(text_offsets[-1]))
     for name in _OFFSETS:
         offsets = getattr(batch, name)
         if offsets is not None:

@@ -20,7 +20,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from dfm.data.packed_batch import PackedBatch
-from dfm.data.packing import sub_pack
+from dfm.data.packing import rows_padded, sub_pack
 from dfm.diffusion.timestep_experts import EXPERTS, expert_of
 from dfm.models.wan.wan_model import WanModel
 
@@ -85,8 +85,9 @@ class WanExperts(MegatronModule):
         sub, rows = sub_pack(batch.host_view(), keep, self.layout.padding_multiples()[1])
         sub, rows = sub.to(x_in.device), rows.to(x_in.device)
         index = torch.tensor(keep, device=c_noise.device)
-        x_sub = torch.cat([x_in[rows], x_in.new_zeros((sub.seq_len - rows.numel(), x_in.shape[1]))])
-        return rows, model(x_sub, c_noise[index], sub, None if extra is None else extra[index])
+        return rows, model(
+            rows_padded(x_in, rows, sub.seq_len), c_noise[index], sub, None if extra is None else extra[index]
+        )
 
 
 def wan_model(config, layer_spec, model_cfg, pre_process=True, post_process=True, vp_stage=None) -> MegatronModule:
