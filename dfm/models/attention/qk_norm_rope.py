@@ -6,6 +6,10 @@ Unfused, the norm's output [s, b, np, d] is saved by RoPE's multiplies besides t
 Here the input x (a view of the fused QKV output, which the value view keeps alive anyway), the
 per-head rstd [s, b, np, 1] and the shared cos / sin tables are saved; the normed tensor is
 recomputed in backward. Forward values are those of ``F.rms_norm`` and megatron's RoPE.
+
+cos / sin in a wider dtype than x (FLUX: fp32 tables for bf16 heads) rotate in that dtype and round
+the result to x's, as diffusers' ``apply_rotary_emb`` does; cos / sin None: the norm alone (FLUX's
+text tokens, whose positions are all 0).
 """
 
 from __future__ import annotations
@@ -23,14 +27,18 @@ class _QKNormRope(torch.autograd.Function):
         normed, rstd = torch._fused_rms_norm(x, x.shape[-1:], weight, eps)
         ctx.save_for_backward(x, rstd, weight, cos, sin)
         ctx.interleaved = interleaved
-        return rotate(normed, cos, sin, interleaved)
+        if cos is None:
+            return normed
+        return rotate(normed, cos, sin, interleaved).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, rstd, weight, cos, sin = ctx.saved_tensors
         acc = torch.promote_types(x.dtype, torch.float32)
         normed = x.to(acc) * rstd.to(acc)
-        grad_weighted = rotate_transposed(grad.to(acc), cos.to(acc), sin.to(acc), ctx.interleaved)
+        grad_weighted = grad.to(acc)
+        if cos is not None:
+            grad_weighted = rotate_transposed(grad_weighted, cos.to(acc), sin.to(acc), ctx.interleaved)
         d_weight = None
         if ctx.needs_input_grad[1]:
             d_weight = (grad_weighted * normed).flatten(0, -2).sum(0).to(weight.dtype)
@@ -38,6 +46,9 @@ class _QKNormRope(torch.autograd.Function):
         return d_x, d_weight, None, None, None, None
 
 
-def qk_norm_rope(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, interleaved: bool) -> Tensor:
-    """x [s, b, np, d], weight [d], cos / sin [s, 1, 1, d] -> rotate(rms_norm(x) * weight) [s, b, np, d]."""
+def qk_norm_rope(
+    x: Tensor, weight: Tensor, cos: Tensor | None, sin: Tensor | None, eps: float, interleaved: bool
+) -> Tensor:
+    """x [s, b, np, d], weight [d], cos / sin [s, 1, 1, d] (or None: no rotation) ->
+    rotate(rms_norm(x) * weight) [s, b, np, d] in x's dtype."""
     return _QKNormRope.apply(x, weight, cos, sin, eps, interleaved)

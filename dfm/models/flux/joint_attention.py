@@ -10,6 +10,9 @@ one plan per pack says how to assemble per-sample joint segments and take them a
 
 Under CP the text stream is computed whole by every CP rank, as DiT's cross-attention text is: each
 rank's gradients hold its own queries' share, summed over CP with the data-parallel reduction.
+
+The output projections read each stream's rows of the kernel's output (``stream_rows``); they keep
+the kernel's output (which the kernel keeps anyway) instead of their gathered input (rebuilt.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import cumulative
 from dfm.models.attention.segments import PackedSegments
 from dfm.models.common.packed_segments import packed_segments
-from dfm.models.flux.rope import apply_interleaved_rope, rope_cos_sin
+from dfm.models.flux.rope import rope_cos_sin
 from dfm.parallel.sequence_split import SequenceSplit
 
 
@@ -84,17 +87,18 @@ def joint_attention_plan(
     )
 
 
-def joint_attention(core_attention, plan: JointAttentionPlan, text: QKV, image: QKV) -> tuple[Tensor, Tensor]:
-    """text heads [S_kv, b, np, hn], image heads [s, b, np, hn] -> outputs [S_kv, b, np*hn], [s, b, np*hn].
-
-    RoPE rotates the image queries and keys (text ids are zero: no rotation)."""
-    cos, sin = plan.rope
-    image_query = apply_interleaved_rope(image.query, cos, sin)
-    image_key = plan.split.gather(apply_interleaved_rope(image.key, cos, sin), grad_is_partial=True)
+def joint_attention(core_attention, plan: JointAttentionPlan, text: QKV, image: QKV) -> Tensor:
+    """text heads [S_kv, b, np, hn], image heads [s, b, np, hn] (RoPE applied) -> the kernel's output
+    [S_kv + s, b, np*hn] in joint order (``stream_rows`` takes each stream's rows of it)."""
+    image_key = plan.split.gather(image.key, grad_is_partial=True)
     image_value = plan.split.gather(image.value, grad_is_partial=True)
-    query = torch.cat([text.query, image_query])[plan.q_order]
+    query = torch.cat([text.query, image.query])[plan.q_order]
     key = torch.cat([text.key, image_key])[plan.kv_order]
     value = torch.cat([text.value, image_value])[plan.kv_order]
-    out = core_attention(query, key, value, attention_mask=None, packed_seq_params=plan.params)
-    out = out[plan.q_inverse] * plan.q_valid.to(out.dtype)
-    return out[: plan.num_text], out[plan.num_text :]
+    return core_attention(query, key, value, attention_mask=None, packed_seq_params=plan.params)
+
+
+def stream_rows(plan: JointAttentionPlan, text: bool, joint_out: Tensor) -> Tensor:
+    """The text (or image) stream's rows [S_kv or s, b, np*hn] of the joint output, padding rows 0."""
+    rows = slice(None, plan.num_text) if text else slice(plan.num_text, None)
+    return joint_out[plan.q_inverse[rows]] * plan.q_valid[rows].to(joint_out.dtype)

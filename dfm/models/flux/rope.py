@@ -2,7 +2,9 @@
 
 Channels (2i, 2i + 1) of a head form one rotated pair (diffusers' ``apply_rotary_emb`` with
 ``use_real_unbind_dim=-1``), not halves as in megatron's default. Text tokens have ids (0, 0, 0),
-i.e. no rotation, so only image tokens are rotated.
+i.e. no rotation, so only image tokens are rotated. The rotation itself is the per-head q / k
+norm's (``dfm.models.attention.qk_norm_rope``): with these fp32 tables it rotates in fp32 and rounds
+to the heads' dtype, as diffusers does.
 """
 
 from __future__ import annotations
@@ -22,10 +24,3 @@ def rope_cos_sin(pos_ids: Tensor, axes_dim: list[int], theta: float = 10000.0) -
         angles.append(pos_ids[:, axis].float().double()[:, None] * inv_freq[None])
     angle = torch.cat(angles, dim=-1).repeat_interleave(2, dim=-1)[:, None, None, :]
     return angle.cos().float(), angle.sin().float()
-
-
-def apply_interleaved_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [s, b, np, hn] rotated pairwise: (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin); fp32 math."""
-    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
