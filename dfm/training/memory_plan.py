@@ -57,13 +57,15 @@ class Coefficients:
 # The DiT family's token_h re-counted after the lean block (per-sample adaLN rows, normed inputs
 # recomputed, q/k norm + RoPE fused, attention output kept once): dit_adaln -22, dit_cross -41,
 # stdit -40, moviegen -45 bytes per token per hidden unit per layer (hidden 512, 4 x 1024 tokens).
+# FLUX re-counted after its lean blocks (the same pieces; hidden 256, FFN 2h and 4h, 2 x 256 image +
+# 32 text tokens).
 FAMILY = {
     "dit_adaln": Coefficients(21.1, 3.9, 0.0, 8.5, 0.0),
     "dit_cross": Coefficients(35.5, 3.7, 4.7, 8.4, 4.6),
     "stdit": Coefficients(48.4, 3.7, 4.7, 8.4, 4.6),
     "moviegen": Coefficients(33.0, 6.0, 4.7, 10.4, 4.6),
     "wan": Coefficients(90.0, 3.7, 16.8, 8.4, 4.6),
-    "flux": Coefficients(63.8, 2.9, 0.0, 8.5, 3.0, single_token_h=41.9, single_token_ffn=4.5),
+    "flux": Coefficients(26.4, 4.0, 0.0, 8.5, 3.0, single_token_h=20.3, single_token_ffn=4.0),
 }
 # HunyuanVideo 1.5's blocks are FLUX's double-stream blocks: FLUX's coefficients (not counted apart).
 FAMILY["hunyuan_video15"] = FAMILY["flux"]
@@ -73,8 +75,9 @@ JOINT = ("flux", "hunyuan_video15")  # text counts as tokens of the joint sequen
 def layer_activation_bytes(model_cfg, tokens: int, text_tokens: int) -> list[float]:
     """Bytes one micro-batch's forward keeps in each block (no recompute), in block order."""
     c, h, f = FAMILY[model_cfg.architecture], model_cfg.hidden_size, model_cfg.effective_ffn_hidden_size
-    if model_cfg.recompute_activation:  # the dense MLPs (not FLUX's single-stream blocks)
-        c = dataclasses.replace(c, token_ffn=c.token_ffn - RECOMPUTE_ACTIVATION_TOKEN_FFN)
+    if model_cfg.recompute_activation:  # the dense MLPs and FLUX's single-stream blocks
+        fewer = RECOMPUTE_ACTIVATION_TOKEN_FFN
+        c = dataclasses.replace(c, token_ffn=c.token_ffn - fewer, single_token_ffn=c.single_token_ffn - fewer)
     if model_cfg.architecture in JOINT:
         joint = tokens + text_tokens
         double = joint * (c.token_h * h + c.token_ffn * f)
