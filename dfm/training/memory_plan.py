@@ -65,7 +65,7 @@ FAMILY = {
     "stdit": Coefficients(48.4, 3.7, 4.7, 8.4, 4.6),
     "moviegen": Coefficients(33.0, 6.0, 4.7, 10.4, 4.6),
     "wan": Coefficients(90.0, 3.7, 16.8, 8.4, 4.6),
-    "flux": Coefficients(26.4, 4.0, 0.0, 8.5, 3.0, single_token_h=20.3, single_token_ffn=4.0),
+    "flux": Coefficients(24.4, 4.0, 0.0, 8.5, 3.0, single_token_h=18.3, single_token_ffn=4.0),
 }
 # HunyuanVideo 1.5's blocks are FLUX's double-stream blocks: FLUX's coefficients (not counted apart).
 FAMILY["hunyuan_video15"] = FAMILY["flux"]

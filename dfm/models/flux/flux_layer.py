@@ -102,13 +102,16 @@ class HeadProjection(MegatronModule):
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> QKV:
         qkv, _ = self.linear_qkv(x)
         s, b, hn = qkv.shape[0], qkv.shape[1], self.config.kv_channels
-        query, key, value = qkv.view(s, b, -1, 3 * hn).split(hn, dim=-1)
+        heads = qkv.view(s, b, -1, 3 * hn)
+        # The norms keep q and k for backward: as a copy, so that the fused output (and the value in
+        # it, which the joint attention copies into its keys' order) is freed: hn per head less.
+        query, key = heads[..., : 2 * hn].contiguous().split(hn, dim=-1)
+        value = heads[..., 2 * hn :]
         return QKV(self.norm_rope(query, self.q_layernorm, rope), self.norm_rope(key, self.k_layernorm, rope), value)
 
     @staticmethod
     def norm_rope(x: Tensor, norm, rope: tuple[Tensor, Tensor] | None) -> Tensor:
-        """The per-head norm then RoPE (interleaved pairs, in fp32), keeping x (a view of the fused
-        qkv output) and the per-head rstd only."""
+        """The per-head norm then RoPE (interleaved pairs, in fp32), keeping x and the per-head rstd only."""
         cos, sin = rope if rope is not None else (None, None)
         return qk_norm_rope(x, norm.weight, cos, sin, norm.eps, interleaved=True)
 
