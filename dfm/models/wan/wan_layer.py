@@ -5,7 +5,10 @@
     x = x + gate_mlp * MLP(modulate(norm3(x), shift_mlp, scale_mlp))        # GELU-tanh
 
 The six modulations are the model's shared timestep projection plus each block's learned
-``scale_shift_table`` (WanModulation), not a per-block adaLN linear.
+``scale_shift_table`` (WanModulation), not a per-block adaLN linear. As in the DiT block they stay
+one row per conditioning row (a sample, or a TI2V sample's clean first frame) and tokens take their
+row inside the norm-modulate and gated-residual ops; the q / k norms across heads (and RoPE) keep
+only their input and a per-token variance (qk_norm.py).
 """
 
 from __future__ import annotations
