@@ -57,14 +57,16 @@ class Coefficients:
 # The DiT family's token_h re-counted after the lean block (per-sample adaLN rows, normed inputs
 # recomputed, q/k norm + RoPE fused, attention output kept once): dit_adaln -22, dit_cross -41,
 # stdit -40, moviegen -45 bytes per token per hidden unit per layer (hidden 512, 4 x 1024 tokens).
-# FLUX re-counted after its lean blocks (the same pieces; hidden 256, FFN 2h and 4h, 2 x 256 image +
+# Wan's re-counted after its lean block (modulation rows, q / k norm across heads keeping its input):
+# fitted by least squares to the per-layer count at five (hidden, FFN, text) sizes.
+# FLUX re-counted after its lean blocks (the same pieces; hidden 256, FFN 2h and 4h, 2 x 128 image +
 # 32 text tokens).
 FAMILY = {
     "dit_adaln": Coefficients(21.1, 3.9, 0.0, 8.5, 0.0),
     "dit_cross": Coefficients(35.5, 3.7, 4.7, 8.4, 4.6),
     "stdit": Coefficients(48.4, 3.7, 4.7, 8.4, 4.6),
     "moviegen": Coefficients(33.0, 6.0, 4.7, 10.4, 4.6),
-    "wan": Coefficients(90.0, 3.7, 16.8, 8.4, 4.6),
+    "wan": Coefficients(34.3, 4.0, 6.2, 8.4, 4.6),
     "flux": Coefficients(24.4, 4.0, 0.0, 8.5, 3.0, single_token_h=18.3, single_token_ffn=4.0),
 }
 # HunyuanVideo 1.5's blocks are FLUX's double-stream blocks: FLUX's coefficients (not counted apart).

@@ -1,4 +1,4 @@
-"""Wan's normalisations: q/k RMSNorm over all heads of a token, under tensor parallelism too."""
+"""Wan's normalisations: q/k RMSNorm over all heads of a token (+ RoPE), under tensor parallelism too."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from torch import Tensor, nn
+
+from dfm.models.attention.rope_tables import RotaryTables
+from dfm.models.wan.qk_norm import across_heads_norm_rope, square_sum
 
 
 def sum_over_tensor_parallel_ranks(partial: Tensor) -> Tensor:
@@ -36,13 +39,15 @@ class AcrossHeadsRMSNorm(nn.Module):
         set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
         self.tensor_parallel = tp > 1
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x [s, b, np, hn] -> the same shape."""
-        squares = x.float().pow(2).sum(dim=(-2, -1), keepdim=True)
+    def forward(self, x: Tensor, rotary: RotaryTables | None = None) -> Tensor:
+        """x [s, b, np, hn] -> the same shape, rotated by ``rotary`` (self-attention's RoPE) if given.
+        Keeps x and the per-token variance for backward (qk_norm.py)."""
+        squares = square_sum(x)
         if self.tensor_parallel:
             squares = sum_over_tensor_parallel_ranks(squares)
-        normed = (x.float() * torch.rsqrt(squares / self.full_dim + self.eps)).to(x.dtype)
-        return normed * self.weight.view(-1, self.head_dim)
+        cos, sin = (None, None) if rotary is None else rotary.cos_sin(x.dtype)
+        interleaved = rotary is not None and rotary.interleaved
+        return across_heads_norm_rope(x, squares / self.full_dim + self.eps, self.weight, cos, sin, interleaved)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The weight as a TP shard along dim 0 (megatron takes a plain module's tensors as replicated)."""

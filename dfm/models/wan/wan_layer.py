@@ -5,7 +5,10 @@
     x = x + gate_mlp * MLP(modulate(norm3(x), shift_mlp, scale_mlp))        # GELU-tanh
 
 The six modulations are the model's shared timestep projection plus each block's learned
-``scale_shift_table`` (WanModulation), not a per-block adaLN linear.
+``scale_shift_table`` (WanModulation), not a per-block adaLN linear. As in the DiT block they stay
+one row per conditioning row (a sample, or a TI2V sample's clean first frame) and tokens take their
+row inside the norm-modulate and gated-residual ops; the q / k norms across heads (and RoPE) keep
+only their input and a per-token variance (qk_norm.py).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor, nn
 
-from dfm.models.common.adaln import rows_to_tokens
+from dfm.models.attention.lean_self_attention import LeanSelfAttention
 from dfm.models.common.init import normal_init
+from dfm.models.common.row_modulation import ModulationRows
 from dfm.models.dit.dit_layer import DiTLayer, DiTLayerSubmodules
 from dfm.models.wan.norms import SequenceParallelLayerNorm
 
@@ -30,7 +34,7 @@ TEMB_ROW, NUM_BLOCK_MODULATIONS = 0, 6
 
 
 class WanModulation(MegatronModule):
-    """cond [N, 7, h] -> 6 x [s, 1, h]: (time_proj rows + this block's scale_shift_table), per token."""
+    """cond [R, 7, h] -> 6 x ModulationRows: time_proj rows + this block's scale_shift_table, per row."""
 
     def __init__(self, config, num_chunks: int = NUM_BLOCK_MODULATIONS):
         super().__init__(config=config)
@@ -38,13 +42,29 @@ class WanModulation(MegatronModule):
         self.scale_shift_table = nn.Parameter(torch.empty(1, num_chunks, config.hidden_size, dtype=config.params_dtype))
         normal_init(self)
 
-    def forward(self, cond: Tensor, token_sample_ids: Tensor) -> tuple[Tensor, ...]:
-        """cond [N, 7, h], token_sample_ids [s] -> num_chunks x [s, 1, h]."""
-        per_sample = (self.scale_shift_table + cond[:, TEMB_ROW + 1 :]).flatten(1)
+    def forward(self, cond: Tensor, token_row_ids: Tensor) -> tuple[ModulationRows, ...]:
+        """cond [R, 7, h] (R: N samples + the timestep-0 row), token_row_ids [s] (each token's row of
+        cond: its sample's, or the timestep-0 row for a clean first frame's token) -> num_chunks x
+        ModulationRows (rows [R, h]): tokens take their row inside the block's ops (row_modulation.py)."""
+        per_row = (self.scale_shift_table + cond[:, TEMB_ROW + 1 :]).flatten(1)
         if self.config.sequence_parallel:
             # Each TP rank modulates only its tokens: sum the grads of the table and of time_proj over TP.
-            per_sample = copy_to_tensor_model_parallel_region(per_sample)
-        return rows_to_tokens(per_sample, token_sample_ids).unsqueeze(1).chunk(self.num_chunks, dim=-1)
+            per_row = copy_to_tensor_model_parallel_region(per_row)
+        return tuple(ModulationRows(rows, token_row_ids) for rows in per_row.chunk(self.num_chunks, dim=-1))
+
+
+class WanSelfAttention(LeanSelfAttention):
+    """LeanSelfAttention (same parameters) whose q / k norms across heads apply RoPE too, one Function
+    each (qk_norm.py): the normed and the weighted q / k are not kept beside the QKV output."""
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        """query [sq, b, np, hn], key / value [sq, b, np, hn]: normalised across heads, then rotated."""
+        if self.rotary is None or output_gate or not split_qkv or self.config.num_query_groups < self.world_size:
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
+        mixed_qkv, split_sizes = super().get_query_key_value_tensors(hidden_states, key_value_states, split_qkv=False)
+        query, key, value = torch.split(mixed_qkv, split_sizes, dim=3)
+        query = query.reshape(query.size(0), query.size(1), -1, self.hidden_size_per_attention_head)
+        return self.q_layernorm(query, self.rotary), self.k_layernorm(key, self.rotary), value
 
 
 @dataclass

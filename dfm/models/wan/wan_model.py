@@ -89,10 +89,6 @@ class WanModel(DiTModel):
         clean = first_frame_tokens(batch)
         return rows if clean is None else torch.where(clean, batch.num_samples, rows)
 
-    def rotary_inputs(self, angles: Tensor) -> Tensor:
-        """megatron's SelfAttention (Wan's blocks) takes the RoPE angles [s, 1, 1, d] themselves."""
-        return angles
-
     def pack_inputs(
         self, batch: PackedBatch, split: SequenceSplit, cond: Tensor, token_ids: Tensor | None = None
     ) -> PackInputs:

@@ -11,11 +11,17 @@ from dfm.models.common.adaln import AdaLNNorm
 from dfm.models.common.block_specs import cross_attention_spec, mlp_spec, self_attention_spec
 from dfm.models.dit.dit_layer import DiTLayerSubmodules
 from dfm.models.wan.norms import AcrossHeadsRMSNorm
-from dfm.models.wan.wan_layer import WanCrossAttention, WanCrossAttentionSubmodules, WanLayer, WanModulation
+from dfm.models.wan.wan_layer import (
+    WanCrossAttention,
+    WanCrossAttentionSubmodules,
+    WanLayer,
+    WanModulation,
+    WanSelfAttention,
+)
 
 
 def wan_self_attention_spec(modules: BackendModules) -> ModuleSpec:
-    spec = self_attention_spec(modules, qk_layernorm=True)
+    spec = self_attention_spec(modules, qk_layernorm=True, module=WanSelfAttention)
     spec.submodules.q_layernorm = spec.submodules.k_layernorm = AcrossHeadsRMSNorm
     return spec
 
