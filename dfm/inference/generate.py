@@ -26,7 +26,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.data.prepare.pipeline import DEFAULT_T5, DEFAULT_VAE
 from dfm.diffusion.flow import shift_for_num_tokens
 from dfm.diffusion.pipeline import SamplingOptions, pipeline_from_config
-from dfm.diffusion.timestep_experts import TimestepExperts
+from dfm.diffusion.timestep_experts import BOTH, TimestepExperts, c_noise_boundary
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
 from dfm.inference.encoders import (
     NEEDS_CLIP,
@@ -192,7 +192,7 @@ def expert_guidance(model: torch.nn.Module, cfg: ConfigContainer, args: argparse
     """SamplingOptions' guidance_scale_2 / guidance_boundary: the low-noise expert's steps (as
     TimestepExperts routes them, at the boundary in flow t) take ``--guidance_scale_2``."""
     scale_2 = getattr(args, "guidance_scale_2", None)
-    if not isinstance(model, TimestepExperts) or scale_2 is None:
+    if not (isinstance(model, TimestepExperts) or cfg.model.wan_expert == BOTH) or scale_2 is None:
         return {}
     return {"guidance_scale_2": scale_2, "guidance_boundary": cfg.model.wan_boundary_ratio}
 
@@ -213,7 +213,8 @@ def with_low_noise_expert(
             f"they record (model.wan_expert, model.wan_boundary_ratio) {pair[0]} and {pair[1]}"
         )
     low_noise = load_model(cfg_2, directory, device, use_ema=use_ema)
-    return TimestepExperts(high_noise, low_noise, boundary=cfg.model.wan_boundary_ratio * cfg.flow.c_noise_scale)
+    boundary = c_noise_boundary(pipeline_from_config(cfg), cfg.model.wan_boundary_ratio)
+    return TimestepExperts(high_noise, low_noise, boundary)
 
 
 def generate(args: argparse.Namespace, device: torch.device) -> Path:

@@ -275,19 +275,24 @@ def test_steps_with_an_expert_left_out_under_overlapped_reduction_and_the_distri
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_sampling_a_both_model_routes_each_step_like_timestep_experts(dist):
+@pytest.mark.parametrize("c_noise_scale", [1000.0, 1.0])
+def test_sampling_a_both_model_routes_each_step_like_timestep_experts(dist, c_noise_scale):
     """Generation from a both-run's model (what inference_dit_model.py loads from its checkpoint)
     gives the latents of TimestepExperts over the same two experts, which equal WanPipeline's
-    (test_wan22_experts.py): each step is routed by its timestep, with no expert_ids in the pack."""
+    (test_wan22_experts.py): each step is routed by its t at the boundary, whatever the run's
+    flow.c_noise_scale (1: c_noise is t itself). The model alone, without routes, refuses to guess."""
     cfg, model = both_model()
     model.float().eval()
     samples = parity_samples(cfg, [((3, 4, 6), 5)])
     pack = pack_samples(samples)
     uncond = pack_samples([dataclasses.replace(samples[0], text=torch.zeros_like(samples[0].text))])
-    flow = build_pipeline("flow", c_noise_scale=1000.0, shift=5.0)
+    flow = build_pipeline("flow", c_noise_scale=c_noise_scale, shift=5.0)
     options = SamplingOptions(4, 4.0, "euler")  # t = 1, 0.94 (high noise), 0.83, 0.62 (low noise)
     ours = sample_latent(model, flow, pack, cfg, options, uncond=uncond)
-    routed = TimestepExperts(model.high_noise, model.low_noise, boundary=1000.0 * BOUNDARY)
+    routed = TimestepExperts(model.high_noise, model.low_noise, boundary=c_noise_scale * BOUNDARY)
     assert torch.equal(ours, sample_latent(routed, flow, pack, cfg, options, uncond=uncond))
-    alone = sample_latent(model.high_noise, flow, pack, cfg, options, uncond=uncond)
-    assert (alone - ours).abs().max() > 1e-3  # both experts ran
+    for expert in (model.high_noise, model.low_noise):
+        alone = sample_latent(expert, flow, pack, cfg, options, uncond=uncond)
+        assert (alone - ours).abs().max() > 1e-3  # both experts ran
+    with pytest.raises(ValueError, match="expert_ids"):
+        model(pack.latents, torch.ones(1), pack)
