@@ -4,7 +4,9 @@ Usage: torchrun --nproc-per-node 2 _layouts_worker.py OUT_DIR. Every rank builds
 diffusers Wan and the per-sample references (a mixed pack: two TI2V samples, their first
 frame at timestep 0 per token, and a text-to-video one), then for each layout re-initialises megatron's
 parallel state, builds its shard of the dfm model from the converted full weights, runs the pack
-and writes the max abs diff of the outputs it holds to OUT_DIR/rank<R>.json.
+and writes the max abs diff of the outputs it holds to OUT_DIR/rank<R>.json. The same again for a
+tiny Wan 2.2 I2V model (each token's image condition read beside its latent) at TP=2 + SP and CP=2,
+its results named ``i2v/<layout>``.
 """
 
 import json
@@ -29,7 +31,7 @@ from dfm.models.common.init import take_shard
 from dfm.parallel import ParallelLayout
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.platform.process_exit import skip_final_gc_at_exit
-from tests.wan._tiny import TEXT_LEN, tiny_diffusers_wan, tiny_model_config
+from tests.wan._tiny import TEXT_LEN, TINY, TINY_I2V, tiny_diffusers_wan, tiny_model_config
 
 # A mixed pack: samples 0 and 2 are Wan 2.2 TI2V ones (first frame clean, at timestep 0 per token).
 MIXED = (True, False, True)
@@ -38,6 +40,8 @@ LAYOUTS = {
     "cp2": ParallelLayout(world_size=2, cp=2),
     "pp2": ParallelLayout(world_size=2, pp=2),
 }
+# result prefix -> (the tiny diffusers config, which samples are TI2V ones, the layouts run)
+CASES = {"": (TINY, MIXED, tuple(LAYOUTS)), "i2v/": (TINY_I2V, (), ("tp2_sp", "cp2"))}
 
 
 @torch.no_grad()
@@ -92,12 +96,12 @@ def pipelined_forward(model, cfg, batch, timesteps):
     return model(batch.latents, timesteps, batch), batch
 
 
-def main(out_dir: Path) -> None:
-    initialize_distributed(LAYOUTS["tp2_sp"])
-    transformer = tiny_diffusers_wan()
-    cfg = tiny_model_config()
+def case_results(config: dict, first_frame_clean, layouts) -> dict[str, float]:
+    """{layout: output diff, layout/grad: gradient diff} of the tiny diffusers Wan of ``config``."""
+    transformer = tiny_diffusers_wan(config=config)
+    cfg = tiny_model_config(config)
     weights = to_dfm(transformer.state_dict(), rules(cfg))
-    samples, timesteps = parity_samples(cfg, first_frame_clean=MIXED), parity_timesteps(3)
+    samples, timesteps = parity_samples(cfg, first_frame_clean=first_frame_clean), parity_timesteps(3)
     gen = torch.Generator().manual_seed(7)
     upstream = [torch.randn(s.latent_shape, generator=gen) for s in samples]
     references = [diffusers_sample_output(transformer, s, t, TEXT_LEN) for s, t in zip(samples, timesteps)]
@@ -105,16 +109,25 @@ def main(out_dir: Path) -> None:
     expected_grads = to_dfm({name: p.grad for name, p in transformer.named_parameters()}, rules(cfg))
     references = [r.detach() for r in references]
     results = {}
-    for name, layout in LAYOUTS.items():
+    for name in layouts:
+        layout = LAYOUTS[name]
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(**layout.megatron_parallel_kwargs())
-        layout_cfg = tiny_model_config(**layout.config_values())
+        layout_cfg = tiny_model_config(config, **layout.config_values())
         model, out, batch = run_layout(layout, layout_cfg, weights, samples, timesteps)
         if out is None:
             continue
         results[name] = max_abs_diff(dfm_sample_outputs(out.detach(), batch, cfg), references)
         if layout.pp == 1:
             results[f"{name}/grad"] = grad_errors(model, layout, out, batch, cfg, upstream, expected_grads)
+    return results
+
+
+def main(out_dir: Path) -> None:
+    initialize_distributed(LAYOUTS["tp2_sp"])
+    results = {}
+    for prefix, case in CASES.items():
+        results.update({prefix + name: value for name, value in case_results(*case).items()})
     rank = torch.distributed.get_rank()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     destroy_distributed()

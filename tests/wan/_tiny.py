@@ -22,6 +22,8 @@ TINY = dict(
 
 # Wan2.2-TI2V-5B's shape in small: 48 latent channels (the Wan 2.2 VAE's z_dim).
 TINY_TI2V = {**TINY, "in_channels": 48, "out_channels": 48}
+# I2V-A14B in small: 4 latent channels in, 4 + 4 mask + 4 image-latent channels read (as 16 + 4 + 16 = 36).
+TINY_I2V = {**TINY, "in_channels": 12, "out_channels": 4}
 
 
 def tiny_diffusers_wan(seed: int = 0, std: float = 0.1, config: dict = TINY):

@@ -47,15 +47,13 @@ from dfm.models.presets_cli import preset_parameter_counts
 from dfm.models.wan.flops import wan_forward_flops
 from dfm.training.forward_step import DiffusionForwardStep
 from tests.training.entry import read_metrics, run_entry
-from tests.wan._tiny import TEXT_LEN, TINY, dfm_wan_of, tiny_diffusers_wan, tiny_model_config
+from tests.wan._tiny import TEXT_LEN, TINY, TINY_I2V, dfm_wan_of, tiny_diffusers_wan, tiny_model_config
 from tests.wan.test_wan22_experts import TINY_TEXT, WAN_TINY, export_bit_exact, run_cli
 from tests.wan.test_wan_convert import finetune_overrides, prepare_with_wan_encoders
 from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, pipeline_latents, wan_pipeline
 
 BOUNDARY = 0.9  # Wan2.2-I2V-A14B's; 4 steps at shift 5: t = 1, 0.94 (high noise), 0.83, 0.62 (low noise)
 GUIDANCE_2 = 3.0
-# I2V in small: 4 latent channels in, 4 + 4 mask + 4 image-latent channels read (as 16 + 4 + 16 = 36).
-TINY_I2V = {**TINY, "in_channels": 12, "out_channels": 4}
 FORWARD_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4
 
 
