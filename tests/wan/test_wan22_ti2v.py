@@ -6,6 +6,7 @@ image-to-video generation (``--image``) gives WanImageToVideoPipeline's (expand_
 
 import importlib.util
 import json
+import math
 
 import diffusers
 import pytest
@@ -36,8 +37,9 @@ from dfm.inference.image_condition import image_latent
 from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model
 from dfm.training.forward_step import DiffusionForwardStep
-from tests.training.entry import RECIPE_DIR
+from tests.training.entry import RECIPE_DIR, read_metrics, run_entry
 from tests.wan._tiny import TEXT_LEN, TINY_TI2V, tiny_diffusers_wan, tiny_model_config, write_tiny_videos
+from tests.wan.test_wan22_experts import WAN_TINY
 from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, pipeline_latents, wan_pipeline
 
 FORWARD_TOLERANCE = 1e-5
@@ -153,31 +155,43 @@ def test_wan22_vae_first_latent_frame_is_the_first_frame_alone(tiny_wan22_vae):
     assert (latents[:, :, :1] - vae.encode(video[:, :, :1])).abs().max() <= 1e-6
 
 
-def test_prepare_with_the_wan22_vae_marks_samples_for_image_to_video(tmp_path):
-    """prepare_energon_dataset.py --vae_kind wan22 --first_frame_clean (tiny random encoders): 48-channel
-    latents at 16x, the mark in each sample's metadata, and packs from the shards carry it."""
+@pytest.fixture(scope="module")
+def ti2v_shards(tmp_path_factory):
+    """prepare_energon_dataset.py --vae_kind wan22 --first_frame_clean on two tiny clips (tiny random
+    encoders: 32-d text, the Wan 2.2 VAE's 48 channels) -> the shards' folder."""
+    root = tmp_path_factory.mktemp("ti2v_data")
     script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
     module = importlib.util.module_from_spec(script)
     script.loader.exec_module(module)
-    write_tiny_videos(tmp_path / "videos")
-    args = ["--input_dir", str(tmp_path / "videos"), "--output_dir", str(tmp_path / "shards"), "--tiny_random_encoders"]
-    args += [
-        "--caption_format",
-        "sidecar",
-        "--height",
-        "32",
-        "--width",
-        "64",
-        "--num_frames",
-        "5",
-        "--max_text_len",
-        "16",
-    ]
-    assert module.main([*args, "--vae_kind", "wan22", "--first_frame_clean", "--run_energon_prepare"]) == 0
-    shards = wds.WebDataset([str(p) for p in sorted((tmp_path / "shards").glob("*.tar"))], shardshuffle=False)
+    write_tiny_videos(root / "videos")
+    args = ["--input_dir", str(root / "videos"), "--output_dir", str(root / "shards"), "--tiny_random_encoders"]
+    args += ["--caption_format", "sidecar", "--height", "32", "--width", "64", "--num_frames", "5"]
+    args += ["--max_text_len", "16", "--vae_kind", "wan22", "--first_frame_clean", "--run_energon_prepare"]
+    assert module.main(args) == 0
+    return root / "shards"
+
+
+def test_prepare_with_the_wan22_vae_marks_samples_for_image_to_video(ti2v_shards):
+    """prepare_energon_dataset.py --vae_kind wan22 --first_frame_clean (tiny random encoders): 48-channel
+    latents at 16x, the mark in each sample's metadata, and packs from the shards carry it."""
+    shards = wds.WebDataset([str(p) for p in sorted(ti2v_shards.glob("*.tar"))], shardshuffle=False)
     metadata = [json.loads(sample["json"]) for sample in shards]
     assert len(metadata) == 2 and all(m["first_frame_clean"] and m["latent_shape"] == [48, 2, 2, 4] for m in metadata)
     packing = PackingSettings(seq_length=64, max_text_len=16)
-    settings = EnergonDataSettings(path=str(tmp_path / "shards"), packing=packing, num_workers=0)
+    settings = EnergonDataSettings(path=str(ti2v_shards), packing=packing, num_workers=0)
     batch = next(build_train_loader(settings, dp_rank=0, dp_size=1))
     assert batch.first_frame_clean is not None and bool(batch.first_frame_clean.all())
+
+
+def test_entry_point_trains_ti2v_on_first_frame_clean_shards(ti2v_shards, tmp_path):
+    """pretrain_dit_model.py (one process) on those shards: a TI2V-shaped tiny Wan (48 channels, 32-d
+    text) trains 6 iterations (lr 5e-3) with finite losses, the last below the first."""
+    overrides = [f"dataset.path={ti2v_shards}", "dataset.num_workers=0", f"logger.log_dir={tmp_path / 'logs'}"]
+    overrides += ["model.in_channels=48", "model.text_embed_dim=32", "model.max_text_len=16"]
+    overrides += ["train.train_iters=6", "optimizer.lr=5e-3", "flow.training_mode=finetune"]
+    result = run_entry(1, overrides, config=WAN_TINY, mock=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    losses = [m["loss"] for m in read_metrics(tmp_path / "logs")]
+    print(f"TI2V entry-point losses: {losses}")
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] < losses[0], losses
