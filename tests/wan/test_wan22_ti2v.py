@@ -14,16 +14,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from dfm.convert.pretrained import fill_weights
-from dfm.convert.rules import to_dfm, to_diffusers
-from dfm.convert.wan import (
-    dfm_sample_outputs,
-    diffusers_sample_output,
-    max_abs_diff,
-    parity_samples,
-    parity_timesteps,
-    rules,
-)
+from dfm.convert.wan import parity_samples, parity_timesteps
 from dfm.data.encoders.tiny import build_tiny_wan22_vae
 from dfm.data.encoders.vae import VideoVAE
 from dfm.data.energon.data_module import EnergonDataSettings, build_train_loader
@@ -35,10 +26,9 @@ from dfm.diffusion.pipeline import SamplingOptions, build_pipeline
 from dfm.inference.generation_batch import generation_batch
 from dfm.inference.image_condition import image_latent
 from dfm.inference.sampling import sample_latent
-from dfm.models.build import build_model
 from dfm.training.forward_step import DiffusionForwardStep
 from tests.training.entry import RECIPE_DIR, read_metrics, run_entry
-from tests.wan._tiny import TEXT_LEN, TINY_TI2V, tiny_diffusers_wan, tiny_model_config, write_tiny_videos
+from tests.wan._tiny import TINY_TI2V, diffusers_reference, parity_errors, tiny_wan_pair, write_tiny_videos
 from tests.wan.test_wan22_experts import WAN_TINY
 from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, pipeline_latents, wan_pipeline
 
@@ -49,11 +39,7 @@ MIXED = (True, False, True)  # samples 0 and 2 (3 and 2 frames) are TI2V, sample
 
 @pytest.fixture(scope="module")
 def models(dist):
-    transformer = tiny_diffusers_wan(config=TINY_TI2V)
-    cfg = tiny_model_config(TINY_TI2V)
-    model, _ = build_model(cfg, "fp32")
-    fill_weights(model, to_dfm(transformer.state_dict(), rules(cfg)), "the tiny diffusers TI2V Wan")
-    return transformer, model, cfg
+    return tiny_wan_pair(TINY_TI2V)
 
 
 @pytest.fixture(scope="module")
@@ -65,19 +51,11 @@ def pack(models):
 def test_mixed_pack_matches_diffusers_with_per_token_timesteps(models, pack):
     transformer, model, cfg = models
     samples, batch, timesteps = pack
-    transformer.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
-    gen = torch.Generator().manual_seed(7)
-    upstream = [torch.randn(s.latent_shape, generator=gen) for s in samples]
-    references = [diffusers_sample_output(transformer, s, t, TEXT_LEN) for s, t in zip(samples, timesteps)]
-    sum((r * g).sum() for r, g in zip(references, upstream)).backward()
-    outputs = dfm_sample_outputs(model(batch.latents, timesteps, batch), batch, cfg)
-    sum((o * g).sum() for o, g in zip(outputs, upstream)).backward()
-    assert max_abs_diff([o.detach() for o in outputs], [r.detach() for r in references]) <= FORWARD_TOLERANCE
-    dfm_grads = to_diffusers({name: p.grad for name, p in model.named_parameters()}, rules(cfg))
-    for name, param in transformer.named_parameters():
-        error = (dfm_grads[name] - param.grad).abs().max().item()
-        assert error <= GRAD_TOLERANCE * param.grad.abs().max().item(), (name, error)
+    output_error, grad_errors = parity_errors(
+        model, cfg, batch, timesteps, diffusers_reference(transformer, samples, timesteps)
+    )
+    assert output_error <= FORWARD_TOLERANCE
+    assert all(error <= GRAD_TOLERANCE for error in grad_errors.values()), grad_errors
 
 
 def test_per_token_timesteps_matter(models, pack):
