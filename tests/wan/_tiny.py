@@ -32,13 +32,9 @@ def tiny_diffusers_wan(seed: int = 0, std: float = 0.1, config: dict = TINY):
     """WanTransformer3DModel with every parameter N(0, std^2) (zero or one inits would hide bugs), fp32."""
     import diffusers
 
-    torch.manual_seed(seed)
-    transformer = diffusers.WanTransformer3DModel(**config).float().eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, param in sorted(transformer.named_parameters()):
-            param.copy_(torch.randn(param.shape, generator=gen) * std)
-    return transformer
+    from tests._parity import random_model
+
+    return random_model(lambda: diffusers.WanTransformer3DModel(**config).float(), seed, std)
 
 
 def tiny_model_config(config: dict = TINY, **overrides) -> ModelConfig:

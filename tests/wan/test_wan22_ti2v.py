@@ -4,7 +4,6 @@ sample alone with its timestep per token (``expand_timesteps``), fp32, outputs <
 gradients; the training step feeds the first frames clean and leaves them out of the loss; and
 image-to-video generation (``--image``) gives WanImageToVideoPipeline's (expand_timesteps) latents."""
 
-import importlib.util
 import json
 import math
 
@@ -27,7 +26,7 @@ from dfm.inference.generation_batch import generation_batch
 from dfm.inference.image_condition import image_latent
 from dfm.inference.sampling import sample_latent
 from dfm.training.forward_step import DiffusionForwardStep
-from tests.training.entry import RECIPE_DIR, read_metrics, run_entry
+from tests.training.entry import prepare_shards, read_metrics, run_entry
 from tests.wan._tiny import TINY_TI2V, diffusers_reference, parity_errors, tiny_wan_pair, write_tiny_videos
 from tests.wan.test_wan22_experts import WAN_TINY
 from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, pipeline_latents, wan_pipeline
@@ -138,15 +137,10 @@ def ti2v_shards(tmp_path_factory):
     """prepare_energon_dataset.py --vae_kind wan22 --first_frame_clean on two tiny clips (tiny random
     encoders: 32-d text, the Wan 2.2 VAE's 48 channels) -> the shards' folder."""
     root = tmp_path_factory.mktemp("ti2v_data")
-    script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
-    module = importlib.util.module_from_spec(script)
-    script.loader.exec_module(module)
     write_tiny_videos(root / "videos")
-    args = ["--input_dir", str(root / "videos"), "--output_dir", str(root / "shards"), "--tiny_random_encoders"]
-    args += ["--caption_format", "sidecar", "--height", "32", "--width", "64", "--num_frames", "5"]
-    args += ["--max_text_len", "16", "--vae_kind", "wan22", "--first_frame_clean", "--run_energon_prepare"]
-    assert module.main(args) == 0
-    return root / "shards"
+    flags = ["--caption_format", "sidecar", "--height", 32, "--width", 64, "--num_frames", 5, "--max_text_len", 16]
+    flags += ["--tiny_random_encoders", "--vae_kind", "wan22", "--first_frame_clean"]
+    return prepare_shards(root / "videos", root / "shards", *flags)
 
 
 def test_prepare_with_the_wan22_vae_marks_samples_for_image_to_video(ti2v_shards):
