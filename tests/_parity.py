@@ -66,6 +66,11 @@ def dfm_pack_output(cfg, weights: dict, inputs: tuple) -> Tensor:
             return model(*inputs)
 
 
+def assert_mixed_pack(batch) -> None:
+    """The pack's samples differ in length and in text length (what packing could get wrong)."""
+    assert len(set(batch.host_sample_lengths())) > 1 and len(set(batch.host_text_lengths())) > 1
+
+
 def assert_pack_matches(packed: Tensor, references: list[Tensor], batch, tolerance: float) -> None:
     """Every sample's rows of ``packed`` within ``tolerance`` of its diffusers ``references`` (each a real
     signal, not zeros)."""

@@ -30,6 +30,7 @@ from tests._layouts import LAYOUTS, assert_outputs_match, layout_results
 from tests._parity import (
     assert_bit_equal,
     assert_grads_match,
+    assert_mixed_pack,
     assert_pack_matches,
     converted_model,
     dfm_pack_grads,
@@ -52,7 +53,7 @@ def tiny():
 def test_forward_matches_diffusers_per_sample_in_a_mixed_pack(tiny):
     reference, cfg, weights = tiny
     batch, t, guidance = verification_pack(cfg.model)
-    assert len(set(batch.host_sample_lengths())) > 1 and len(set(batch.host_text_lengths())) > 1
+    assert_mixed_pack(batch)
     packed = dfm_pack_output(cfg, weights, (batch.latents, t, batch, guidance))
     references = diffusers_outputs(reference, batch, t, guidance, cfg.model.in_channels)
     assert_pack_matches(packed, references, batch, TOLERANCE)

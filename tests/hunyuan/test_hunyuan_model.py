@@ -20,7 +20,7 @@ from dfm.diffusion.flow import FlowPipeline, FlowSettings
 from dfm.diffusion.pipeline import build_pipeline
 from dfm.models.presets_cli import preset_parameter_counts
 from dfm.training.forward_step import DiffusionForwardStep
-from tests._parity import assert_bit_equal, assert_grads_match, assert_pack_matches, dfm_pack_grads, dfm_pack_output
+from tests import _parity as parity
 from tests.hunyuan._tiny import dfm_config_and_weights, tiny_diffusers_hunyuan
 
 TOLERANCE = 1e-5
@@ -36,33 +36,32 @@ def tiny():
 def test_forward_matches_diffusers_per_sample_in_a_mixed_pack(tiny):
     reference, cfg, weights = tiny
     batch, c_noise = verification_pack(cfg.model)
-    host = batch.host_view()
-    assert len(set(host.sample_lengths.tolist())) > 1 and len(set(host.text_lengths.tolist())) > 1
-    image_to_video = host.image_embeds.flatten(1).ne(0).any(1).tolist()
+    parity.assert_mixed_pack(batch)
+    image_to_video = batch.host_view().image_embeds.flatten(1).ne(0).any(1).tolist()
     assert True in image_to_video and False in image_to_video
-    packed = dfm_pack_output(cfg, weights, (batch.latents, c_noise, batch))
-    assert_pack_matches(packed, diffusers_outputs(reference, batch, c_noise), batch, TOLERANCE)
+    packed = parity.dfm_pack_output(cfg, weights, (batch.latents, c_noise, batch))
+    parity.assert_pack_matches(packed, diffusers_outputs(reference, batch, c_noise), batch, TOLERANCE)
 
 
 def test_one_backward_gives_diffusers_gradients(tiny):
     reference, cfg, weights = tiny
     batch, c_noise = verification_pack(cfg.model)
     upstream = torch.randn(batch.latents.shape, generator=torch.Generator().manual_seed(3)) * batch.loss_mask[:, None]
-    grads = dfm_pack_grads(cfg, weights, (batch.latents, c_noise, batch), upstream)
+    grads = parity.dfm_pack_grads(cfg, weights, (batch.latents, c_noise, batch), upstream)
     reference.zero_grad()
     starts = batch.host_view().cu_seqlens_q_padded.tolist()
     for i, start in enumerate(starts[:-1]):
         out = patchify(reference(**diffusers_inputs(batch, batch.latents, c_noise, i)).sample[0], 1, 1)[0]
         (out * upstream[start : start + out.shape[0]]).sum().backward()
     # None: the last block's text-stream outputs (to_add_out, ff_context) reach no output.
-    assert_grads_match(reference, grads, hunyuan_rules(cfg.model), TOLERANCE)
+    parity.assert_grads_match(reference, grads, hunyuan_rules(cfg.model), TOLERANCE)
 
 
 def test_rules_round_trip_bit_exact(tiny):
     reference, cfg, _ = tiny
     state = reference.state_dict()
     back = to_diffusers(to_dfm(state, hunyuan_rules(cfg.model)), hunyuan_rules(cfg.model))
-    assert_bit_equal(back, state)
+    parity.assert_bit_equal(back, state)
 
 
 def test_presets_have_the_diffusers_parameter_count():
