@@ -35,6 +35,7 @@ from dfm.convert.wan_experts import main
 from dfm.data.packing import pack_samples, sub_pack
 from dfm.diffusion.pipeline import SamplingOptions, build_pipeline, pipeline_from_config
 from dfm.diffusion.timestep_experts import TimestepExperts
+from dfm.inference.generate import expert_guidance, generate, parse_args
 from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model_chunk
 from dfm.parallel import ParallelLayout
@@ -296,3 +297,26 @@ def test_sampling_a_both_model_routes_each_step_like_timestep_experts(dist, c_no
         assert (alone - ours).abs().max() > 1e-3  # both experts ran
     with pytest.raises(ValueError, match="expert_ids"):
         model(pack.latents, torch.ones(1), pack)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_inference_script_generates_from_a_both_run_checkpoint(dist, tmp_path):
+    """inference_dit_model.py's generate() on a both-run checkpoint (its steps routed as above) with
+    --guidance_scale_2 for the low-noise steps; a one-model checkpoint refuses --guidance_scale_2."""
+    cfg, model = both_model()
+    flow = {"c_noise_scale": 1000.0, "shift": 5.0}
+    save_weights_only(tmp_path / "run", [model.float()], {"model": dataclasses.asdict(cfg), "flow": flow})
+    one = dataclasses.replace(cfg, wan_expert=None, wan_boundary_ratio=None)
+    save_weights_only(tmp_path / "one", [model.high_noise], {"model": dataclasses.asdict(one), "flow": flow})
+    args = ["--tiny_random_encoders", "--num_video_frames", "5", "--height", "32", "--width", "48"]
+    args += ["--num_steps", "4", "--guidance_scale", "4", "--guidance_scale_2", "2"]
+    video = tmp_path / "both.mp4"
+    cpu = torch.device("cpu")  # generate() is main() without its process group (the `dist` fixture's)
+    assert generate(
+        parse_args([str(a) for a in [*args, "--checkpoint_path", tmp_path / "run", "--video_save_path", video]]), cpu
+    )
+    assert video.stat().st_size > 0
+    guidance = expert_guidance(model, SimpleNamespace(model=cfg), SimpleNamespace(guidance_scale_2=2.0))
+    assert guidance == {"guidance_scale_2": 2.0, "guidance_boundary": BOUNDARY}
+    with pytest.raises(ValueError, match="--guidance_scale_2 is the low-noise expert's guidance"):
+        generate(parse_args([str(a) for a in [*args, "--checkpoint_path", tmp_path / "one"]]), cpu)
