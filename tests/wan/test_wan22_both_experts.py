@@ -34,8 +34,9 @@ from dfm.convert.wan import parity_samples, rules
 from dfm.convert.wan_experts import main
 from dfm.data.packing import pack_samples, sub_pack
 from dfm.diffusion.pipeline import SamplingOptions, build_pipeline, pipeline_from_config
-from dfm.diffusion.timestep_experts import TimestepExperts
+from dfm.diffusion.timestep_experts import TimestepExperts, c_noise_boundary
 from dfm.inference.generate import expert_guidance, generate, parse_args
+from dfm.inference.generation_batch import draw_noise, generation_batch
 from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model_chunk
 from dfm.parallel import ParallelLayout
@@ -273,6 +274,14 @@ def test_steps_with_an_expert_left_out_under_overlapped_reduction_and_the_distri
         assert updated and all(min(item["expert_losses"][1::2]) == 0 for item in losses)
         if iteration == 1:  # untouched by the step (Adam's moments are zero)
             assert all(torch.equal(p, q) for p, q in zip(unused.parameters(), before))
+    # The validation sample (sample_latent on the DDP-wrapped model) runs each step on its t's expert.
+    batch = generation_batch(draw_noise((4, 2, 4, 4), 0), torch.randn(5, cfg.model.text_embed_dim), cfg.model)
+    options, pipeline = SamplingOptions(2, 1.0, "euler"), pipeline_from_config(cfg)
+    routed = TimestepExperts(experts.high_noise, experts.low_noise, c_noise_boundary(pipeline, BOUNDARY))
+    assert torch.equal(
+        sample_latent(model[0], pipeline, batch, cfg.model, options),
+        sample_latent(routed, pipeline, batch, cfg.model, options),
+    )
 
 
 @pytest.mark.filterwarnings("ignore")
