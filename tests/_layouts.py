@@ -23,17 +23,20 @@ def layout_results(worker: Path, out: Path, args: tuple = ()) -> dict[int, dict[
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)}
 
 
-def assert_outputs_match(results: dict[int, dict[str, float]], layout: str, tolerance: float) -> None:
-    """Every rank that holds ``layout``'s output is within ``tolerance``."""
+def assert_outputs_match(results: dict[int, dict[str, float]], layout: str, tolerance: float, case: str = "") -> None:
+    """Every rank that holds ``layout``'s output is within ``tolerance``; ``case``: the results'
+    prefix of another model the worker ran (``i2v/``)."""
     for rank, names in EXPECTED.items():
         if layout in names:
-            assert results[rank][layout] <= tolerance, (rank, layout, results[rank][layout])
+            key = case + layout
+            assert results[rank][key] <= tolerance, (rank, key, results[rank][key])
 
 
-def assert_gradients_match(results: dict[int, dict[str, float]], layout: str, tolerance: float) -> None:
-    """Every rank's gradient difference under ``layout`` is within ``tolerance``."""
+def assert_gradients_match(results: dict[int, dict[str, float]], layout: str, tolerance: float, case: str = "") -> None:
+    """Every rank's gradient difference under ``layout`` (of ``case``) is within ``tolerance``."""
     for rank in range(2):
-        assert results[rank][f"{layout}/grad"] <= tolerance, (rank, layout, results[rank][f"{layout}/grad"])
+        key = f"{case}{layout}/grad"
+        assert results[rank][key] <= tolerance, (rank, key, results[rank][key])
 
 
 class LayoutTests:

@@ -26,7 +26,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.data.prepare.pipeline import DEFAULT_T5, DEFAULT_VAE
 from dfm.diffusion.flow import shift_for_num_tokens
 from dfm.diffusion.pipeline import SamplingOptions, pipeline_from_config
-from dfm.diffusion.timestep_experts import TimestepExperts
+from dfm.diffusion.timestep_experts import BOTH, TimestepExperts, c_noise_boundary
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
 from dfm.inference.encoders import (
     NEEDS_CLIP,
@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--guidance_scale_2",
         type=float,
         default=None,
-        help="Wan 2.2 A14B (with --checkpoint_path_2): the low-noise expert's steps' guidance, as WanPipeline's "
-        "guidance_scale_2 (default: --guidance_scale)",
+        help="Wan 2.2 A14B (with --checkpoint_path_2, or a checkpoint of both experts): the low-noise expert's "
+        "steps' guidance, as WanPipeline's guidance_scale_2 (default: --guidance_scale)",
     )
     p.add_argument(
         "--negative_prompt", default=None, help="text of the guidance's unconditional pass (Wan's); default: no text"
@@ -107,8 +107,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and (not math.isfinite(value) or value < 0):
             parser.error(f"--{name} {value}: must be a finite number >= 0 (1 disables guidance)")
-    if args.guidance_scale_2 is not None and args.checkpoint_path_2 is None:
-        parser.error("--guidance_scale_2 is the low-noise expert's guidance: it needs --checkpoint_path_2")
     if args.num_steps < 1:
         parser.error(f"--num_steps {args.num_steps}: must be >= 1")
     if args.video_save_path is None:
@@ -188,11 +186,16 @@ def sample_prompt(
     return sample_latent(model, pipeline_from_config(cfg), batch, cfg.model, options, uncond)
 
 
+def is_expert_pair(model: torch.nn.Module, cfg: ConfigContainer) -> bool:
+    """Two Wan 2.2 experts: --checkpoint_path_2's TimestepExperts, or a both-run's model."""
+    return isinstance(model, TimestepExperts) or cfg.model.wan_expert == BOTH
+
+
 def expert_guidance(model: torch.nn.Module, cfg: ConfigContainer, args: argparse.Namespace) -> dict:
     """SamplingOptions' guidance_scale_2 / guidance_boundary: the low-noise expert's steps (as
     TimestepExperts routes them, at the boundary in flow t) take ``--guidance_scale_2``."""
     scale_2 = getattr(args, "guidance_scale_2", None)
-    if not isinstance(model, TimestepExperts) or scale_2 is None:
+    if not is_expert_pair(model, cfg) or scale_2 is None:
         return {}
     return {"guidance_scale_2": scale_2, "guidance_boundary": cfg.model.wan_boundary_ratio}
 
@@ -213,7 +216,8 @@ def with_low_noise_expert(
             f"they record (model.wan_expert, model.wan_boundary_ratio) {pair[0]} and {pair[1]}"
         )
     low_noise = load_model(cfg_2, directory, device, use_ema=use_ema)
-    return TimestepExperts(high_noise, low_noise, boundary=cfg.model.wan_boundary_ratio * cfg.flow.c_noise_scale)
+    boundary = c_noise_boundary(pipeline_from_config(cfg), cfg.model.wan_boundary_ratio)
+    return TimestepExperts(high_noise, low_noise, boundary)
 
 
 def generate(args: argparse.Namespace, device: torch.device) -> Path:
@@ -223,6 +227,11 @@ def generate(args: argparse.Namespace, device: torch.device) -> Path:
     model = load_model(cfg, directory, device, use_ema=not args.no_ema)
     if args.checkpoint_path_2 is not None:
         model = with_low_noise_expert(model, cfg, args.checkpoint_path_2, device, use_ema=not args.no_ema)
+    if args.guidance_scale_2 is not None and not is_expert_pair(model, cfg):  # before the encoders load
+        raise ValueError(
+            "--guidance_scale_2 is the low-noise expert's guidance: it needs --checkpoint_path_2 or a checkpoint "
+            "of both experts (model.wan_expert=both)"
+        )
     with tempfile.TemporaryDirectory(prefix="dfm_inference_") as scratch:
         encoders = encoders_for(args, cfg.model, device, Path(scratch))
     check_encoders_match(encoders, cfg.model)

@@ -9,6 +9,7 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.data.patchify import unpatchify
 from dfm.diffusion.first_frame import keep_first_frames_clean
 from dfm.diffusion.pipeline import DiffusionPipeline, SamplingOptions
+from dfm.diffusion.timestep_experts import sampling_net
 from dfm.inference.generation_batch import null_text_batch
 
 
@@ -47,14 +48,15 @@ def sample_latents(
 
     Guidance scale 1 (every step's) is the conditional prediction alone, so the unconditional pass is skipped.
     ``uncond``: the unconditional pass's pack (a negative prompt's text, as Wan samples); None: the
-    text zeroed, as cfg dropout trains it.
+    text zeroed, as cfg dropout trains it. A both-experts model samples as ``sampling_net`` routes it.
     """
+    net = sampling_net(model, model_cfg, pipeline)
     guided = options.guided
     solver = pipeline.sampler(options.sampler)
     total = solver.model_calls(options.steps, guided)
     with tqdm(total=total, desc=f"{pipeline.name}/{solver.name} {options.steps} steps", unit="eval") as progress:
         latents = pipeline.sample(
-            ProgressNet(model, progress),
+            ProgressNet(net, progress),
             batch.latents,
             batch.token_sample_ids(),
             options,

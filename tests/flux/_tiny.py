@@ -8,6 +8,7 @@ import torch
 from dfm.convert.cli import import_config
 from dfm.convert.flux import FLUX, flux_rules
 from dfm.convert.rules import to_dfm
+from tests._parity import random_model
 
 TINY = dict(
     patch_size=1,
@@ -25,13 +26,7 @@ TINY = dict(
 
 def tiny_diffusers_flux(seed: int = 0, std: float = 0.1, **overrides) -> diffusers.FluxTransformer2DModel:
     """Random weights everywhere (diffusers zero-initialises nothing here, but make it explicit)."""
-    torch.manual_seed(seed)
-    model = diffusers.FluxTransformer2DModel(**{**TINY, **overrides}).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
-            param.copy_(torch.randn(param.shape, generator=generator) * std)
-    return model
+    return random_model(lambda: diffusers.FluxTransformer2DModel(**{**TINY, **overrides}), seed, std)
 
 
 def dfm_config_and_weights(reference: diffusers.FluxTransformer2DModel):
@@ -64,15 +59,11 @@ def write_tiny_images(folder) -> None:
 def prepare_with_flux_encoders(tmp_path, max_text_len: int):
     """Energon shards of ``write_tiny_images`` through prepare_energon_dataset.py with the tiny FLUX
     encoders (full-length T5, CLIP pooled vector, FLUX's VAE) and the real ``energon prepare``."""
-    import importlib.util
 
-    from tests.training.entry import RECIPE_DIR
+    from tests.training.entry import prepare_shards
 
-    script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
-    module = importlib.util.module_from_spec(script)
-    script.loader.exec_module(module)
     write_tiny_images(tmp_path / "images")
-    args = ["--input_dir", str(tmp_path / "images"), "--output_dir", str(tmp_path / "shards")]
-    args += ["--caption_format", "sidecar", "--max_pixels", "2048", "--max_text_len", str(max_text_len)]
-    assert module.main([*args, "--encoders", "flux", "--tiny_random_encoders", "--run_energon_prepare"]) == 0
-    return tmp_path / "shards"
+    flags = ["--caption_format", "sidecar", "--max_pixels", 2048, "--max_text_len", max_text_len]
+    return prepare_shards(
+        tmp_path / "images", tmp_path / "shards", *flags, "--encoders", "flux", "--tiny_random_encoders"
+    )

@@ -18,7 +18,6 @@ from dfm.convert.flux import (
     diffusers_inputs,
     diffusers_outputs,
     flux_rules,
-    per_sample_max_abs_diff,
     reorder_patch_features,
     verification_pack,
 )
@@ -28,7 +27,15 @@ from dfm.diffusion.pipeline import build_pipeline
 from dfm.models.presets_cli import preset_parameter_counts
 from dfm.training.forward_step import DiffusionForwardStep
 from tests._layouts import LAYOUTS, assert_outputs_match, layout_results
-from tests._parity import assert_bit_equal, converted_model
+from tests._parity import (
+    assert_bit_equal,
+    assert_grads_match,
+    assert_mixed_pack,
+    assert_pack_matches,
+    converted_model,
+    dfm_pack_grads,
+    dfm_pack_output,
+)
 from tests.flux._tiny import dfm_config_and_weights, tiny_diffusers_flux
 from tests.models.test_no_host_sync import DeviceTensor, on_fake_device
 
@@ -46,14 +53,10 @@ def tiny():
 def test_forward_matches_diffusers_per_sample_in_a_mixed_pack(tiny):
     reference, cfg, weights = tiny
     batch, t, guidance = verification_pack(cfg.model)
-    assert len(set(batch.host_sample_lengths())) > 1 and len(set(batch.host_text_lengths())) > 1
-    with single_process_world(cfg.rng.seed):
-        model = converted_model(cfg, weights).eval()
-        with torch.no_grad():
-            packed = model(batch.latents, t, batch, guidance)
+    assert_mixed_pack(batch)
+    packed = dfm_pack_output(cfg, weights, (batch.latents, t, batch, guidance))
     references = diffusers_outputs(reference, batch, t, guidance, cfg.model.in_channels)
-    assert min(float(r.abs().max()) for r in references) > 0.1  # a real signal, not zeros
-    assert max(per_sample_max_abs_diff(packed, references, batch)) <= TOLERANCE
+    assert_pack_matches(packed, references, batch, TOLERANCE)
 
 
 def test_one_backward_gives_diffusers_gradients(tiny):
@@ -61,10 +64,7 @@ def test_one_backward_gives_diffusers_gradients(tiny):
     channels = cfg.model.in_channels
     batch, t, guidance = verification_pack(cfg.model)
     upstream = torch.randn(batch.latents.shape, generator=torch.Generator().manual_seed(3)) * batch.loss_mask[:, None]
-    with single_process_world(cfg.rng.seed):
-        model = converted_model(cfg, weights)
-        (model(batch.latents, t, batch, guidance) * upstream).sum().backward()
-        grads = {model.global_param_name(name): p.grad for name, p in model.named_parameters()}
+    grads = dfm_pack_grads(cfg, weights, (batch.latents, t, batch, guidance), upstream)
     reference.zero_grad()
     starts = batch.host_view().cu_seqlens_q_padded.tolist()
     for i, start in enumerate(starts[:-1]):
@@ -72,10 +72,7 @@ def test_one_backward_gives_diffusers_gradients(tiny):
         (
             out * reorder_patch_features(upstream[start : start + out.shape[0]], 1, "pqc", "cpq", channels)
         ).sum().backward()
-    mapped = to_diffusers(grads, flux_rules(cfg.model))
-    for name, param in reference.named_parameters():
-        scale = max(1.0, float(param.grad.abs().max()))
-        assert float((mapped[name] - param.grad).abs().max()) <= TOLERANCE * scale, name
+    assert_grads_match(reference, grads, flux_rules(cfg.model), TOLERANCE)
 
 
 @pytest.mark.parametrize("guidance_embeds", [True, False], ids=["dev", "schnell"])

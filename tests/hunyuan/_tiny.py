@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import diffusers
-import torch
 
 from dfm.convert.cli import import_config
 from dfm.convert.hunyuan import HUNYUAN, hunyuan_rules
 from dfm.convert.rules import to_dfm
+from tests._parity import random_model
 
 TINY = dict(
     in_channels=9,  # 4 latent channels, 4 condition channels, 1 mask
@@ -25,15 +25,11 @@ TINY = dict(
 
 def tiny_diffusers_hunyuan(seed: int = 0, std: float = 0.1) -> diffusers.HunyuanVideo15Transformer3DModel:
     """Random weights everywhere (norm weights around 1 would hide a swapped scale; draw them too)."""
-    torch.manual_seed(seed)
-    model = diffusers.HunyuanVideo15Transformer3DModel(**TINY).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
-            param.copy_(
-                torch.randn(param.shape, generator=generator) * std + (1.0 if param.dim() == 1 and "norm" in _ else 0.0)
-            )
-    return model
+    return random_model(lambda: diffusers.HunyuanVideo15Transformer3DModel(**TINY), seed, std, norm_around_one)
+
+
+def norm_around_one(name: str, param) -> float:
+    return 1.0 if param.dim() == 1 and "norm" in name else 0.0
 
 
 def dfm_config_and_weights(reference):
@@ -49,19 +45,15 @@ CAPTIONS = {"bars": 'a sign saying "OPEN" slides left', "dots": "a dot moving up
 def prepare_with_hunyuan_encoders(tmp_path):
     """Energon shards of two tiny captioned clips (5 frames, 32 x 48) through prepare_energon_dataset.py
     with the tiny HunyuanVideo 1.5 encoders (``--encoders hunyuan_video15``) and the real ``energon prepare``."""
-    import importlib.util
     import json
 
-    from tests.training.entry import RECIPE_DIR
+    from tests.training.entry import prepare_shards
     from tests.wan._tiny import write_tiny_videos
 
-    script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
-    module = importlib.util.module_from_spec(script)
-    script.loader.exec_module(module)
     write_tiny_videos(tmp_path / "videos")
     for name, caption in CAPTIONS.items():
         (tmp_path / "videos" / f"{name}.json").write_text(json.dumps({"caption": caption}))
-    args = ["--input_dir", str(tmp_path / "videos"), "--output_dir", str(tmp_path / "shards"), "--height", "32"]
-    args += ["--width", "48", "--num_frames", "5", "--patch_spatial", "1", "--caption_format", "sidecar"]
-    assert module.main([*args, "--encoders", "hunyuan_video15", "--tiny_random_encoders", "--run_energon_prepare"]) == 0
-    return tmp_path / "shards"
+    flags = ["--height", 32, "--width", 48, "--num_frames", 5, "--patch_spatial", 1, "--caption_format", "sidecar"]
+    return prepare_shards(
+        tmp_path / "videos", tmp_path / "shards", *flags, "--encoders", "hunyuan_video15", "--tiny_random_encoders"
+    )

@@ -13,16 +13,14 @@ import dataclasses
 import pytest
 import torch
 
-from dfm.convert.flux import per_sample_max_abs_diff
 from dfm.convert.hunyuan import diffusers_inputs, diffusers_outputs, hunyuan_rules, verification_pack
-from dfm.convert.pretrained import single_process_world
 from dfm.convert.rules import to_dfm, to_diffusers
 from dfm.data.patchify import patchify
 from dfm.diffusion.flow import FlowPipeline, FlowSettings
 from dfm.diffusion.pipeline import build_pipeline
 from dfm.models.presets_cli import preset_parameter_counts
 from dfm.training.forward_step import DiffusionForwardStep
-from tests._parity import assert_bit_equal, converted_model
+from tests import _parity as parity
 from tests.hunyuan._tiny import dfm_config_and_weights, tiny_diffusers_hunyuan
 
 TOLERANCE = 1e-5
@@ -38,45 +36,32 @@ def tiny():
 def test_forward_matches_diffusers_per_sample_in_a_mixed_pack(tiny):
     reference, cfg, weights = tiny
     batch, c_noise = verification_pack(cfg.model)
-    host = batch.host_view()
-    assert len(set(host.sample_lengths.tolist())) > 1 and len(set(host.text_lengths.tolist())) > 1
-    image_to_video = host.image_embeds.flatten(1).ne(0).any(1).tolist()
+    parity.assert_mixed_pack(batch)
+    image_to_video = batch.host_view().image_embeds.flatten(1).ne(0).any(1).tolist()
     assert True in image_to_video and False in image_to_video
-    with single_process_world(cfg.rng.seed):
-        model = converted_model(cfg, weights).eval()
-        with torch.no_grad():
-            packed = model(batch.latents, c_noise, batch)
-    references = diffusers_outputs(reference, batch, c_noise)
-    assert min(float(r.abs().max()) for r in references) > 0.1  # a real signal, not zeros
-    assert max(per_sample_max_abs_diff(packed, references, batch)) <= TOLERANCE
+    packed = parity.dfm_pack_output(cfg, weights, (batch.latents, c_noise, batch))
+    parity.assert_pack_matches(packed, diffusers_outputs(reference, batch, c_noise), batch, TOLERANCE)
 
 
 def test_one_backward_gives_diffusers_gradients(tiny):
     reference, cfg, weights = tiny
     batch, c_noise = verification_pack(cfg.model)
-    upstream = torch.randn(batch.latents.shape, generator=torch.Generator().manual_seed(3))
-    with single_process_world(cfg.rng.seed):
-        model = converted_model(cfg, weights)
-        (model(batch.latents, c_noise, batch) * upstream * batch.loss_mask[:, None]).sum().backward()
-        grads = {model.global_param_name(name): p.grad for name, p in model.named_parameters()}
+    upstream = torch.randn(batch.latents.shape, generator=torch.Generator().manual_seed(3)) * batch.loss_mask[:, None]
+    grads = parity.dfm_pack_grads(cfg, weights, (batch.latents, c_noise, batch), upstream)
     reference.zero_grad()
     starts = batch.host_view().cu_seqlens_q_padded.tolist()
     for i, start in enumerate(starts[:-1]):
         out = patchify(reference(**diffusers_inputs(batch, batch.latents, c_noise, i)).sample[0], 1, 1)[0]
         (out * upstream[start : start + out.shape[0]]).sum().backward()
-    mapped = to_diffusers(grads, hunyuan_rules(cfg.model))
-    for name, param in reference.named_parameters():
-        # None: the last block's text-stream outputs (to_add_out, ff_context) reach no output.
-        expected = torch.zeros_like(param) if param.grad is None else param.grad
-        scale = max(1.0, float(expected.abs().max()))
-        assert float((mapped[name] - expected).abs().max()) <= TOLERANCE * scale, name
+    # None: the last block's text-stream outputs (to_add_out, ff_context) reach no output.
+    parity.assert_grads_match(reference, grads, hunyuan_rules(cfg.model), TOLERANCE)
 
 
 def test_rules_round_trip_bit_exact(tiny):
     reference, cfg, _ = tiny
     state = reference.state_dict()
     back = to_diffusers(to_dfm(state, hunyuan_rules(cfg.model)), hunyuan_rules(cfg.model))
-    assert_bit_equal(back, state)
+    parity.assert_bit_equal(back, state)
 
 
 def test_presets_have_the_diffusers_parameter_count():

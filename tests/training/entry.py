@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -69,3 +70,14 @@ def kill_group(pgid: int) -> None:
 
 def read_metrics(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def prepare_shards(media: Path, out: Path, *flags) -> Path:
+    """prepare_energon_dataset.py, in this process, of the files in ``media`` into ``out`` with ``flags``
+    and the real ``energon prepare`` -> ``out``; a nonzero exit fails the test."""
+    script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
+    module = importlib.util.module_from_spec(script)
+    script.loader.exec_module(module)
+    args = ["--input_dir", str(media), "--output_dir", str(out), *map(str, flags), "--run_energon_prepare"]
+    assert module.main(args) == 0
+    return Path(out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dfm.config.container import ModelConfig
@@ -22,19 +24,17 @@ TINY = dict(
 
 # Wan2.2-TI2V-5B's shape in small: 48 latent channels (the Wan 2.2 VAE's z_dim).
 TINY_TI2V = {**TINY, "in_channels": 48, "out_channels": 48}
+# I2V-A14B in small: 4 latent channels in, 4 + 4 mask + 4 image-latent channels read (as 16 + 4 + 16 = 36).
+TINY_I2V = {**TINY, "in_channels": 12, "out_channels": 4}
 
 
 def tiny_diffusers_wan(seed: int = 0, std: float = 0.1, config: dict = TINY):
     """WanTransformer3DModel with every parameter N(0, std^2) (zero or one inits would hide bugs), fp32."""
     import diffusers
 
-    torch.manual_seed(seed)
-    transformer = diffusers.WanTransformer3DModel(**config).float().eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, param in sorted(transformer.named_parameters()):
-            param.copy_(torch.randn(param.shape, generator=gen) * std)
-    return transformer
+    from tests._parity import random_model
+
+    return random_model(lambda: diffusers.WanTransformer3DModel(**config).float(), seed, std)
 
 
 def tiny_model_config(config: dict = TINY, **overrides) -> ModelConfig:
@@ -77,6 +77,54 @@ def write_tiny_videos(folder) -> None:
         frames = (torch.rand(5, 32, 48, 3, generator=gen) * 255).to(torch.uint8).numpy()
         iio.imwrite(folder / f"{name}.mp4", frames, fps=8)
         (folder / f"{name}.json").write_text(json.dumps({"caption": caption}))
+
+
+def tiny_wan_pair(config: dict = TINY, **overrides):
+    """(the tiny random diffusers Wan of ``config``, the dfm Wan holding its weights, its ModelConfig);
+    needs the process group."""
+    transformer = tiny_diffusers_wan(config=config)
+    cfg = tiny_model_config(config, **overrides)
+    return transformer, dfm_wan_of(transformer, cfg), cfg
+
+
+@dataclass
+class DiffusersReference:
+    """diffusers on each sample alone and one backward of sum_i <out_i, g_i>."""
+
+    outputs: list[torch.Tensor]  # per sample [C, T, H, W], detached
+    upstream: list[torch.Tensor]  # the g_i, random
+    grads: dict[str, torch.Tensor]  # {diffusers name: gradient}
+
+
+def diffusers_reference(transformer, samples, timesteps, seed: int = 7) -> DiffusersReference:
+    """``transformer`` run on each of ``samples`` alone (its timestep of ``timesteps``, text padded to
+    TEXT_LEN), then one backward with random upstream gradients drawn from ``seed``."""
+    from dfm.convert.wan import diffusers_sample_output
+
+    gen = torch.Generator().manual_seed(seed)
+    upstream = [torch.randn(s.latent_shape, generator=gen) for s in samples]
+    transformer.zero_grad(set_to_none=True)
+    outputs = [diffusers_sample_output(transformer, s, t, TEXT_LEN) for s, t in zip(samples, timesteps)]
+    sum((out * g).sum() for out, g in zip(outputs, upstream)).backward()
+    grads = {name: p.grad for name, p in transformer.named_parameters()}
+    return DiffusersReference([out.detach() for out in outputs], upstream, grads)
+
+
+def parity_errors(model, cfg: ModelConfig, batch, timesteps, reference: DiffusersReference):
+    """(max abs diff of the pack's per-sample outputs, {diffusers name: max abs gradient diff / max abs
+    diffusers gradient}) of the one-process dfm ``model`` against ``reference``, same backward."""
+    from dfm.convert.rules import to_diffusers
+    from dfm.convert.wan import dfm_sample_outputs, max_abs_diff, rules
+
+    model.zero_grad(set_to_none=True)
+    outputs = dfm_sample_outputs(model(batch.latents, timesteps, batch), batch, cfg)
+    sum((out * g).sum() for out, g in zip(outputs, reference.upstream)).backward()
+    grads = to_diffusers({name: p.grad for name, p in model.named_parameters()}, rules(cfg))
+    errors = {
+        name: ((grads[name] - expected).abs().max() / expected.abs().max()).item()
+        for name, expected in reference.grads.items()
+    }
+    return max_abs_diff([out.detach() for out in outputs], reference.outputs), errors
 
 
 def dfm_wan_of(transformer, cfg: ModelConfig):

@@ -34,7 +34,9 @@ from dfm.convert.wan import parity_samples, rules
 from dfm.convert.wan_experts import main
 from dfm.data.packing import pack_samples, sub_pack
 from dfm.diffusion.pipeline import SamplingOptions, build_pipeline, pipeline_from_config
-from dfm.diffusion.timestep_experts import TimestepExperts
+from dfm.diffusion.timestep_experts import TimestepExperts, c_noise_boundary
+from dfm.inference.generate import expert_guidance, generate, parse_args
+from dfm.inference.generation_batch import draw_noise, generation_batch
 from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model_chunk
 from dfm.parallel import ParallelLayout
@@ -272,22 +274,58 @@ def test_steps_with_an_expert_left_out_under_overlapped_reduction_and_the_distri
         assert updated and all(min(item["expert_losses"][1::2]) == 0 for item in losses)
         if iteration == 1:  # untouched by the step (Adam's moments are zero)
             assert all(torch.equal(p, q) for p, q in zip(unused.parameters(), before))
+    # The validation sample (sample_latent on the DDP-wrapped model) runs each step on its t's expert.
+    batch = generation_batch(draw_noise((4, 2, 4, 4), 0), torch.randn(5, cfg.model.text_embed_dim), cfg.model)
+    options, pipeline = SamplingOptions(2, 1.0, "euler"), pipeline_from_config(cfg)
+    routed = TimestepExperts(experts.high_noise, experts.low_noise, c_noise_boundary(pipeline, BOUNDARY))
+    assert torch.equal(
+        sample_latent(model[0], pipeline, batch, cfg.model, options),
+        sample_latent(routed, pipeline, batch, cfg.model, options),
+    )
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_sampling_a_both_model_routes_each_step_like_timestep_experts(dist):
+@pytest.mark.parametrize("c_noise_scale", [1000.0, 1.0])
+def test_sampling_a_both_model_routes_each_step_like_timestep_experts(dist, c_noise_scale):
     """Generation from a both-run's model (what inference_dit_model.py loads from its checkpoint)
     gives the latents of TimestepExperts over the same two experts, which equal WanPipeline's
-    (test_wan22_experts.py): each step is routed by its timestep, with no expert_ids in the pack."""
+    (test_wan22_experts.py): each step is routed by its t at the boundary, whatever the run's
+    flow.c_noise_scale (1: c_noise is t itself). The model alone, without routes, refuses to guess."""
     cfg, model = both_model()
     model.float().eval()
     samples = parity_samples(cfg, [((3, 4, 6), 5)])
     pack = pack_samples(samples)
     uncond = pack_samples([dataclasses.replace(samples[0], text=torch.zeros_like(samples[0].text))])
-    flow = build_pipeline("flow", c_noise_scale=1000.0, shift=5.0)
+    flow = build_pipeline("flow", c_noise_scale=c_noise_scale, shift=5.0)
     options = SamplingOptions(4, 4.0, "euler")  # t = 1, 0.94 (high noise), 0.83, 0.62 (low noise)
     ours = sample_latent(model, flow, pack, cfg, options, uncond=uncond)
-    routed = TimestepExperts(model.high_noise, model.low_noise, boundary=1000.0 * BOUNDARY)
+    routed = TimestepExperts(model.high_noise, model.low_noise, boundary=c_noise_scale * BOUNDARY)
     assert torch.equal(ours, sample_latent(routed, flow, pack, cfg, options, uncond=uncond))
-    alone = sample_latent(model.high_noise, flow, pack, cfg, options, uncond=uncond)
-    assert (alone - ours).abs().max() > 1e-3  # both experts ran
+    for expert in (model.high_noise, model.low_noise):
+        alone = sample_latent(expert, flow, pack, cfg, options, uncond=uncond)
+        assert (alone - ours).abs().max() > 1e-3  # both experts ran
+    with pytest.raises(ValueError, match="expert_ids"):
+        model(pack.latents, torch.ones(1), pack)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_inference_script_generates_from_a_both_run_checkpoint(dist, tmp_path):
+    """inference_dit_model.py's generate() on a both-run checkpoint (its steps routed as above) with
+    --guidance_scale_2 for the low-noise steps; a one-model checkpoint refuses --guidance_scale_2."""
+    cfg, model = both_model()
+    flow = {"c_noise_scale": 1000.0, "shift": 5.0}
+    save_weights_only(tmp_path / "run", [model.float()], {"model": dataclasses.asdict(cfg), "flow": flow})
+    one = dataclasses.replace(cfg, wan_expert=None, wan_boundary_ratio=None)
+    save_weights_only(tmp_path / "one", [model.high_noise], {"model": dataclasses.asdict(one), "flow": flow})
+    args = ["--tiny_random_encoders", "--num_video_frames", "5", "--height", "32", "--width", "48"]
+    args += ["--num_steps", "4", "--guidance_scale", "4", "--guidance_scale_2", "2"]
+    video = tmp_path / "both.mp4"
+    cpu = torch.device("cpu")  # generate() is main() without its process group (the `dist` fixture's)
+    assert generate(
+        parse_args([str(a) for a in [*args, "--checkpoint_path", tmp_path / "run", "--video_save_path", video]]), cpu
+    )
+    assert video.stat().st_size > 0
+    guidance = expert_guidance(model, SimpleNamespace(model=cfg), SimpleNamespace(guidance_scale_2=2.0))
+    assert guidance == {"guidance_scale_2": 2.0, "guidance_boundary": BOUNDARY}
+    with pytest.raises(ValueError, match="--guidance_scale_2 is the low-noise expert's guidance"):
+        generate(parse_args([str(a) for a in [*args, "--checkpoint_path", tmp_path / "one"]]), cpu)

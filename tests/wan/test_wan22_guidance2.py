@@ -10,7 +10,6 @@ from dfm.data.packing import pack_samples
 from dfm.data.patchify import unpatchify
 from dfm.diffusion.pipeline import SamplingOptions, build_pipeline
 from dfm.diffusion.timestep_experts import TimestepExperts
-from dfm.inference.generate import parse_args
 from dfm.inference.sampling import sample_latent
 from tests.wan._tiny import dfm_wan_of, tiny_model_config
 from tests.wan.test_wan22_experts import BOUNDARY, experts
@@ -40,9 +39,9 @@ def test_second_guidance_scale_matches_wan_pipeline(dist):
     assert (one_scale - theirs).abs().max().item() > 100 * TOLERANCE
 
 
-def test_guidance_at_switches_at_the_boundary_and_needs_the_second_expert():
+def test_guidance_at_switches_at_the_boundary():
+    """(--guidance_scale_2 without two experts is refused once the checkpoint is read: a both-run's
+    checkpoint is one; test_wan22_both_experts.py.)"""
     options = SamplingOptions(4, 5.0, guidance_scale_2=2.0, guidance_boundary=0.9)
     assert [options.guidance_at(t) for t in (1.0, 0.9, 0.8999, 0.0)] == [5.0, 5.0, 2.0, 2.0]
     assert SamplingOptions(4, 5.0).guidance_at(0.0) == 5.0 and SamplingOptions(4, 1.0, guidance_scale_2=3.0).guided
-    with pytest.raises(SystemExit):
-        parse_args(["--checkpoint_path", "x", "--guidance_scale_2", "3"])

@@ -27,9 +27,7 @@ from PIL import Image
 from dfm.config.container import ModelConfig
 from dfm.config.presets import PRESETS
 from dfm.convert.pretrained import read_full_weights
-from dfm.convert.rules import to_diffusers
-from dfm.convert.wan import dfm_sample_outputs, diffusers_sample_output, max_abs_diff, parity_samples, parity_timesteps
-from dfm.convert.wan import rules as wan_rules
+from dfm.convert.wan import parity_samples, parity_timesteps
 from dfm.data.encoders.tiny import build_tiny_wan_vae
 from dfm.data.encoders.vae import VideoVAE
 from dfm.data.energon.data_module import EnergonDataSettings, build_train_loader
@@ -47,15 +45,21 @@ from dfm.models.presets_cli import preset_parameter_counts
 from dfm.models.wan.flops import wan_forward_flops
 from dfm.training.forward_step import DiffusionForwardStep
 from tests.training.entry import read_metrics, run_entry
-from tests.wan._tiny import TEXT_LEN, TINY, dfm_wan_of, tiny_diffusers_wan, tiny_model_config
+from tests.wan._tiny import (
+    TINY,
+    TINY_I2V,
+    dfm_wan_of,
+    diffusers_reference,
+    parity_errors,
+    tiny_diffusers_wan,
+    tiny_model_config,
+)
 from tests.wan.test_wan22_experts import TINY_TEXT, WAN_TINY, export_bit_exact, run_cli
 from tests.wan.test_wan_convert import finetune_overrides, prepare_with_wan_encoders
 from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, pipeline_latents, wan_pipeline
 
 BOUNDARY = 0.9  # Wan2.2-I2V-A14B's; 4 steps at shift 5: t = 1, 0.94 (high noise), 0.83, 0.62 (low noise)
 GUIDANCE_2 = 3.0
-# I2V in small: 4 latent channels in, 4 + 4 mask + 4 image-latent channels read (as 16 + 4 + 16 = 36).
-TINY_I2V = {**TINY, "in_channels": 12, "out_channels": 4}
 FORWARD_TOLERANCE, GRAD_TOLERANCE = 1e-5, 1e-4
 
 
@@ -76,17 +80,12 @@ def test_i2v_pack_matches_diffusers_outputs_and_gradients(cfg, dist):
     model = dfm_wan_of(transformer, cfg)
     samples = parity_samples(cfg)
     batch, timesteps = pack_samples(samples, segment_multiple=4), parity_timesteps(len(samples))
-    references = [diffusers_sample_output(transformer, s, t, TEXT_LEN) for s, t in zip(samples, timesteps)]
-    outputs = dfm_sample_outputs(model(batch.latents, timesteps, batch), batch, cfg)
-    error = max_abs_diff(outputs, references)
+    error, grad_errors = parity_errors(
+        model, cfg, batch, timesteps, diffusers_reference(transformer, samples, timesteps)
+    )
     print(f"I2V forward parity: {error:.2e}")
     assert error <= FORWARD_TOLERANCE
-    sum(out.sum() for out in outputs).backward()
-    sum(ref.sum() for ref in references).backward()
-    grads = to_diffusers({name: p.grad for name, p in model.named_parameters()}, wan_rules(cfg))
-    for name, param in transformer.named_parameters():
-        scale = param.grad.abs().max().item()
-        assert (grads[name] - param.grad).abs().max().item() <= GRAD_TOLERANCE * scale, name
+    assert all(e <= GRAD_TOLERANCE for e in grad_errors.values()), grad_errors
     # The condition channels are read: their patch-embedding weights get gradients, and the output moves with them.
     assert transformer.patch_embedding.weight.grad[:, 4:].abs().max() > 0
     other = dataclasses.replace(batch, image_condition=torch.randn_like(batch.image_condition))

@@ -4,8 +4,8 @@ sample alone with its timestep per token (``expand_timesteps``), fp32, outputs <
 gradients; the training step feeds the first frames clean and leaves them out of the loss; and
 image-to-video generation (``--image``) gives WanImageToVideoPipeline's (expand_timesteps) latents."""
 
-import importlib.util
 import json
+import math
 
 import diffusers
 import pytest
@@ -13,16 +13,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from dfm.convert.pretrained import fill_weights
-from dfm.convert.rules import to_dfm, to_diffusers
-from dfm.convert.wan import (
-    dfm_sample_outputs,
-    diffusers_sample_output,
-    max_abs_diff,
-    parity_samples,
-    parity_timesteps,
-    rules,
-)
+from dfm.convert.wan import parity_samples, parity_timesteps
 from dfm.data.encoders.tiny import build_tiny_wan22_vae
 from dfm.data.encoders.vae import VideoVAE
 from dfm.data.energon.data_module import EnergonDataSettings, build_train_loader
@@ -34,10 +25,10 @@ from dfm.diffusion.pipeline import SamplingOptions, build_pipeline
 from dfm.inference.generation_batch import generation_batch
 from dfm.inference.image_condition import image_latent
 from dfm.inference.sampling import sample_latent
-from dfm.models.build import build_model
 from dfm.training.forward_step import DiffusionForwardStep
-from tests.training.entry import RECIPE_DIR
-from tests.wan._tiny import TEXT_LEN, TINY_TI2V, tiny_diffusers_wan, tiny_model_config, write_tiny_videos
+from tests.training.entry import prepare_shards, read_metrics, run_entry
+from tests.wan._tiny import TINY_TI2V, diffusers_reference, parity_errors, tiny_wan_pair, write_tiny_videos
+from tests.wan.test_wan22_experts import WAN_TINY
 from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, pipeline_latents, wan_pipeline
 
 FORWARD_TOLERANCE = 1e-5
@@ -47,11 +38,7 @@ MIXED = (True, False, True)  # samples 0 and 2 (3 and 2 frames) are TI2V, sample
 
 @pytest.fixture(scope="module")
 def models(dist):
-    transformer = tiny_diffusers_wan(config=TINY_TI2V)
-    cfg = tiny_model_config(TINY_TI2V)
-    model, _ = build_model(cfg, "fp32")
-    fill_weights(model, to_dfm(transformer.state_dict(), rules(cfg)), "the tiny diffusers TI2V Wan")
-    return transformer, model, cfg
+    return tiny_wan_pair(TINY_TI2V)
 
 
 @pytest.fixture(scope="module")
@@ -63,19 +50,11 @@ def pack(models):
 def test_mixed_pack_matches_diffusers_with_per_token_timesteps(models, pack):
     transformer, model, cfg = models
     samples, batch, timesteps = pack
-    transformer.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
-    gen = torch.Generator().manual_seed(7)
-    upstream = [torch.randn(s.latent_shape, generator=gen) for s in samples]
-    references = [diffusers_sample_output(transformer, s, t, TEXT_LEN) for s, t in zip(samples, timesteps)]
-    sum((r * g).sum() for r, g in zip(references, upstream)).backward()
-    outputs = dfm_sample_outputs(model(batch.latents, timesteps, batch), batch, cfg)
-    sum((o * g).sum() for o, g in zip(outputs, upstream)).backward()
-    assert max_abs_diff([o.detach() for o in outputs], [r.detach() for r in references]) <= FORWARD_TOLERANCE
-    dfm_grads = to_diffusers({name: p.grad for name, p in model.named_parameters()}, rules(cfg))
-    for name, param in transformer.named_parameters():
-        error = (dfm_grads[name] - param.grad).abs().max().item()
-        assert error <= GRAD_TOLERANCE * param.grad.abs().max().item(), (name, error)
+    output_error, grad_errors = parity_errors(
+        model, cfg, batch, timesteps, diffusers_reference(transformer, samples, timesteps)
+    )
+    assert output_error <= FORWARD_TOLERANCE
+    assert all(error <= GRAD_TOLERANCE for error in grad_errors.values()), grad_errors
 
 
 def test_per_token_timesteps_matter(models, pack):
@@ -153,31 +132,38 @@ def test_wan22_vae_first_latent_frame_is_the_first_frame_alone(tiny_wan22_vae):
     assert (latents[:, :, :1] - vae.encode(video[:, :, :1])).abs().max() <= 1e-6
 
 
-def test_prepare_with_the_wan22_vae_marks_samples_for_image_to_video(tmp_path):
+@pytest.fixture(scope="module")
+def ti2v_shards(tmp_path_factory):
+    """prepare_energon_dataset.py --vae_kind wan22 --first_frame_clean on two tiny clips (tiny random
+    encoders: 32-d text, the Wan 2.2 VAE's 48 channels) -> the shards' folder."""
+    root = tmp_path_factory.mktemp("ti2v_data")
+    write_tiny_videos(root / "videos")
+    flags = ["--caption_format", "sidecar", "--height", 32, "--width", 64, "--num_frames", 5, "--max_text_len", 16]
+    flags += ["--tiny_random_encoders", "--vae_kind", "wan22", "--first_frame_clean"]
+    return prepare_shards(root / "videos", root / "shards", *flags)
+
+
+def test_prepare_with_the_wan22_vae_marks_samples_for_image_to_video(ti2v_shards):
     """prepare_energon_dataset.py --vae_kind wan22 --first_frame_clean (tiny random encoders): 48-channel
     latents at 16x, the mark in each sample's metadata, and packs from the shards carry it."""
-    script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
-    module = importlib.util.module_from_spec(script)
-    script.loader.exec_module(module)
-    write_tiny_videos(tmp_path / "videos")
-    args = ["--input_dir", str(tmp_path / "videos"), "--output_dir", str(tmp_path / "shards"), "--tiny_random_encoders"]
-    args += [
-        "--caption_format",
-        "sidecar",
-        "--height",
-        "32",
-        "--width",
-        "64",
-        "--num_frames",
-        "5",
-        "--max_text_len",
-        "16",
-    ]
-    assert module.main([*args, "--vae_kind", "wan22", "--first_frame_clean", "--run_energon_prepare"]) == 0
-    shards = wds.WebDataset([str(p) for p in sorted((tmp_path / "shards").glob("*.tar"))], shardshuffle=False)
+    shards = wds.WebDataset([str(p) for p in sorted(ti2v_shards.glob("*.tar"))], shardshuffle=False)
     metadata = [json.loads(sample["json"]) for sample in shards]
     assert len(metadata) == 2 and all(m["first_frame_clean"] and m["latent_shape"] == [48, 2, 2, 4] for m in metadata)
     packing = PackingSettings(seq_length=64, max_text_len=16)
-    settings = EnergonDataSettings(path=str(tmp_path / "shards"), packing=packing, num_workers=0)
+    settings = EnergonDataSettings(path=str(ti2v_shards), packing=packing, num_workers=0)
     batch = next(build_train_loader(settings, dp_rank=0, dp_size=1))
     assert batch.first_frame_clean is not None and bool(batch.first_frame_clean.all())
+
+
+def test_entry_point_trains_ti2v_on_first_frame_clean_shards(ti2v_shards, tmp_path):
+    """pretrain_dit_model.py (one process) on those shards: a TI2V-shaped tiny Wan (48 channels, 32-d
+    text) trains 6 iterations (lr 5e-3) with finite losses, the last below the first."""
+    overrides = [f"dataset.path={ti2v_shards}", "dataset.num_workers=0", f"logger.log_dir={tmp_path / 'logs'}"]
+    overrides += ["model.in_channels=48", "model.text_embed_dim=32", "model.max_text_len=16"]
+    overrides += ["train.train_iters=6", "optimizer.lr=5e-3", "flow.training_mode=finetune"]
+    result = run_entry(1, overrides, config=WAN_TINY, mock=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    losses = [m["loss"] for m in read_metrics(tmp_path / "logs")]
+    print(f"TI2V entry-point losses: {losses}")
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] < losses[0], losses

@@ -7,7 +7,6 @@
   UMT5, AutoencoderKLWan), and the export of that run loads in diffusers with exactly the run's weights.
 """
 
-import importlib.util
 import re
 
 import pytest
@@ -18,7 +17,7 @@ from dfm.convert.cli import main
 from dfm.convert.pretrained import read_full_weights
 from dfm.convert.rules import to_dfm
 from dfm.convert.wan import WAN, rules
-from tests.training.entry import RECIPE_DIR, read_metrics, run_entry
+from tests.training.entry import RECIPE_DIR, prepare_shards, read_metrics, run_entry
 from tests.wan._tiny import tiny_diffusers_wan, tiny_wan_pipeline_folder, write_tiny_videos
 
 WAN_TINY = RECIPE_DIR / "conf" / "wan_tiny.yaml"
@@ -81,16 +80,11 @@ def test_import_export_round_trip_is_bit_exact(imported, tmp_path):
 def prepare_with_wan_encoders(tmp_path, *extra: str):
     """Energon shards of two tiny clips, encoded by a tiny Wan pipeline folder's UMT5 and VAE; ``extra``:
     more prepare_energon_dataset.py flags."""
-    script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
-    module = importlib.util.module_from_spec(script)
-    script.loader.exec_module(module)
     tiny_wan_pipeline_folder(tmp_path / "wan_pipeline")
     write_tiny_videos(tmp_path / "videos")
-    args = ["--input_dir", str(tmp_path / "videos"), "--output_dir", str(tmp_path / "shards")]
-    args += ["--caption_format", "sidecar", "--height", "32", "--width", "48", "--num_frames", "5"]
-    args += ["--t5", str(tmp_path / "wan_pipeline"), "--vae", str(tmp_path / "wan_pipeline"), "--max_text_len", "16"]
-    assert module.main([*args, *extra, "--run_energon_prepare"]) == 0
-    return tmp_path / "shards"
+    flags = ["--caption_format", "sidecar", "--height", 32, "--width", 48, "--num_frames", 5, "--max_text_len", 16]
+    flags += ["--t5", tmp_path / "wan_pipeline", "--vae", tmp_path / "wan_pipeline", *extra]
+    return prepare_shards(tmp_path / "videos", tmp_path / "shards", *flags)
 
 
 def finetune_overrides(data, pretrained, run) -> list[str]:

@@ -21,18 +21,16 @@ from torch import Tensor
 
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import rows_padded, sub_pack
-from dfm.diffusion.timestep_experts import EXPERTS, expert_of
+from dfm.diffusion.timestep_experts import EXPERTS
 from dfm.models.wan.wan_model import WanModel
-
-# Wan's network sees c_noise = 1000 t (flow.c_noise_scale in every Wan recipe).
-WAN_C_NOISE_SCALE = 1000.0
 
 
 class WanExperts(MegatronModule):
     """(x_in [S, D], c_noise [N], batch) -> [S, D_out]: each sample through its expert.
 
-    Training packs carry ``batch.expert_ids`` (the training step routes by the drawn t); without
-    them (sampling) the route is read from ``c_noise`` (one device sync)."""
+    Packs carry ``batch.expert_ids``: the training step routes each sample by its drawn t. Sampling
+    runs the two experts as TimestepExperts instead (``sampling_net``: each step by its t, at the
+    boundary in the run's c_noise units), so no route is ever read back from c_noise here."""
 
     def __init__(self, high_noise: MegatronModule, low_noise: MegatronModule, boundary_ratio: float):
         super().__init__(config=high_noise.config)
@@ -54,15 +52,18 @@ class WanExperts(MegatronModule):
         for model in self.submodels().values():
             model.set_input_tensor(input_tensor)
 
-    def routes(self, c_noise: Tensor, batch: PackedBatch) -> list[int]:
+    def routes(self, batch: PackedBatch) -> list[int]:
         """[N] the expert index (into EXPERTS) of each sample."""
         expert_ids = batch.host_view().expert_ids
         if expert_ids is None:
-            expert_ids = expert_of(c_noise.float().cpu(), WAN_C_NOISE_SCALE * self.boundary_ratio)
+            raise ValueError(
+                "both Wan 2.2 experts in one model need batch.expert_ids (the training step's routes by t); "
+                "sample them through dfm.diffusion.timestep_experts.sampling_net"
+            )
         return expert_ids.tolist()
 
     def forward(self, x_in: Tensor, c_noise: Tensor, batch: PackedBatch, extra: Tensor | None = None) -> Tensor:
-        routes = self.routes(c_noise, batch)
+        routes = self.routes(batch)
         outputs, untouched = [], []
         for index, expert in enumerate(EXPERTS):
             keep = [sample for sample, route in enumerate(routes) if route == index]
