@@ -7,7 +7,8 @@ Counted as ``dfm.training.memory_plan`` describes: ``torch.autograd.graph.saved_
 one training forward, unique storages (by ``untyped_storage().data_ptr()``), parameters excluded. Per
 layer = (a model one block deeper) - (the model): embedders and the final layer drop out. Per token:
 per video token (a text token's cross-attention keys / values are charged to the video tokens); FLUX
-per token of the joint text + video sequence (its blocks carry both). bf16 runs the model in bf16
+per token of the joint text + video sequence (its blocks carry both): ``flux`` counts one
+double-stream block, ``flux_single`` one single-stream block. bf16 runs the model in bf16
 (dfm: ``Float16Module``; reference: ``.bfloat16()``) so it is half of fp32 where every saved tensor
 has the run's dtype. ``analytic``: the tensors a minimal block keeps (``ANALYTIC``, in h-vectors per
 token, docs/performance.md "Activations per token").
@@ -28,13 +29,15 @@ import torch
 from dfm.config.container import ModelConfig
 
 TEXT_DIM = 24
+FLUX = dict(architecture="flux", pooled_text_dim=12, guidance_embeds=True, pipeline="flow", qk_layernorm=True)
 FAMILIES = {  # each family at its defaults (3D RoPE, no q / k norm where optional)
     "dit_adaln": dict(architecture="dit_adaln", num_classes=10),
     "dit_cross": dict(architecture="dit_cross"),
     "stdit": dict(architecture="stdit"),
     "moviegen": dict(architecture="moviegen"),
     "wan": dict(architecture="wan", pipeline="flow"),
-    "flux": dict(architecture="flux", pooled_text_dim=12, guidance_embeds=True, pipeline="flow", qk_layernorm=True),
+    "flux": FLUX,  # one double-stream block
+    "flux_single": FLUX,  # one single-stream block
 }
 REFERENCE = ("dit_adaln", "dit_cross")  # the families benchmarks/reference_dit.py writes
 DTYPES = {"fp32": 4, "bf16": 2}
@@ -58,6 +61,7 @@ class Block:
     norms: int = 2  # token norms, each keeping statistics per token: LayerNorm mean + rstd, RMSNorm rstd
     norm_stats: int = 2
     per_sample: float = 8.0  # the modulation's input c, SiLU(c), its output (shift / scale / gate x 2)
+    mlp_branch: bool = True  # the MLP a branch of its own (not beside the attention, on its normed input)
 
     def vectors(self, h: int, ffn: int, text_per_token: float, tokens_per_sample: float) -> float:
         """h-vectors per (video) token."""
@@ -65,7 +69,7 @@ class Block:
             self.self_attentions * self.attention
             + self.mlp
             + self.ffn * ffn / h
-            + (self.self_attentions + 1) * self.modulated
+            + (self.self_attentions + self.mlp_branch) * self.modulated
             + self.cross_attention
             + self.text * text_per_token
             + self.qk_norm
@@ -87,6 +91,10 @@ ANALYTIC = {
     # Double-stream, per joint token (text tokens run the block on their own weights, own modulation);
     # q / k RMSNorm.
     "flux": Block(qk_norm=2.0, per_sample=14.0),
+    # Single-stream, per joint token: attention and MLP side by side on one normed, modulated input (no
+    # MLP norm or fc1 input of its own), one gate; proj_out's input is the attention output and the
+    # activation output, both counted already. One modulation (shift / scale / gate) for both streams.
+    "flux_single": Block(mlp=0.0, qk_norm=2.0, norms=1, per_sample=5.0, mlp_branch=False),
 }
 HEADS = 8  # head dim 64 at the default hidden 512
 
@@ -96,7 +104,7 @@ def model_config(
 ) -> ModelConfig:
     """A small ``family`` model: ``heads`` heads, ``ffn`` x hidden FFN, SDPA attention."""
     fields = dict(FAMILIES[family], **extra)
-    if family == "flux":
+    if fields["architecture"] == "flux":
         head = hidden // heads
         axis = (3 * head // 8) // 2 * 2
         fields.setdefault("num_single_layers", 1)
@@ -194,10 +202,18 @@ class Workload:
 
 
 def depths(family: str) -> tuple[dict, dict]:
-    """Two model depths one block apart (FLUX: one double-stream block, one single-stream block kept)."""
+    """Two model depths one block apart (FLUX: one double-stream block more, one single-stream block in
+    both; or one single-stream block more, one double-stream block in both)."""
     if family == "flux":
         return dict(layers=3, num_single_layers=1), dict(layers=2, num_single_layers=1)
+    if family == "flux_single":
+        return dict(layers=3, num_single_layers=2), dict(layers=2, num_single_layers=1)
     return dict(layers=2), dict(layers=1)
+
+
+def joint(family: str) -> bool:
+    """Whether the family's blocks carry the text tokens too (counted per joint token)."""
+    return FAMILIES[family]["architecture"] == "flux"
 
 
 def measure_dfm(cfg: ModelConfig, video: tuple[int, int, int], samples: int, precision: str) -> int:
@@ -213,7 +229,7 @@ def per_layer(family: str, work: Workload, precision: str, counter=measure_dfm) 
         cfg = model_config(family, work.hidden, layers, work.text, work.ffn, **depth)
         counts.append(counter(cfg, work.video, work.samples, precision))
     tokens = work.samples * tokens_per_video(work)
-    if family == "flux":
+    if joint(family):
         tokens += work.samples * work.text
     return (counts[0] - counts[1]) / (tokens * work.hidden)
 
@@ -226,8 +242,7 @@ def tokens_per_video(work: Workload) -> int:
 def analytic(family: str, work: Workload, precision: str) -> float:
     """The minimal block's bytes per token per hidden unit (``ANALYTIC``)."""
     per_video = tokens_per_video(work)
-    joint = family == "flux"
-    tokens = per_video + work.text if joint else per_video
+    tokens = per_video + work.text if joint(family) else per_video
     block = ANALYTIC[family]
     vectors = block.vectors(work.hidden, work.ffn * work.hidden, work.text / per_video, tokens)
     return vectors * DTYPES[precision]

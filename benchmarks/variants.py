@@ -36,10 +36,14 @@ def flex_mask_per_call() -> contextlib.AbstractContextManager:
 
 
 def adaln_matmul_broadcast() -> contextlib.AbstractContextManager:
-    """Candidate: per-sample modulation -> per-token rows by a one-hot matmul instead of a gather.
+    """Candidate (superseded): per-sample modulation -> per-token rows by a one-hot matmul instead of a
+    gather.
 
     A gather's backward scatters thousands of token rows into a handful of sample rows
-    (atomics on a few addresses); the one-hot matmul's backward is a plain matmul.
+    (atomics on a few addresses); the one-hot matmul's backward is a plain matmul. The blocks now keep
+    the rows per sample (``AdaLNRows``) and their ops sum token grads into rows by a one-hot GEMM on
+    CUDA (row_modulation.py): no block calls ``AdaLNModulation.forward`` any more, so this rung runs
+    the default code. Kept while benchmarks/ladders.py names it.
     """
     from dfm.models.common import adaln
 
@@ -54,7 +58,8 @@ def adaln_matmul_broadcast() -> contextlib.AbstractContextManager:
 
 def adaln_gather_backward() -> contextlib.AbstractContextManager:
     """Before the landed ``rows_to_tokens``: per-sample adaLN rows reach tokens by plain indexing,
-    whose backward scatters every token's grad into its sample's row (serialised on CUDA)."""
+    whose backward scatters every token's grad into its sample's row (serialised on CUDA). Only the
+    final layer still gathers rows to tokens; the blocks' row ops gather inside (row_modulation.py)."""
     from dfm.models.common import adaln, final_layer
 
     def gather(rows, token_row_ids):

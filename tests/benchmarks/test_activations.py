@@ -1,6 +1,7 @@
 """``python -m benchmarks.activations`` on a tiny workload: one line per family and dtype in the
-documented format; bf16 keeps half of fp32's bytes; the lean block keeps no more than the textbook reference, nor the
-analytic minimum more than the reference."""
+documented format; bf16 keeps half of fp32's bytes; the lean block keeps no more than the textbook
+reference, nor the analytic minimum more than the reference; FLUX's single-stream block is a row of its
+own."""
 
 import re
 
@@ -19,3 +20,19 @@ def test_tiny_dit_adaln_run_prints_the_line_format(capsys):
     assert all(abs(b / f - 0.5) < 0.02 for f, b in zip(fp32, bf16)), (fp32, bf16)
     dfm, reference, analytic = fp32
     assert dfm <= reference and analytic <= reference, fp32
+
+
+def test_tiny_flux_single_stream_block_is_its_own_row(capsys):
+    """One single-stream block (one more of them, per joint token): at most the analytic minimum, and
+    ``--recompute-activation`` drops exactly the activation output (f = 4 h values per token, fp32)."""
+    tiny = ["--hidden", "64", "--samples", "2", "--video", "1", "4", "4", "--text", "4", "--dtype", "fp32"]
+    counts = []
+    for extra in ([], ["--recompute-activation"]):
+        activations.main([*tiny, "--family", "flux_single", *extra])
+        (line,) = capsys.readouterr().out.strip().splitlines()
+        row = LINE.match(line)
+        assert row and row[1] == "flux_single", line
+        counts.append((float(row[3]), float(row[5])))
+    (plain, analytic), (recompute, _) = counts
+    assert plain <= analytic, counts
+    assert abs(plain - recompute - 4 * 4) < 0.05, counts

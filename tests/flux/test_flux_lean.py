@@ -1,7 +1,7 @@
 """The lean FLUX blocks' pieces against the plain ops: qk_norm_rope without tables (the text stream) and
-with fp32 tables on bf16 heads (diffusers' RoPE numerics), ``through_rebuilt`` (a projection keeping
-its sources, not its input: float64 gradcheck, bytes kept, under checkpointing), and the tiny model
-with ``model.recompute_activation`` (the single-stream blocks' activation) on and off."""
+with fp32 tables on bf16 heads (diffusers' RoPE numerics), and the tiny model with
+``model.recompute_activation`` (the single-stream blocks' activation) on and off. ``through_rebuilt``
+(the projections keeping their sources): tests/models/test_rebuilt.py."""
 
 from __future__ import annotations
 
@@ -11,13 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
-from torch.utils.checkpoint import checkpoint
 
-from benchmarks.activations import saved_bytes
 from dfm.convert.flux import verification_pack
 from dfm.convert.pretrained import single_process_world
 from dfm.models.attention.qk_norm_rope import qk_norm_rope
-from dfm.models.flux.rebuilt import through_rebuilt
 from dfm.models.flux.rope import rope_cos_sin
 from tests._parity import converted_model
 from tests.flux._tiny import dfm_config_and_weights, tiny_diffusers_flux
@@ -49,47 +46,6 @@ def test_qk_norm_rope_with_fp32_tables_rotates_bf16_heads_as_diffusers():
     grad = torch.randn(out.shape, generator=generator).bfloat16()
     for got, want in zip(torch.autograd.grad(out, (x, weight), grad), torch.autograd.grad(expected, (x, weight), grad)):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-
-
-ROWS = torch.tensor([4, 0, 5, 2, 1, 3])  # a permutation, as the joint attention's q_inverse
-VALID = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)[:, None, None]
-
-
-def gathered(joint):
-    """Like ``stream_rows``: rows of the joint output [6, 1, 4] in stream order, padding rows 0."""
-    return joint[ROWS] * VALID
-
-
-def projections(joint, weight):
-    """Two projections of views of one gathered tensor (the double block's text / image rows)."""
-    return through_rebuilt(lambda rows: torch.cat([rows[:2] @ weight, rows[2:] @ weight.T]), gathered, joint)
-
-
-def test_through_rebuilt_equals_the_plain_call_float64():
-    def reference(joint, weight):
-        rows = gathered(joint)
-        return torch.cat([rows[:2] @ weight, rows[2:] @ weight.T])
-
-    assert_same_grads(projections, reference, (rand(6, 1, 4), rand(4, 4, seed=1)))
-
-
-def test_through_rebuilt_keeps_the_sources_not_the_input():
-    """The joint output is kept anyway (here by exp's backward, as by the attention kernel's): the
-    projection's gathered input [6, 1, 4] float64 is not kept beside it."""
-    joint, weight = rand(6, 1, 4), rand(4, 4, seed=1)
-    holder = torch.nn.ParameterList([weight])
-    plain = saved_bytes(holder, lambda: gathered(joint.exp()) @ weight)
-    rebuilt = saved_bytes(holder, lambda: through_rebuilt(lambda rows: rows @ weight, gathered, joint.exp()))
-    assert plain - rebuilt == 6 * 4 * 8
-
-
-def test_through_rebuilt_under_checkpointing_gives_the_same_gradients():
-    joint, weight = rand(6, 1, 4), rand(4, 4, seed=1)
-    grad = torch.randn(6, 1, 4, dtype=torch.float64)
-    expected = torch.autograd.grad(projections(joint.sin(), weight), (joint, weight), grad)
-    out = checkpoint(lambda j, w: projections(j.sin(), w), joint, weight, use_reentrant=False)
-    for got, want in zip(torch.autograd.grad(out, (joint, weight), grad), expected):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("full_recompute", [False, True], ids=["plain", "full_recompute"])

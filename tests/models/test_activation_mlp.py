@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.activations import saved_bytes
-from dfm.models.common.activation_mlp import SwiGLU, activation_region, recomputed
+from dfm.models.common.activation_mlp import SwiGLU, activation_region
 from dfm.models.common.fused import swiglu, swiglu_grad
+from dfm.models.common.rebuilt import through_rebuilt
 from tests.models._helpers import build_random_model, conditioning, make_samples, pack_samples, tiny_config
 
 
@@ -29,11 +30,9 @@ def test_swiglu_region_gradients_equal_unfused_float64():
 
 def mlp(x, w1, w2, act, recompute: bool):
     y = x @ w1
-    a = act(y)
     if not recompute:
-        return a @ w2
-    with recomputed(a, y, act):
-        return a @ w2
+        return act(y) @ w2
+    return through_rebuilt(lambda a: a @ w2, act, y)
 
 
 @pytest.mark.parametrize("gated", [False, True])

@@ -92,18 +92,20 @@ def test_changing_pack_lengths_reuse_the_graphs(dist, aot_eager):
 
 
 def test_inductor_fused_regions_equal_eager():
-    """Inductor's generated kernels for the two block regions, at two lengths, forward and backward."""
+    """Inductor's generated kernels for the block regions (norm + modulate and gated residual on
+    per-sample rows, the ungated residual), at two lengths, forward and backward."""
     torch._dynamo.reset()
-    norm_modulate = torch.compile(fused.norm_modulate, dynamic=True)
-    gated_residual = torch.compile(fused.gated_residual, dynamic=True)
+    compiled = fused.BlockOps(fused.compile_region(fused.residual), *fused.compiled_rows_ops("inductor"))
     gen = torch.Generator().manual_seed(0)
     for length in (37, 90):
-        x, shift, scale, gate, out, bias = (
-            torch.randn(length, 1, 16, generator=gen, requires_grad=True) for _ in range(6)
-        )
+        x, out = (torch.randn(length, 1, 16, generator=gen, requires_grad=True) for _ in range(2))
+        shift, scale, gate = (torch.randn(3, 16, generator=gen, requires_grad=True) for _ in range(3))
+        bias = torch.randn(16, generator=gen, requires_grad=True)
+        ids = torch.randint(0, 3, (length,), generator=gen)
         results = []
-        for fns in ((fused.norm_modulate, fused.gated_residual), (norm_modulate, gated_residual)):
-            y = fns[1](x, gate, fns[0](x, shift, scale, 1e-6, False) * out, bias)
+        for ops in (fused.BlockOps(), compiled):
+            normed = ops.norm_modulate_rows(x, shift, scale, ids, 1e-6, False)
+            y = ops.residual(ops.gated_residual_rows(x, gate, ids, normed * out, bias), out, bias)
             grads = torch.autograd.grad(y.square().sum(), (x, shift, scale, gate, out, bias))
             results.append((y, grads))
         (y_eager, g_eager), (y_compiled, g_compiled) = results

@@ -5,21 +5,22 @@
   copy ``y2 + glu_linear_offset`` (its ``x + 0``) besides y: 2 f more values per token.
 * ``recompute_activation``: fc2 keeps its input (the activation's output, f per token) for its weight
   gradient; instead the activation is recomputed from fc1's output (kept by the activation anyway)
-  when the backward unpacks it. One elementwise pass more in backward, f values per token less.
+  when the backward unpacks it (``through_rebuilt``, rebuilt.py). One elementwise pass more in
+  backward, f values per token less.
 
 Same submodules and parameter names as megatron's MLP: checkpoints load unchanged.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from megatron.core.transformer.mlp import MLP
 from torch import Tensor
 
 from dfm.models.common.fused import activation, swiglu_fns
+from dfm.models.common.rebuilt import through_rebuilt
 
 
 class SwiGLU(torch.autograd.Function):
@@ -45,33 +46,6 @@ def activation_region(gated: bool, compile: bool) -> Callable[[Tensor], Tensor]:
     return lambda y: SwiGLU.apply(y, forward, grad)
 
 
-def _same(a: Tensor, b: Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-
-
-@contextlib.contextmanager
-def recomputed(output: Tensor, source: Tensor, fn: Callable[[Tensor], Tensor]) -> Iterator[None]:
-    """Within the block, autograd saves ``output`` (= fn(source)) as ``source`` and rebuilds it when the
-    backward unpacks it. Every saved tensor still goes through the enclosing saved-tensor hooks, if any
-    (full-layer checkpointing, a measurement): they see ``source`` in place of ``output``."""
-    # Nested saved-tensor hooks replace the enclosing ones (no public API composes them): ours call
-    # theirs, or full-layer checkpointing would keep ``source`` alive and a measurement would miss it.
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
-
-    def pack(tensor: Tensor):
-        rebuild = _same(tensor, output)
-        return rebuild, outer_pack(source if rebuild else tensor)
-
-    def unpack(packed) -> Tensor:
-        rebuild, value = packed
-        value = outer_unpack(value)
-        return fn(value) if rebuild else value
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-
-
 class ActivationMLP(MLP):
     """fc1 -> activation region -> fc2. hidden [s, b, h] -> ([s, b, h], fc2 bias or None)."""
 
@@ -82,7 +56,6 @@ class ActivationMLP(MLP):
         if bias is not None:
             fc1 = fc1 + bias
         act = activation_region(self.config.gated_linear_unit, self.config.compile_regions)
-        out = act(fc1)
-        keep = self.config.recompute_activation and torch.is_grad_enabled()
-        with recomputed(out, fc1, act) if keep else contextlib.nullcontext():
-            return self.linear_fc2(out)
+        if self.config.recompute_activation:
+            return through_rebuilt(self.linear_fc2, act, fc1)
+        return self.linear_fc2(act(fc1))

@@ -1,4 +1,7 @@
-"""adaLN(-Zero) conditioning: per-sample vectors become per-token shift / scale / gate."""
+"""adaLN(-Zero) conditioning: per-sample vectors become shift / scale / gate rows, one per sample.
+
+The blocks keep them as rows (``AdaLNRows``, row_modulation.py: tokens take their row inside the
+ops); the final layers and embedders gather them to tokens (``rows_to_tokens``)."""
 
 from __future__ import annotations
 
@@ -61,10 +64,11 @@ def _zeros(weight: Tensor) -> None:
 
 
 class AdaLNModulation(MegatronModule):
-    """cond [N, h] -> ``num_chunks`` tensors [s, 1, h], each token taking its own sample's row.
+    """cond [N, h] -> [N, num_chunks * h] (``rows``): the modulation, one row per sample.
 
-    The projection runs once per sample (not per token), then rows are gathered to tokens,
-    so packing many samples costs one small matmul. Zero-initialised: a fresh block is the identity.
+    The projection runs once per sample (not per token), so packing many samples costs one small
+    matmul; the blocks take the rows as they are (``AdaLNRows``). Zero-initialised: a fresh block is
+    the identity.
     """
 
     def __init__(self, config, num_chunks: int):
@@ -95,11 +99,6 @@ class AdaLNModulation(MegatronModule):
             # before the column-parallel gather hands each rank its partition's grad.
             per_sample = copy_to_tensor_model_parallel_region(per_sample)
         return per_sample
-
-    def forward(self, cond: Tensor, token_sample_ids: Tensor) -> tuple[Tensor, ...]:
-        """cond [N, h], token_sample_ids [s] -> num_chunks x [s, 1, h]."""
-        per_token = rows_to_tokens(self.rows(cond), token_sample_ids).unsqueeze(1)
-        return per_token.chunk(self.num_chunks, dim=-1)
 
 
 class AdaLNNorm(nn.LayerNorm):

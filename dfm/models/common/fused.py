@@ -21,22 +21,13 @@ import torch.fx.experimental._config
 import torch.nn.functional as F
 from torch import Tensor
 
-from dfm.models.common.adaln import modulate
 from dfm.models.common.norm_recompute import norm_modulate_rows
 from dfm.models.common.row_modulation import gated_residual_rows
 
 
-def norm_modulate(x: Tensor, shift: Tensor, scale: Tensor, eps: float, rms: bool) -> Tensor:
-    """Affine-free LayerNorm (or RMSNorm) of x [s, b, h], then x * (1 + scale) + shift."""
-    normed = F.rms_norm(x, x.shape[-1:], eps=eps) if rms else F.layer_norm(x, x.shape[-1:], eps=eps)
-    return modulate(normed, shift, scale)
-
-
-def gated_residual(x: Tensor, gate: Tensor | None, out: Tensor, bias: Tensor | None) -> Tensor:
-    """x + gate * (out + bias); gate None: a plain residual."""
-    if bias is not None:
-        out = out + bias
-    return x + out if gate is None else x + gate * out
+def residual(x: Tensor, out: Tensor, bias: Tensor | None) -> Tensor:
+    """x + (out + bias) [s, b, h]: the cross-attention's ungated residual."""
+    return x + out if bias is None else x + (out + bias)
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
@@ -63,10 +54,10 @@ def swiglu_grad(grad: Tensor, y: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class BlockOps:
     """The elementwise functions a block calls: eager or compiled, same signatures. The ``_rows`` pair
-    takes per-sample modulation rows [N, h] and token ids [s] (row_modulation.py, norm_recompute.py)."""
+    takes per-sample modulation rows [N, h] and token ids [s] (row_modulation.py, norm_recompute.py):
+    every block's modulation stays per sample, no op takes per-token shift / scale / gate."""
 
-    norm_modulate: Callable[..., Tensor] = norm_modulate
-    gated_residual: Callable[..., Tensor] = gated_residual
+    residual: Callable[..., Tensor] = residual
     norm_modulate_rows: Callable[..., Tensor] = norm_modulate_rows
     gated_residual_rows: Callable[..., Tensor] = gated_residual_rows
 
@@ -112,8 +103,7 @@ def compiled_rows_ops(backend: str) -> tuple[Callable[..., Tensor], Callable[...
 @functools.cache
 def compiled_block_ops(backend: str = "inductor") -> BlockOps:
     """One compiled copy per process, shared by every layer (one graph per function, not per layer)."""
-    per_token = compile_region(norm_modulate, backend), compile_region(gated_residual, backend)
-    return BlockOps(*per_token, *compiled_rows_ops(backend))
+    return BlockOps(compile_region(residual, backend), *compiled_rows_ops(backend))
 
 
 @functools.cache

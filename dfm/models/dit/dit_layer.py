@@ -117,19 +117,14 @@ class DiTLayer(MegatronModule):
         out, bias = attention(attn_in, attention_mask=None, rotary_pos_emb=rotary_pos_emb, packed_seq_params=params)
         return self.gated_residual(hidden, gate, out, bias)
 
-    def norm_modulate(self, norm: nn.Module, hidden: Tensor, shift, scale) -> Tensor:
+    def norm_modulate(self, norm: nn.Module, hidden: Tensor, shift: ModulationRows, scale: ModulationRows) -> Tensor:
         """modulate(norm(hidden), shift, scale) [s, b, h] in one fused region (tensors and plain numbers only
-        cross into it). shift / scale: ModulationRows (the normed tensor and per-token modulation are not
-        kept for backward) or per-token tensors [s, 1, h]."""
+        cross into it); neither the normed tensor nor a per-token modulation is kept for backward."""
         rms = isinstance(norm, nn.RMSNorm)
-        if not isinstance(shift, ModulationRows):  # per-token [s, 1, h] (Wan's modulation)
-            return self.ops.norm_modulate(hidden, shift, scale, norm.eps, rms)
         return self.ops.norm_modulate_rows(hidden, shift.rows, scale.rows, shift.ids, norm.eps, rms)
 
-    def gated_residual(self, hidden: Tensor, gate, out: Tensor, bias: Tensor | None) -> Tensor:
-        """hidden + gate * (out + bias), [s, b, h]; gate: ModulationRows or a per-token [s, 1, h]."""
-        if not isinstance(gate, ModulationRows):
-            return self.ops.gated_residual(hidden, gate, out, bias)
+    def gated_residual(self, hidden: Tensor, gate: ModulationRows, out: Tensor, bias: Tensor | None) -> Tensor:
+        """hidden + gate * (out + bias) [s, b, h], each token taking its sample's gate row."""
         return self.ops.gated_residual_rows(hidden, gate.rows, gate.ids, out, bias)
 
     def cross_attend(self, hidden: Tensor, context: Tensor | None, params: PackedSeqParams | None) -> Tensor:
@@ -138,7 +133,7 @@ class DiTLayer(MegatronModule):
         out, bias = self.cross_attention(
             self.cross_norm(hidden), attention_mask=None, key_value_states=context, packed_seq_params=params
         )
-        return self.ops.gated_residual(hidden, None, out, bias)
+        return self.ops.residual(hidden, out, bias)
 
     def cross_norm(self, hidden: Tensor) -> Tensor:
         """norm2(hidden): an affine-free norm keeps only its input and statistics (``norm_recomputed``);
@@ -147,8 +142,10 @@ class DiTLayer(MegatronModule):
             return norm_recomputed(hidden, self.norm2.eps, isinstance(self.norm2, nn.RMSNorm))
         return self.norm2(hidden)
 
-    def feed_forward(self, hidden: Tensor, shift, scale, gate, padding_mask=None) -> Tensor:
-        """shift, scale, gate: ModulationRows (Wan: per-token [s, 1, h])."""
+    def feed_forward(
+        self, hidden: Tensor, shift: ModulationRows, scale: ModulationRows, gate: ModulationRows, padding_mask=None
+    ) -> Tensor:
+        """hidden [s, b, h] + gate * MLP(modulate(norm3(hidden), shift, scale)); padding_mask [s] or None."""
         # megatron's MoE layer takes the mask as [b, s] (a dense MLP ignores it).
         mask = {} if padding_mask is None else {"padding_mask": padding_mask[None]}
         out, bias = self.mlp(self.norm_modulate(self.norm3, hidden, shift, scale), **mask)

@@ -17,7 +17,7 @@ stays one row per sample and the normed input is recomputed (``norm_modulate_row
 ``gated_residual_rows``); q / k norm and RoPE are one Function keeping the un-normed heads
 (``qk_norm_rope``); the output projections keep the attention kernel's output, not their gathered
 input, and ``proj_out`` keeps the activation output (or, under ``model.recompute_activation``, its
-input) instead of the cat (rebuilt.py).
+input) instead of the cat (common/rebuilt.py).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from torch import Tensor
 from dfm.models.attention.qk_norm_rope import qk_norm_rope
 from dfm.models.common.adaln import AdaLNModulation
 from dfm.models.common.fused import block_ops
+from dfm.models.common.rebuilt import through_rebuilt
 from dfm.models.common.row_modulation import AdaLNRows, ModulationRows
 from dfm.models.flux.joint_attention import QKV, JointAttentionPlan, joint_attention, stream_rows
-from dfm.models.flux.rebuilt import through_rebuilt
 from dfm.models.flux.strided import mark_strided, strided_sharded_state_dict
 
 
@@ -159,7 +159,7 @@ class FluxDoubleLayer(_FluxLayer):
             self.text_heads(self.norm_modulate(text, *text_mod[0:2]), None),
             self.image_heads(self.norm_modulate(image, *image_mod[0:2]), plan.rope),
         )
-        # Each projection keeps the kernel's output, not its gathered input (rebuilt.py).
+        # Each projection keeps the kernel's output, not its gathered input (common/rebuilt.py).
         text_out = through_rebuilt(self.text_linear_proj, functools.partial(stream_rows, plan, True), joint_out)
         image_out = through_rebuilt(self.linear_proj, functools.partial(stream_rows, plan, False), joint_out)
         text = self.gated_residual(text, text_mod[2], *text_out)

@@ -12,7 +12,7 @@ Under CP the text stream is computed whole by every CP rank, as DiT's cross-atte
 rank's gradients hold its own queries' share, summed over CP with the data-parallel reduction.
 
 The output projections read each stream's rows of the kernel's output (``stream_rows``); they keep
-the kernel's output (which the kernel keeps anyway) instead of their gathered input (rebuilt.py).
+the kernel's output (which the kernel keeps anyway) instead of their gathered input (common/rebuilt.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """A tensor that autograd would keep is kept as the (smaller, or kept anyway) tensors it is made from.
 
-FLUX's output projections read the joint attention's output in the streams' row order (a gather of
-the kernel's output, which the kernel keeps for its own backward), and the single-stream block's
-``proj_out`` reads cat(attention, activation): kept as they are, the attention output is kept twice
-and the activation output again inside the cat. ``rebuilt_on_unpack`` makes autograd keep the
-sources instead and rebuild the tensor (one gather / cat, an activation) when the backward unpacks it.
+``through_rebuilt(fn, rebuild, *sources)`` runs ``fn(rebuild(*sources))``; what ``fn`` saves of its
+input (any view of it) is kept as ``sources`` and rebuilt (``rebuild(*sources)`` again) when the
+backward unpacks it. Used where the input is cheap to rebuild from tensors kept anyway:
 
-``through_rebuilt(fn, rebuild, *sources)`` runs ``fn(rebuild(*sources))`` so. Like
-``dfm.models.common.activation_mlp.recomputed``, but for several sources and for any view of the
-output's storage (could move to common with it).
+* the MLP's activation output (fc2's input) from fc1's output, which the activation's backward keeps
+  (``model.recompute_activation``, activation_mlp.py);
+* FLUX's output projections' inputs: the joint attention's output gathered in a stream's row order
+  (the kernel keeps the output for its own backward), and the single-stream block's
+  cat(attention, activation) (flux_layer.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from dfm.platform.torch_api import top_saved_tensors_hooks
+
 Result = TypeVar("Result")
 
 
@@ -29,11 +31,13 @@ def _storage(tensor: Tensor) -> int:
 
 @contextlib.contextmanager
 def rebuilt_on_unpack(output: Tensor, sources: tuple[Tensor, ...], rebuild: Callable[..., Tensor]) -> Iterator[None]:
-    """Within the block, a saved view of ``output``'s storage (``output = rebuild(*sources)``, contiguous,
+    """Within the block, a saved view of ``output``'s storage (``output = rebuild(*sources)``, laid out
     as ``rebuild`` makes it) is kept as ``sources`` and the same view of ``rebuild(*sources)`` is
     unpacked. Every saved tensor still passes the enclosing saved-tensor hooks (full-layer
     checkpointing, a measurement): they see the sources in place of ``output``."""
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    # Nested saved-tensor hooks replace the enclosing ones (no public API composes them): ours call
+    # theirs, or full-layer checkpointing would keep the sources alive and a measurement would miss them.
+    outer = top_saved_tensors_hooks()
     outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
     target = _storage(output) if output.numel() else None  # an empty tensor has no storage of its own
 
