@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dfm.models.attention import flex_document_attention, sdpa_per_segment
 from dfm.models.attention.varlen import varlen_document_attention
-from tests.models._helpers import segments
+from tests.models._helpers import segments, segments_on
 
 
 def reference_varlen_attn(query, key, value, segments, scale):
@@ -89,11 +89,7 @@ def test_varlen_flash_matches_per_segment_sdpa_bf16(case):
     key, value = torch.randn(2, sum(kv_padded), 1, 4, 64, generator=gen, **shape)
     outputs, grads = [], []
     for kernel in (varlen_document_attention, sdpa_per_segment):
-        params = segments(q_lens, q_padded, kv_lens, kv_padded)
-        params.cu_seqlens_q, params.cu_seqlens_kv = params.cu_seqlens_q.cuda(), params.cu_seqlens_kv.cuda()
-        params.cu_seqlens_q_padded = params.cu_seqlens_q_padded.cuda()
-        params.cu_seqlens_kv_padded = params.cu_seqlens_kv_padded.cuda()
-        params.host = segments(q_lens, q_padded, kv_lens, kv_padded)
+        params = segments_on("cuda", q_lens, q_padded, kv_lens, kv_padded)
         inputs = [t.clone().requires_grad_() for t in (query, key, value)]
         out = kernel(*inputs, params, 64**-0.5)
         out.float().square().sum().backward()
