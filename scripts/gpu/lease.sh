@@ -54,6 +54,10 @@ part() {
     local rc=$? status
     case $rc in 0) status=ok ;; 124 | 137) status="cut at ${cap}s" ;; *) status="failed (rc $rc)" ;; esac
     echo "$name: $status, $((SECONDS - start)) s: $*" | tee -a "$OUT/summary.txt"
+    # Each returned file must stay under 16 MiB: a log keeps its last 2 MB.
+    if (($(stat -c %s "$WORK/$name/log.txt") > 2000000)); then
+        tail -c 2000000 "$WORK/$name/log.txt" >"$WORK/$name/log.tail" && mv "$WORK/$name/log.tail" "$WORK/$name/log.txt"
+    fi
     tar -rf "$OUT/parts.tar" -C "$WORK" "$name"
     python3 -m benchmarks.lease report "$WORK" >"$OUT/results.md" 2>>"$WORK/report-errors.log"
 }
