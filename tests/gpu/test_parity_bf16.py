@@ -40,7 +40,8 @@ from tests.wan._tiny import TEXT_LEN, TINY, dfm_wan_of, tiny_diffusers_wan, tiny
 pytestmark = GPU
 
 FACTOR, FLOOR = 2.0, 2.0**-8
-# Head dim 16 (TINY's 12 is no multiple of 8, which the flash kernels need).
+# Head dim 16, a multiple of 8 as the flash kernels take (12, TINY's, is padded for them: tested in
+# tests/models/test_packed_attention.py).
 WAN = {**TINY, "attention_head_dim": 16}
 BACKENDS = ["sdpa", pytest.param("varlen", marks=cuda_only), "flex"]
 
