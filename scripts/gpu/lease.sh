@@ -9,8 +9,8 @@
 #   here:    bash scripts/gpu/fetch_wheels.sh        (Python 3.12 wheels -> .whl/, git-ignored)
 #   device:  run command="bash scripts/gpu/lease.sh 2>&1 | tee $OUT/lease.log", carry [".whl"], timeout_s 600
 #   back:    python -m benchmarks.lease unpack <files_at>   (-> benchmarks/results/<device>-<date>/ + markdown)
-#   rehearse here: DFM_GPU_DRYRUN=1 OUT=/tmp/lease-out bash scripts/gpu/lease.sh
-#       (the CPU: the GPU tests with DFM_GPU_TESTS_ON_CPU=1, the gpu ladder's rungs at CPU size)
+#   rehearse here: DFM_GPU_DRYRUN=1 LEASE_BUDGET_S=1800 OUT=/tmp/lease-out bash scripts/gpu/lease.sh
+#       (the CPU: the GPU tests with DFM_GPU_TESTS_ON_CPU=1, the gpu ladder's rungs at CPU size, caps x3)
 #
 # Parts: env (wheels, versions, GPU, torch API probes) | tests (pytest -m gpu) | accept (h4096-8k-L6 and
 # xl2-256-img, dfm vs reference) | mix (mixed/fixed rungs) | backends (flex, sdpa) | compiled |
@@ -27,10 +27,12 @@ rm -f "$OUT/parts.tar" "$OUT/summary.txt"
 export PYTHONUNBUFFERED=1
 if [[ ${DFM_GPU_DRYRUN:-0} == 1 ]]; then
     LADDER=gpu-rehearsal
+    CAP_SCALE=${LEASE_CAP_SCALE:-3}  # 2 shared CPU cores: the stand-in rungs take longer than the real ones
     export DFM_GPU_TESTS_ON_CPU=1 PYTHONPATH=$PWD
     install() { echo "dry run: the wheels stay unpacked (this machine has the packages)"; }
 else
     LADDER=gpu
+    CAP_SCALE=${LEASE_CAP_SCALE:-1}
     export PYTHONPATH=/tmp/site:$PWD
     install() {
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -44,6 +46,7 @@ part() {
     shift 2
     [[ " $PARTS " == *" $name "* ]] || return 0
     local left=$((BUDGET - SECONDS - 10))
+    cap=$((cap * CAP_SCALE))
     if ((left < 30)); then
         echo "$name: skipped, budget spent" | tee -a "$OUT/summary.txt"
         return 0
