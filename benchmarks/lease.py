@@ -45,7 +45,12 @@ def torch_api_probes() -> dict[str, bool | str]:
         probes["flex_attention"] = True
     except ImportError:
         probes["flex_attention"] = False
-    probes["saved_tensors_default_hooks"] = hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+    try:
+        from dfm.platform.torch_api import top_saved_tensors_hooks
+
+        probes["top_saved_tensors_hooks"] = top_saved_tensors_hooks() is None
+    except Exception as error:  # noqa: BLE001 - recorded
+        probes["top_saved_tensors_hooks"] = f"{type(error).__name__}: {error}"
     probes["cpu flash sdpa ops"] = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
     return probes
 

@@ -20,6 +20,7 @@ from megatron.core.transformer.mlp import MLP
 from torch import Tensor
 
 from dfm.models.common.fused import activation, swiglu_fns
+from dfm.platform.torch_api import top_saved_tensors_hooks
 
 
 class SwiGLU(torch.autograd.Function):
@@ -56,7 +57,7 @@ def recomputed(output: Tensor, source: Tensor, fn: Callable[[Tensor], Tensor]) -
     (full-layer checkpointing, a measurement): they see ``source`` in place of ``output``."""
     # Nested saved-tensor hooks replace the enclosing ones (no public API composes them): ours call
     # theirs, or full-layer checkpointing would keep ``source`` alive and a measurement would miss it.
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer = top_saved_tensors_hooks()
     outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
 
     def pack(tensor: Tensor):
