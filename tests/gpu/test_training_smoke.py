@@ -25,12 +25,13 @@ pytestmark = GPU
 
 ITERS = 3
 WAN_BOTH = ["model.wan_expert=both", f"model.wan_boundary_ratio={BOUNDARY}", *TINY_TEXT]
-# name -> (config file, overrides); dit_tiny is the cross-attention DiT with q/k norms.
+QK = "model.qk_layernorm=true"  # dit_tiny (cross-attention DiT, RoPE) with LeanSelfAttention's fused q/k norm + RoPE
+# name -> (config file, overrides)
 RUNS = {
-    "varlen": pytest.param(TINY, ["model.attention_backend=varlen"], marks=cuda_only),
-    "flex": pytest.param(TINY, ["model.attention_backend=flex"], marks=cuda_only),  # no CPU backward
-    "sdpa": (TINY, ["model.attention_backend=sdpa"]),
-    "compiled": (TINY, ["model.compile=true"]),
+    "varlen": pytest.param(TINY, [QK, "model.attention_backend=varlen"], marks=cuda_only),
+    "flex": pytest.param(TINY, [QK, "model.attention_backend=flex"], marks=cuda_only),  # no CPU backward
+    "sdpa": (TINY, [QK, "model.attention_backend=sdpa"]),
+    "compiled": (TINY, [QK, "model.compile=true"]),
     "wan22_both_experts": (WAN_TINY, WAN_BOTH),
 }
 
