@@ -79,13 +79,14 @@ def write_tiny_videos(folder) -> None:
         (folder / f"{name}.json").write_text(json.dumps({"caption": caption}))
 
 
-def dfm_wan_of(transformer, cfg: ModelConfig):
-    """The dfm Wan of ``cfg`` holding ``transformer``'s weights (fp32, eval); needs the process group."""
+def dfm_wan_of(transformer, cfg: ModelConfig, precision: str = "fp32"):
+    """The dfm Wan of ``cfg`` (built for ``precision``) holding ``transformer``'s weights (eval); needs
+    the process group."""
     from dfm.convert.pretrained import fill_weights
     from dfm.convert.rules import to_dfm
     from dfm.convert.wan import rules
     from dfm.models.build import build_model
 
-    model, _ = build_model(cfg, "fp32")
+    model, _ = build_model(cfg, precision)
     fill_weights(model, to_dfm(transformer.state_dict(), rules(cfg)), "a tiny diffusers Wan")
     return model.eval()
