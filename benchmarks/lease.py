@@ -128,8 +128,8 @@ def report(folder: Path) -> str:
     from benchmarks.report import markdown_table
 
     blocks, rows = [], {}
-    for results in sorted(folder.rglob("results.json")):
-        data = json.loads(results.read_text())
+    parts = [json.loads(path.read_text()) for path in folder.rglob("results.json")]
+    for data in sorted(parts, key=lambda data: data["environment"]["date"]):  # in the order they ran
         env = data["environment"]
         blocks.append(f"{env['date']} | {env['device']} | torch {env['torch']}\n`{env['command']}`\n\n")
         blocks[-1] += markdown_table(data["rows"]) + "\n"
