@@ -5,7 +5,8 @@ The CPU tests (tests/models/test_lean_block.py, test_activation_mlp.py, test_pac
 prove each Function equal to the unfused ops with float64 gradchecks; here the device's own kernels
 run them: the one-hot GEMM that sums per-token grads into rows on CUDA (row_modulation.py), the fused
 RMSNorm / LayerNorm kernels with their statistics, RoPE tables made on the device, SDPA's CUDA
-kernels per segment (sdpa.py's non-CPU branch).
+kernels per segment (sdpa.py's non-CPU branch); and the regions ``model.compile=true`` compiles, as
+inductor generates them for the device, against the eager Functions.
 
 fp32 tolerance 1e-5: the same math, only the reduction order and kernels differ (TF32 is off for
 matmuls by default). bf16 tolerance: max |bf16 - fp32| <= 2e-2 * max |fp32| per output and per
@@ -24,7 +25,8 @@ from dfm.models.attention import sdpa_per_segment
 from dfm.models.attention.qk_norm_rope import qk_norm_rope
 from dfm.models.attention.rope_tables import RotaryTables
 from dfm.models.common.activation_mlp import activation_region
-from dfm.models.common.adaln import sum_rows_by_one_hot_gemm
+from dfm.models.common.adaln import rows_to_tokens, sum_rows_by_one_hot_gemm
+from dfm.models.common.fused import compiled_block_ops
 from dfm.models.common.norm_recompute import norm_modulate_rows, norm_recomputed
 from dfm.models.common.row_modulation import gated_residual_rows
 from tests.gpu._device import DEVICE, GPU
@@ -71,6 +73,7 @@ CASES = {
         gated_residual_rows,
         (rand(len(PACK_IDS), 1, H), rand(4, H, seed=1), PACK_IDS, rand(len(PACK_IDS), 1, H, seed=2), rand(H, seed=3)),
     ),
+    "rows_to_tokens": lambda device: (rows_to_tokens, (rand(4, H), PACK_IDS)),
     "one_hot_row_sums": lambda device: (
         lambda grad, ids: sum_rows_by_one_hot_gemm(grad, ids, 4),
         (rand(len(PACK_IDS), H), PACK_IDS),
@@ -99,9 +102,19 @@ def cast(value, device, dtype, rounding):
     return value.detach().to(rounding).to(device, dtype).requires_grad_()
 
 
-def outputs_and_grads(case: str, device, dtype, rounding=torch.float64) -> list[torch.Tensor]:
-    """[output, d input_i ...] of one case as fp32 CPU tensors, for a fixed upstream gradient."""
-    fn, masters = CASES[case](device)
+# The regions model.compile=true compiles (inductor), by the eager case they must equal.
+COMPILED = {
+    "norm_modulate_rows_rmsnorm": lambda: compiled_block_ops("inductor").norm_modulate_rows,
+    "gated_residual_rows": lambda: compiled_block_ops("inductor").gated_residual_rows,
+    "swiglu_region": lambda: activation_region(True, True),
+}
+
+
+def outputs_and_grads(case: str, device, dtype, rounding=torch.float64, fn=None) -> list[torch.Tensor]:
+    """[output, d input_i ...] of one case (its function, or ``fn`` on its inputs) as fp32 CPU
+    tensors, for a fixed upstream gradient."""
+    case_fn, masters = CASES[case](device)
+    fn = fn or case_fn
     inputs = [cast(value, device, dtype, rounding) for value in masters]
     out = fn(*inputs)
     upstream = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
@@ -127,3 +140,12 @@ def test_bf16_on_the_device_is_close_to_fp32(case):
     for index, (low, full) in enumerate(zip(bf16, fp32)):
         error, scale = float((low - full).abs().max()), float(full.abs().max())
         assert scale > 0 and error <= BF16_TOLERANCE * scale, (index, error, scale)
+
+
+@pytest.mark.parametrize("case", list(COMPILED))
+def test_compiled_regions_on_the_device_equal_eager(case):
+    """inductor's code for the device (Triton on CUDA) against the eager Function, fp32."""
+    compiled = outputs_and_grads(case, DEVICE, torch.float32, fn=COMPILED[case]())
+    eager = outputs_and_grads(case, DEVICE, torch.float32)
+    for index, (got, expected) in enumerate(zip(compiled, eager)):
+        torch.testing.assert_close(got, expected, rtol=FP32_TOLERANCE, atol=FP32_TOLERANCE, msg=f"tensor {index}")
