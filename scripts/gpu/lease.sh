@@ -40,7 +40,8 @@ else
 fi
 echo "lease: ladder $LADDER, budget ${BUDGET}s, parts: $PARTS, started $(date -u +%FT%TZ)" | tee "$OUT/summary.txt"
 
-# part NAME CAP COMMAND...: COMMAND (a program or one of the functions above) with its output in $WORK/NAME/log.txt, at most CAP seconds and what the budget leaves.
+# part NAME CAP COMMAND...: COMMAND (a program or a function below) for at most CAP x CAP_SCALE seconds
+# and what the budget leaves, its output in $WORK/NAME/log.txt.
 part() {
     local name=$1 cap=$2 start=$SECONDS
     shift 2
