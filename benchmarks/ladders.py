@@ -6,6 +6,8 @@ an image latent [H, W] gives H*W/4 tokens, a video latent [T, H, W] gives T*H*W/
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -169,7 +171,42 @@ def gpu_ladder() -> list[Rung]:
     ]
 
 
-LADDERS = {"cpu": cpu_ladder, "gpu-smoke": gpu_smoke_ladder, "gpu": gpu_ladder}
+# The gpu ladder's rungs at CPU size (same names, backends, variants, reference and mix_of), for
+# rehearsing a device run here (scripts/gpu/lease.sh with DFM_GPU_DRYRUN=1): model width 64, 4 heads,
+# 2 layers; packs 16x shorter, latents 4x smaller in height and width (16x fewer tokens per sample).
+SHRINK = {
+    "model.hidden_size": lambda _: "64",
+    "model.num_attention_heads": lambda _: "4",
+    "model.num_layers": lambda _: "2",
+    "model.text_embed_dim": lambda _: "32",
+    "model.cross_attention_dim": lambda _: "32",
+    "model.adaln_lora_dim": lambda _: "16",
+    "dataset.mock_text_len_range": lambda _: "[4,8]",
+    "dataset.seq_length": lambda value: str(int(value) // 16),
+    "dataset.mock_image_sizes": lambda value: _quarter_sides(value),
+    "dataset.mock_video_sizes": lambda value: _quarter_sides(value),
+}
+
+
+def _quarter_sides(sizes: str) -> str:
+    """'[[t,]h,w],...' -> the same list with h and w divided by 4."""
+    shapes = json.loads(sizes)
+    return json.dumps([[*shape[:-2], shape[-2] // 4, shape[-1] // 4] for shape in shapes]).replace(" ", "")
+
+
+def shrunk(rung: Rung) -> Rung:
+    overrides = []
+    for override in rung.overrides:
+        key, value = override.split("=", 1)
+        overrides.append(f"{key}={SHRINK[key](value)}" if key in SHRINK else override)
+    return dataclasses.replace(rung, overrides=overrides)
+
+
+def gpu_rehearsal_ladder() -> list[Rung]:
+    return [shrunk(rung) for rung in gpu_ladder()]
+
+
+LADDERS = {"cpu": cpu_ladder, "gpu-smoke": gpu_smoke_ladder, "gpu": gpu_ladder, "gpu-rehearsal": gpu_rehearsal_ladder}
 
 
 def get_ladder(name: str) -> list[Rung]:

@@ -29,10 +29,10 @@ def random_model(build, seed: int = 0, std: float = 0.1, mean=None) -> torch.nn.
     return model
 
 
-def converted_model(cfg, weights: dict):
-    """dfm's fp32 model of ``cfg.model`` holding ``weights`` ({global name: tensor}, the import's);
-    call it inside ``single_process_world``."""
-    model, _ = build_model(cfg.model, "fp32")
+def converted_model(cfg, weights: dict, precision: str = "fp32"):
+    """dfm's model of ``cfg.model`` (built for ``precision``, parameters fp32) holding ``weights``
+    ({global name: tensor}, the import's); call it inside ``single_process_world``."""
+    model, _ = build_model(cfg.model, precision)
     fill_weights(model, weights, "the converted weights")
     return model
 

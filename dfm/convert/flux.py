@@ -192,7 +192,7 @@ def diffusers_inputs(batch, x_in: Tensor, t: Tensor, guidance: Tensor | None, sa
         pooled_projections=batch.pooled_text[sample : sample + 1],
         timestep=t[sample : sample + 1],
         img_ids=batch.pos_ids[q0:q1].float(),
-        txt_ids=torch.zeros(k1 - k0, 3),
+        txt_ids=torch.zeros(k1 - k0, 3, device=text.device),
         guidance=None if guidance is None else guidance[sample : sample + 1],
     )
 

@@ -211,7 +211,7 @@ def diffusers_sample_output(transformer, sample: DiffusionSample, timestep: Tens
     """diffusers on one sample alone, text zero-padded to ``text_len`` as WanPipeline does -> [C, T, H, W]."""
     pt, ps, _ = transformer.config.patch_size
     latent = unpatchify(sample.tokens, sample.latent_shape, pt, ps)
-    text = torch.zeros(1, text_len, sample.text.shape[-1], dtype=sample.text.dtype)
+    text = sample.text.new_zeros(1, text_len, sample.text.shape[-1])  # on the sample's device and dtype
     text[0, : sample.text.shape[0]] = sample.text
     if sample.image_condition is not None:  # I2V: cat([latents, condition]) on channels, as the pipeline
         _, t, h, w = sample.latent_shape

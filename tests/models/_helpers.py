@@ -110,3 +110,13 @@ def segments(q_lens, q_padded, kv_lens, kv_padded, kind: type = PackedSeqParams)
         cu_seqlens_kv=cumulative(kv_lens),
         cu_seqlens_kv_padded=cumulative(kv_padded),
     )
+
+
+def segments_on(device, q_lens, q_padded, kv_lens, kv_padded) -> PackedSeqParams:
+    """``segments`` with its boundaries on ``device`` and a host copy in ``params.host``, as a pack
+    moved to the device has them (kernels read their host-side bounds from it: no device sync)."""
+    params = segments(q_lens, q_padded, kv_lens, kv_padded)
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        setattr(params, name, getattr(params, name).to(device))
+    params.host = segments(q_lens, q_padded, kv_lens, kv_padded)
+    return params

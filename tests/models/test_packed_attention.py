@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from dfm.models.attention import flex_document_attention, sdpa_per_segment
-from dfm.models.attention.varlen import varlen_document_attention
-from tests.models._helpers import segments
+from dfm.models.attention.varlen import VarlenSegments, varlen_document_attention
+from tests.models._helpers import segments, segments_on
 
 
 def reference_varlen_attn(query, key, value, segments, scale):
@@ -77,25 +77,46 @@ def test_backends_match_dense_reference(backend, case):
         assert torch.count_nonzero(out[start:end]) == 0  # padding rows attend to nothing
 
 
+def test_varlen_pads_head_dims_the_flash_kernel_cannot_take(monkeypatch):
+    """Head dim 12: torch's kernel (here a stand-in that, like flash, refuses dims that are no multiple
+    of 8) sees 16 zero-padded channels; the result is exact attention at dim 12, gradients included."""
+
+    def flash_like(query, key, value, *bounds, scale=None):  # bounds: cu_q, cu_k, max_q, max_k
+        assert query.shape[-1] % 8 == 0, "head_size must be a multiple of 8"
+        return reference_varlen_attn(query, key, value, VarlenSegments(*bounds), scale)
+
+    monkeypatch.setattr("torch.nn.attention.varlen.varlen_attn", flash_like)
+    q_lens, q_padded, kv_lens, kv_padded = CASES["cross_padded_text"]
+    params = segments(q_lens, q_padded, kv_lens, kv_padded)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [
+        torch.randn(sum(n), 1, HEADS, 12, generator=gen, requires_grad=True) for n in (q_padded, kv_padded, kv_padded)
+    ]
+    out = varlen_document_attention(*inputs, params, 0.3)
+    expected = dense_reference(*inputs, params, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(out.square().sum(), inputs)
+    for got, want in zip(grads, torch.autograd.grad(expected.square().sum(), inputs)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("head_dim", [64, 12])
 @pytest.mark.parametrize("case", list(CASES))
-def test_varlen_flash_matches_per_segment_sdpa_bf16(case):
-    """torch's varlen flash kernel vs per-segment SDPA, forward and backward, bf16, at head dim 64."""
+def test_varlen_flash_matches_per_segment_sdpa_bf16(case, head_dim):
+    """torch's varlen flash kernel vs per-segment SDPA, forward and backward, bf16, at head dim 64 and
+    at 12 (no multiple of 8: zero-padded for the kernel, as the tiny Wan configs need)."""
     q_lens, q_padded, kv_lens, kv_padded = CASES[case]
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = dict(device="cuda", dtype=torch.bfloat16)
-    query = torch.randn(sum(q_padded), 1, 4, 64, generator=gen, **shape)
-    key, value = torch.randn(2, sum(kv_padded), 1, 4, 64, generator=gen, **shape)
+    query = torch.randn(sum(q_padded), 1, 4, head_dim, generator=gen, **shape)
+    key, value = torch.randn(2, sum(kv_padded), 1, 4, head_dim, generator=gen, **shape)
     outputs, grads = [], []
     for kernel in (varlen_document_attention, sdpa_per_segment):
-        params = segments(q_lens, q_padded, kv_lens, kv_padded)
-        params.cu_seqlens_q, params.cu_seqlens_kv = params.cu_seqlens_q.cuda(), params.cu_seqlens_kv.cuda()
-        params.cu_seqlens_q_padded = params.cu_seqlens_q_padded.cuda()
-        params.cu_seqlens_kv_padded = params.cu_seqlens_kv_padded.cuda()
-        params.host = segments(q_lens, q_padded, kv_lens, kv_padded)
+        params = segments_on("cuda", q_lens, q_padded, kv_lens, kv_padded)
         inputs = [t.clone().requires_grad_() for t in (query, key, value)]
-        out = kernel(*inputs, params, 64**-0.5)
+        out = kernel(*inputs, params, head_dim**-0.5)
         out.float().square().sum().backward()
         outputs.append(out.float())
         grads.append([t.grad.float() for t in inputs])

@@ -127,13 +127,14 @@ def parity_errors(model, cfg: ModelConfig, batch, timesteps, reference: Diffuser
     return max_abs_diff([out.detach() for out in outputs], reference.outputs), errors
 
 
-def dfm_wan_of(transformer, cfg: ModelConfig):
-    """The dfm Wan of ``cfg`` holding ``transformer``'s weights (fp32, eval); needs the process group."""
+def dfm_wan_of(transformer, cfg: ModelConfig, precision: str = "fp32"):
+    """The dfm Wan of ``cfg`` (built for ``precision``) holding ``transformer``'s weights (eval); needs
+    the process group."""
     from dfm.convert.pretrained import fill_weights
     from dfm.convert.rules import to_dfm
     from dfm.convert.wan import rules
     from dfm.models.build import build_model
 
-    model, _ = build_model(cfg, "fp32")
+    model, _ = build_model(cfg, precision)
     fill_weights(model, to_dfm(transformer.state_dict(), rules(cfg)), "a tiny diffusers Wan")
     return model.eval()

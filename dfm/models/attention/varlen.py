@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
@@ -83,8 +84,15 @@ def torch_varlen_attn(query: Tensor, key: Tensor, value: Tensor, segments: Varle
     """torch's kernel over ``segments``; imported late so CPU-only installs without it still import this module.
 
     Older torch releases take no ``scale``: there only the default 1/sqrt(head dim) is possible.
+    The flash kernel takes head dims in multiples of 8 only (SDPA pads others before calling it):
+    others are zero-padded here, which adds nothing to q.k, and the padded output channels dropped.
     """
     from torch.nn.attention.varlen import varlen_attn
+
+    head_dim = query.shape[-1]
+    if head_dim % 8:
+        padded = (F.pad(t, (0, -head_dim % 8)) for t in (query, key, value))
+        return torch_varlen_attn(*padded, segments, scale)[..., :head_dim]
 
     cu_q, cu_k, max_q, max_k = segments.cu_q, segments.cu_k, segments.max_q, segments.max_k
     if "scale" in inspect.signature(varlen_attn).parameters:
