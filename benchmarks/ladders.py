@@ -78,12 +78,6 @@ def cpu_ladder() -> list[Rung]:
     mixed = data(4096, [[32, 32], [16, 32]], [[4, 32, 32], [2, 32, 32]], 0.5)
     return tiny + [
         Rung("small-4k-video", small + data(4096, [], [[4, 32, 32]], 0.0)),  # fixed, 1024 tokens
-        Rung(
-            "small-4k-video-adaln-gather",
-            small + data(4096, [], [[4, 32, 32]], 0.0),
-            variant="adaln_gather_backward",
-            reference=False,
-        ),
         Rung("small-4k-mix", small + mixed, mix_of=["small-4k-video", *(r.name for r in fixed)]),
         *fixed,
     ]
@@ -149,8 +143,7 @@ def gpu_ladder() -> list[Rung]:
         Rung(
             "h4096-8k-L6-compiled", model(4096, 32, 6) + h4096 + ["model.compile=true"] + one_8k_video, reference=False
         ),
-        *variant_pair("adaln-matmul", "adaln_matmul_broadcast"),
-        *variant_pair("adaln-gather", "adaln_gather_backward"),
+        *variant_pair("rows-index-add", "rows_index_add"),
         *variant_pair("uniform-sdpa", "uniform_segments_sdpa", flex),
         *variant_pair("uniform-cudnn", "uniform_segments_cudnn", flex),
         Rung("cross-64k-video", cross + data(65536, [], [[16, 128, 128]], 0.0, packs_per_step=1)),

@@ -35,39 +35,16 @@ def flex_mask_per_call() -> contextlib.AbstractContextManager:
     return _patched(flex, "document_block_mask", uncached)
 
 
-def adaln_matmul_broadcast() -> contextlib.AbstractContextManager:
-    """Candidate (superseded): per-sample modulation -> per-token rows by a one-hot matmul instead of a
-    gather.
-
-    A gather's backward scatters thousands of token rows into a handful of sample rows
-    (atomics on a few addresses); the one-hot matmul's backward is a plain matmul. The blocks now keep
-    the rows per sample (``AdaLNRows``) and their ops sum token grads into rows by a one-hot GEMM on
-    CUDA (row_modulation.py): no block calls ``AdaLNModulation.forward`` any more, so this rung runs
-    the default code. Kept while benchmarks/ladders.py names it.
-    """
-    from dfm.models.common import adaln
-
-    def forward(self, cond, token_sample_ids):
-        per_sample, _ = self.linear(torch.nn.functional.silu(cond))
-        samples = torch.arange(per_sample.shape[0], device=per_sample.device)
-        one_hot = (token_sample_ids[:, None] == samples[None]).to(per_sample.dtype)
-        return (one_hot @ per_sample).unsqueeze(1).chunk(self.num_chunks, dim=-1)
-
-    return _patched(adaln.AdaLNModulation, "forward", forward)
-
-
-def adaln_gather_backward() -> contextlib.AbstractContextManager:
-    """Before the landed ``rows_to_tokens``: per-sample adaLN rows reach tokens by plain indexing,
-    whose backward scatters every token's grad into its sample's row (serialised on CUDA). Only the
-    final layer still gathers rows to tokens; the blocks' row ops gather inside (row_modulation.py)."""
-    from dfm.models.common import adaln, final_layer
-
-    def gather(rows, token_row_ids):
-        return rows[token_row_ids]
+def rows_index_add() -> contextlib.AbstractContextManager:
+    """Candidate check of the landed row ops: token grads summed into their per-sample modulation rows
+    by ``index_add_`` on CUDA too (the CPU's choice) instead of the one-hot GEMM (``adaln.py``,
+    ``row_modulation.py``: ``sum_rows_by_one_hot_gemm``). On CUDA the GEMM avoids ``index_add_``'s
+    atomics on a handful of rows; this pair says what that buys. A no-op on the CPU."""
+    from dfm.models.common import adaln, row_modulation
 
     stack = contextlib.ExitStack()
-    stack.enter_context(_patched(adaln, "rows_to_tokens", gather))
-    stack.enter_context(_patched(final_layer, "rows_to_tokens", gather))
+    for module in (adaln, row_modulation):
+        stack.enter_context(_patched(module, "sum_rows_by_one_hot_gemm", adaln.sum_rows_by_index_add))
     return stack
 
 
@@ -125,8 +102,7 @@ def uniform_segments_cudnn() -> contextlib.AbstractContextManager:
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "default": contextlib.nullcontext,
     "flex_mask_per_call": flex_mask_per_call,
-    "adaln_matmul_broadcast": adaln_matmul_broadcast,
-    "adaln_gather_backward": adaln_gather_backward,
+    "rows_index_add": rows_index_add,
     "uniform_segments_sdpa": uniform_segments_sdpa,
     "uniform_segments_cudnn": uniform_segments_cudnn,
 }

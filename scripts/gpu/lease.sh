@@ -14,7 +14,7 @@
 #
 # Parts: env (wheels, versions, GPU, torch API probes) | tests (pytest -m gpu) | accept (h4096-8k-L6 and
 # xl2-256-img, dfm vs reference) | mix (mixed/fixed rungs) | backends (flex, sdpa) | compiled |
-# variants (adaLN gather backward, cuDNN on uniform packs: before/after pairs with accept's rungs) |
+# variants (rows summed by index_add instead of the one-hot GEMM, cuDNN on uniform packs: before/after pairs with accept's rungs) |
 # recompiles | profile. Some parts only: PARTS="accept mix" bash scripts/gpu/lease.sh.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -88,7 +88,7 @@ part accept 150 bench accept 5 3 h4096-8k-L6,xl2-256-img
 part mix 150 bench mix 4 2 cross-1k-img-fixed,cross-256-img-fixed,cross-2k-video-fixed,cross-4k-video-fixed,cross-16k-mix-packed
 part backends 150 bench backends 3 2 h4096-8k-L6-flex,xl2-256-img-flex,cross-16k-mix-flex,xl2-256-img-sdpa
 part compiled 150 bench compiled 3 2 h4096-8k-L6-compiled,xl2-256-img-compiled
-part variants 150 bench variants 3 2 h4096-8k-L6-adaln-gather,xl2-256-img-adaln-gather,h4096-8k-L6-uniform-cudnn,xl2-256-img-uniform-cudnn
+part variants 150 bench variants 3 2 h4096-8k-L6-rows-index-add,xl2-256-img-rows-index-add,h4096-8k-L6-uniform-cudnn,xl2-256-img-uniform-cudnn
 part recompiles 90 python3 -m benchmarks.recompiles --packs 50
 part profile 120 python3 -m benchmarks.profile_rung --ladder "$LADDER" --rung h4096-8k-L6 --out "$WORK/profile"
 echo "lease: done after $SECONDS s; $OUT: $(ls "$OUT" | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
