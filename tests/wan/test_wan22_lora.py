@@ -8,7 +8,9 @@ from the import of a tiny two-transformer pipeline folder:
   their prefixed names), only adapters train (gradients and optimizer state: the measured bytes are
   the formula's), an expert without samples in a pack gets zero adapter gradients; the loss falls;
   ``export-lora`` writes ``transformer/`` and ``transformer_2/``, which WanPipeline loads into its two
-  transformers, equal to ``export --merge-lora``'s pipeline folder.
+  transformers, equal to ``export --merge-lora``'s pipeline folder; at TP=2 + SP the run's losses,
+  per-expert losses and gradient norms are one process's (1e-4 relative), its adapters too (TP-split,
+  saved at their global offsets), the base untouched.
 """
 
 import contextlib
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 from dfm.config.peft import PeftConfig
+from dfm.convert.pretrained import read_full_weights
 from dfm.convert.wan import diffusers_sample_output, parity_samples, parity_timesteps, rules
 from dfm.diffusion.pipeline import build_pipeline
 from dfm.peft.inject import add_lora
@@ -32,6 +35,10 @@ from tests.wan.test_wan22_experts import experts, run_cli
 from tests.wan.test_wan22_finetune_entry import ABSENT, BOUNDARY, finetune, imported  # noqa: F401
 
 TOLERANCE = 1e-5
+# 6 Adam steps at lr 3e-2 move the adapters by up to ~0.2; Adam's normalisation turns the TP sums'
+# rounding of near-zero gradient entries into isolated differences (measured 1.2e-4 in 1 of 192
+# entries, most tensors <= 2e-6; losses and gradient norms within 2e-7 relative).
+ADAPTER_ATOL = 5e-4
 ITERS = 6
 # Fused (q/k/v: q and v only), row-parallel, cross-attention k of k/v and MLP targets.
 TARGETS = ["to_q", "to_v", "to_out.0", "attn2.to_k", "ffn.net.0.proj"]
@@ -44,11 +51,11 @@ LORA = [
 ]
 
 
-def lora_run(tmp_path, pretrained, expert: str, extra=()) -> tuple:
-    """(metrics, checkpoint root) of a one-process LoRA run of ``expert`` from ``pretrained``."""
+def lora_run(tmp_path, pretrained, expert: str, extra=(), nproc: int = 1) -> tuple:
+    """(metrics, checkpoint root) of a LoRA run of ``expert`` from ``pretrained`` on ``nproc`` processes."""
     run = tmp_path / expert
     save = [f"checkpoint.save={run / 'checkpoints'}", f"checkpoint.save_interval={ITERS}"]
-    return finetune(1, run, pretrained, expert, [*LORA, *save, *extra]), run / "checkpoints"
+    return finetune(nproc, run, pretrained, expert, [*LORA, *save, *extra]), run / "checkpoints"
 
 
 def base_pipeline() -> diffusers.WanPipeline:
@@ -143,14 +150,22 @@ def test_both_experts_get_their_own_adapters_and_one_without_samples_zero_gradie
         assert param.grad is not None and bool(param.grad.any()) == name.startswith("high_noise."), name
 
 
+BOTH = ["flow.shift=5", "optimizer.lr=3e-2"]  # shift 5: about a third of the samples are high-noise
+
+
+@pytest.fixture(scope="module")
+def both_run(imported, tmp_path_factory):  # noqa: F811
+    """(metrics, checkpoint root) of a one-process LoRA run of both experts."""
+    return lora_run(tmp_path_factory.mktemp("both_lora"), imported, "both", BOTH)
+
+
 @pytest.mark.filterwarnings("ignore")
-def test_both_experts_lora_trains_and_exports_into_both_transformers(imported, tmp_path):  # noqa: F811
-    shift = ["flow.shift=5", "optimizer.lr=3e-2"]  # shift 5: about a third of the samples are high-noise
-    metrics, ckpt = lora_run(tmp_path, imported, "both", shift)
+def test_both_experts_lora_trains_and_exports_into_both_transformers(both_run, tmp_path):
+    metrics, ckpt = both_run
     losses = [m["loss"] for m in metrics]
     assert len(losses) == ITERS and falls(losses), losses
     assert all(m["samples_high_noise"] + m["samples_low_noise"] > 0 for m in metrics)
-    assert_measured_matches_formula(next(tmp_path.glob("both/**/memory_per_rank.json")).parent)
+    assert_measured_matches_formula(next(ckpt.parent.glob("**/memory_per_rank.json")).parent)
     lora = tmp_path / "lora"
     export(["export-lora", "--checkpoint", ckpt, "--output", lora])
     export(["export", "--merge-lora", "--checkpoint", ckpt, "--output", tmp_path / "merged"])
@@ -160,3 +175,20 @@ def test_both_experts_lora_trains_and_exports_into_both_transformers(imported, t
     merged = diffusers.WanPipeline.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32, **ABSENT)
     assert merged.config.boundary_ratio == BOUNDARY
     assert_loaded_equals_merged(pipe, merged, {"transformer": True, "transformer_2": True})
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_both_experts_lora_at_tp2_sp_trains_like_one_process(imported, both_run, tmp_path):  # noqa: F811
+    layout = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
+    tp2, ckpt = lora_run(tmp_path, imported, "both", [*BOTH, *layout], nproc=2)
+    for ours, reference in zip(tp2, both_run[0], strict=True):
+        for key in ("loss", "loss_high_noise", "loss_low_noise", "grad_norm"):
+            if reference[key] is not None:
+                assert abs(ours[key] - reference[key]) <= 1e-4 * abs(reference[key]), (key, ours, reference)
+    # The TP-split adapters of both experts, saved at their global offsets, are the one-process run's.
+    (_, weights), (_, expected) = read_full_weights(ckpt), read_full_weights(both_run[1])
+    adapters = [name for name in expected if ".lora." in name]
+    assert {n.split(".")[0] for n in adapters} == {"high_noise", "low_noise"} and weights.keys() == expected.keys()
+    for name in adapters:
+        torch.testing.assert_close(weights[name], expected[name], rtol=0, atol=ADAPTER_ATOL, msg=name)
+    assert all(torch.equal(weights[name], expected[name]) for name in expected if name not in adapters)  # frozen
