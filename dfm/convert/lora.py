@@ -58,16 +58,31 @@ def lora_files(cfg, weights: dict[str, Tensor]) -> list[tuple[str, dict[str, Ten
     return [("", weights, 'pipeline.load_lora_weights("{}")')]
 
 
+def lora_folder_problem(folder: Path) -> str | None:
+    """None when ``folder`` holds only what ``export-lora`` writes (so ``--overwrite`` may replace it):
+    safetensors files, or subfolders of them (a both-run's transformer/, transformer_2/)."""
+    from dfm.convert.output_folder import diffusers_folder_problem
+
+    for entry in sorted(folder.iterdir()):
+        if entry.is_dir():
+            problem = diffusers_folder_problem(entry)
+        else:
+            problem = None if entry.name.endswith(".safetensors") else "a file export-lora does not write"
+        if problem:
+            return f"holds {entry.name}: {problem}"
+    return None
+
+
 def export_lora(family, args: argparse.Namespace) -> Path:
     """``export-lora``: the checkpoint's adapters -> ``<output>/pytorch_lora_weights.safetensors`` (a run of
     both Wan 2.2 experts: ``<output>/transformer/`` and ``<output>/transformer_2/``, one file each)."""
     from dfm.convert.cli import DTYPES, dtype_name
-    from dfm.convert.output_folder import check_target, diffusers_folder_problem, fresh_folder
+    from dfm.convert.output_folder import check_target, fresh_folder
     from dfm.convert.pretrained import read_checkpoint_weights
     from dfm.peft.export import FILE_NAME, lora_state_dict, write_lora_file
 
     target = Path(args.output)
-    check_target(target, args.overwrite, diffusers_folder_problem)
+    check_target(target, args.overwrite, lora_folder_problem)
     cfg, _, weights = read_checkpoint_weights(args.checkpoint, use_ema=args.ema)
     if cfg.model.architecture != family.architecture:
         raise ConversionError(f"{args.checkpoint} holds a {cfg.model.architecture} model, not {family.architecture}")

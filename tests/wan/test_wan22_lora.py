@@ -168,6 +168,7 @@ def test_both_experts_lora_trains_and_exports_into_both_transformers(both_run, t
     assert_measured_matches_formula(next(ckpt.parent.glob("**/memory_per_rank.json")).parent)
     lora = tmp_path / "lora"
     export(["export-lora", "--checkpoint", ckpt, "--output", lora])
+    export(["export-lora", "--checkpoint", ckpt, "--output", lora, "--overwrite"])  # its subfolders may go
     export(["export", "--merge-lora", "--checkpoint", ckpt, "--output", tmp_path / "merged"])
     pipe = base_pipeline()
     pipe.load_lora_weights(str(lora / "transformer"))
