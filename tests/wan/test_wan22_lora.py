@@ -8,7 +8,8 @@ from the import of a tiny two-transformer pipeline folder:
   their prefixed names), only adapters train (gradients and optimizer state: the measured bytes are
   the formula's), an expert without samples in a pack gets zero adapter gradients; the loss falls;
   ``export-lora`` writes ``transformer/`` and ``transformer_2/``, which WanPipeline loads into its two
-  transformers, equal to ``export --merge-lora``'s pipeline folder; at TP=2 + SP the run's losses,
+  transformers, equal to ``export --merge-lora``'s pipeline folder; at TP=2 + SP, and at DP=2 with
+  the distributed optimizer and overlapped reduction, the run's losses,
   per-expert losses and gradient norms are one process's (1e-4 relative), its adapters too (TP-split,
   saved at their global offsets), the base untouched.
 """
@@ -178,11 +179,19 @@ def test_both_experts_lora_trains_and_exports_into_both_transformers(both_run, t
     assert_loaded_equals_merged(pipe, merged, {"transformer": True, "transformer_2": True})
 
 
+# TP=2 + SP; DP=2 with the distributed optimizer and overlapped reduction (which waits for every
+# adapter's gradient: the expert without samples on a rank gives zeros).
+LAYOUTS = {
+    "tp2_sp": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
+    "dp2_distopt": ["ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true"],
+}
+
+
 @pytest.mark.filterwarnings("ignore")
-def test_both_experts_lora_at_tp2_sp_trains_like_one_process(imported, both_run, tmp_path):  # noqa: F811
-    layout = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
-    tp2, ckpt = lora_run(tmp_path, imported, "both", [*BOTH, *layout], nproc=2)
-    for ours, reference in zip(tp2, both_run[0], strict=True):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_both_experts_lora_layout_trains_like_one_process(imported, both_run, tmp_path, layout):  # noqa: F811
+    run, ckpt = lora_run(tmp_path, imported, "both", [*BOTH, *LAYOUTS[layout]], nproc=2)
+    for ours, reference in zip(run, both_run[0], strict=True):
         for key in ("loss", "loss_high_noise", "loss_low_noise", "grad_norm"):
             if reference[key] is not None:
                 assert abs(ours[key] - reference[key]) <= 1e-4 * abs(reference[key]), (key, ours, reference)
