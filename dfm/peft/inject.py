@@ -47,12 +47,10 @@ def add_lora(model: nn.Module, peft: PeftConfig, model_cfg, rules, seed: int, st
     mark_tensor_parallel_weights(model)  # the adapters copy their base weight's TP split
     # Each expert's linears are named as a one-expert model's (its rules' names) behind its prefix.
     parts = model.submodels() if hasattr(model, "submodels") else {"": model}
-    done = [
-        f"{prefix}{name}"
-        for expert, part in parts.items()
-        for prefix in [f"{expert}." if expert else ""]
-        for name in _add_adapters(part, prefix, peft, (model_cfg, rules), seed, std)
-    ]
+    done = []
+    for expert, part in parts.items():
+        prefix = f"{expert}." if expert else ""
+        done += [f"{prefix}{name}" for name in _add_adapters(part, prefix, peft, (model_cfg, rules), seed, std)]
     if peft.freeze_base:
         for param_name, param in model.named_parameters():
             param.requires_grad_(is_adapter_param(param_name))
