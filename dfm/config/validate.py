@@ -77,7 +77,6 @@ def _check_both_experts(cfg: ConfigContainer) -> None:
         layout.key("pp"): layout.pp > 1,  # each stage would need both experts' stages and routing
         layout.key("cp"): layout.cp > 1,  # the sub-packs would need their own CP split
         "ddp.use_megatron_fsdp": cfg.ddp.use_megatron_fsdp,  # DP ranks would gather different experts
-        "peft.lora_rank": cfg.peft.enabled,  # adapters on two experts: not built
     }
     if cfg.model.wan_boundary_ratio is None:
         raise ConfigError("model.wan_expert=both needs model.wan_boundary_ratio (the experts' boundary)")

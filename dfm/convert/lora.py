@@ -48,23 +48,53 @@ def base_or_merged(weights: dict[str, Tensor], cfg, merge: bool, source: str) ->
     return weights
 
 
+def lora_files(cfg, weights: dict[str, Tensor]) -> list[tuple[str, dict[str, Tensor], str]]:
+    """(subfolder of the output, its model's weights, the diffusers call that loads it) per LoRA file: one,
+    or for Wan 2.2 experts each expert's into its own transformer (dfm/convert/wan_experts.py)."""
+    if cfg.model.architecture == "wan" and cfg.model.wan_expert is not None:
+        from dfm.convert.wan_experts import expert_lora_files
+
+        return expert_lora_files(cfg.model.wan_expert, weights)
+    return [("", weights, 'pipeline.load_lora_weights("{}")')]
+
+
+def lora_folder_problem(folder: Path) -> str | None:
+    """None when ``folder`` holds only what ``export-lora`` writes (so ``--overwrite`` may replace it):
+    safetensors files, or subfolders of them (a both-run's transformer/, transformer_2/)."""
+    from dfm.convert.output_folder import diffusers_folder_problem
+
+    for entry in sorted(folder.iterdir()):
+        if entry.is_dir():
+            problem = diffusers_folder_problem(entry)
+        else:
+            problem = None if entry.name.endswith(".safetensors") else "a file export-lora does not write"
+        if problem:
+            return f"holds {entry.name}: {problem}"
+    return None
+
+
 def export_lora(family, args: argparse.Namespace) -> Path:
-    """``export-lora``: the checkpoint's adapters -> ``<output>/pytorch_lora_weights.safetensors``."""
+    """``export-lora``: the checkpoint's adapters -> ``<output>/pytorch_lora_weights.safetensors`` (a run of
+    both Wan 2.2 experts: ``<output>/transformer/`` and ``<output>/transformer_2/``, one file each)."""
     from dfm.convert.cli import DTYPES, dtype_name
-    from dfm.convert.output_folder import check_target, diffusers_folder_problem, fresh_folder
+    from dfm.convert.output_folder import check_target, fresh_folder
     from dfm.convert.pretrained import read_checkpoint_weights
     from dfm.peft.export import FILE_NAME, lora_state_dict, write_lora_file
 
     target = Path(args.output)
-    check_target(target, args.overwrite, diffusers_folder_problem)
+    check_target(target, args.overwrite, lora_folder_problem)
     cfg, _, weights = read_checkpoint_weights(args.checkpoint, use_ema=args.ema)
     if cfg.model.architecture != family.architecture:
         raise ConversionError(f"{args.checkpoint} holds a {cfg.model.architecture} model, not {family.architecture}")
-    state = lora_state_dict(weights, cfg.model, cfg.peft, family_rules(cfg.model))
-    dtype = DTYPES[args.dtype] if args.dtype else next(iter(state.values())).dtype
+    files = [
+        (folder, lora_state_dict(own, cfg.model, cfg.peft, family_rules(cfg.model)), call)
+        for folder, own, call in lora_files(cfg, weights)
+    ]
+    dtype = DTYPES[args.dtype] if args.dtype else next(iter(files[0][1].values())).dtype
     with fresh_folder(target) as staging:
-        write_lora_file(state, cfg.peft, staging / FILE_NAME, dtype)
-    print(
-        f"wrote {target / FILE_NAME}: {len(state)} {dtype_name(dtype)} tensors; load it with pipeline.load_lora_weights"
-    )
+        for folder, state, _ in files:
+            write_lora_file(state, cfg.peft, staging / folder / FILE_NAME, dtype)
+    for folder, state, call in files:
+        where = target / folder
+        print(f"wrote {where / FILE_NAME}: {len(state)} {dtype_name(dtype)} tensors; load it with {call.format(where)}")
     return target

@@ -26,6 +26,7 @@ from dfm.convert.cli import main as family_main
 from dfm.convert.output_folder import check_target, fresh_folder
 from dfm.convert.rules import ConversionError
 from dfm.convert.wan import WAN
+from dfm.diffusion.timestep_experts import BOTH
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory
 
 EXPERT_FOLDERS = {"high_noise": "transformer", "low_noise": "transformer_2"}
@@ -62,6 +63,11 @@ def import_experts(args: argparse.Namespace) -> list[Path]:
     return written
 
 
+def is_lora_run(checkpoint: str) -> bool:
+    """Whether ``checkpoint``'s config trains LoRA adapters (peft.lora_rank > 0)."""
+    return checkpoint_config(checkpoint_directory(checkpoint)).peft.enabled
+
+
 def expert_model(checkpoint: str, expert: str):
     """The ModelConfig recorded in ``checkpoint``, which must be ``expert``'s (with a boundary)."""
     model = checkpoint_config(checkpoint_directory(checkpoint)).model
@@ -75,8 +81,12 @@ def expert_model(checkpoint: str, expert: str):
 
 def export_experts(args: argparse.Namespace, checkpoint_2: str) -> Path:
     """--checkpoint (high noise) and ``checkpoint_2`` (low noise) -> a WanPipeline (or, for I2V experts,
-    WanImageToVideoPipeline) folder."""
+    WanImageToVideoPipeline) folder. --merge-lora merges the adapters of those of the two that hold them
+    (a LoRA run of one expert exports with the other's import)."""
     models = [expert_model(args.checkpoint, "high_noise"), expert_model(checkpoint_2, "low_noise")]
+    lora = {checkpoint: is_lora_run(checkpoint) for checkpoint in (args.checkpoint, checkpoint_2)}
+    if args.merge_lora and not any(lora.values()):
+        raise ConversionError(f"--merge-lora: neither {args.checkpoint} nor {checkpoint_2} is a LoRA run's checkpoint")
     kinds = {(m.wan_boundary_ratio, m.wan_image_condition) for m in models}
     if len(kinds) != 1:
         raise ConversionError(
@@ -88,6 +98,7 @@ def export_experts(args: argparse.Namespace, checkpoint_2: str) -> Path:
         for expert, checkpoint in (("high_noise", args.checkpoint), ("low_noise", checkpoint_2)):
             one = copy.copy(args)
             one.checkpoint, one.output = checkpoint, str(staging / EXPERT_FOLDERS[expert])
+            one.merge_lora = args.merge_lora and lora[checkpoint]
             export_model(WAN, one)
         write_model_index(staging, models[0])
     return wrote(target, models[0].wan_boundary_ratio)
@@ -122,6 +133,24 @@ def holds_both_experts(checkpoint: str) -> bool:
         return False
 
 
+def expert_weights(weights: dict, expert: str) -> dict:
+    """{name in the expert: tensor} of the ``expert.*`` entries of a both-run's ``weights``."""
+    prefix = f"{expert}."
+    return {name[len(prefix) :]: value for name, value in weights.items() if name.startswith(prefix)}
+
+
+def expert_lora_files(expert: str, weights: dict) -> list[tuple[str, dict, str]]:
+    """``export-lora`` of a run of ``expert`` (high_noise, low_noise, both): (subfolder, its model's
+    weights, the call that loads it). diffusers' Wan loader reads a file's ``transformer.*`` keys
+    into ``transformer``, or with ``load_into_transformer_2=True`` into ``transformer_2``: each
+    expert's adapters are one such file, a both-run's in ``transformer/`` and ``transformer_2/``."""
+    into = {"high_noise": 'pipeline.load_lora_weights("{}")'}
+    into["low_noise"] = 'pipeline.load_lora_weights("{}", load_into_transformer_2=True)'
+    if expert != BOTH:
+        return [("", weights, into[expert])]
+    return [(EXPERT_FOLDERS[name], expert_weights(weights, name), into[name]) for name in EXPERT_FOLDERS]
+
+
 def export_both(args: argparse.Namespace) -> Path:
     """A checkpoint of both experts (parameters ``high_noise.*``, ``low_noise.*``) -> a WanPipeline folder."""
     target = Path(args.output)
@@ -129,9 +158,7 @@ def export_both(args: argparse.Namespace) -> Path:
     cfg, common, weights = read_export_weights(WAN, args)
     with fresh_folder(target) as staging:
         for expert, folder in EXPERT_FOLDERS.items():
-            prefix = f"{expert}."
-            own = {name[len(prefix) :]: value for name, value in weights.items() if name.startswith(prefix)}
-            write_export(WAN, (cfg, common, own), args, staging / folder)
+            write_export(WAN, (cfg, common, expert_weights(weights, expert)), args, staging / folder)
         write_model_index(staging, cfg.model)
     return wrote(target, cfg.model.wan_boundary_ratio)
 

@@ -38,12 +38,29 @@ def _kind(module: nn.Module) -> str | None:
 def add_lora(model: nn.Module, peft: PeftConfig, model_cfg, rules, seed: int, std: float = 0.02) -> list[str]:
     """Adapters on ``model``'s targeted linears (this stage's), base frozen when ``peft.freeze_base``;
     adapters are initialised unless the model is on meta (FSDP initialises its shards itself).
-    ``rules``: the family's conversion rules (``dfm.convert.lora.family_rules``). Returns the global
-    names of the linears given adapters."""
+    ``rules``: the family's conversion rules (``dfm.convert.lora.family_rules``). A model of several
+    submodels (Wan 2.2's both experts: ``submodels()``) gets each one's adapters, named behind its
+    prefix. Returns the global names of the linears given adapters."""
     if peft.lora_dropout and _tp() > 1:
         # A column-parallel adapter's input is whole on every TP rank: per-rank masks would differ.
         raise PeftError("peft.lora_dropout > 0 runs without tensor parallelism only (TP size 1)")
     mark_tensor_parallel_weights(model)  # the adapters copy their base weight's TP split
+    # Each expert's linears are named as a one-expert model's (its rules' names) behind its prefix.
+    parts = model.submodels() if hasattr(model, "submodels") else {"": model}
+    done = []
+    for expert, part in parts.items():
+        prefix = f"{expert}." if expert else ""
+        done += [f"{prefix}{name}" for name in _add_adapters(part, prefix, peft, (model_cfg, rules), seed, std)]
+    if peft.freeze_base:
+        for param_name, param in model.named_parameters():
+            param.requires_grad_(is_adapter_param(param_name))
+    return done
+
+
+def _add_adapters(model: nn.Module, prefix: str, peft: PeftConfig, family: tuple, seed: int, std: float) -> list[str]:
+    """``add_lora`` on one model (``family``: its ModelConfig and rules); ``prefix``: its parameters'
+    prefix in the whole model, which the adapters' init draws by. -> the linears' global names."""
+    model_cfg, rules = family
     linears = _linears(model)
     targets = lora_targets(model_cfg, peft.target_modules, list(linears), rules)
     by_global = {global_module_name(model, name): module for name, module in model.named_modules()}
@@ -72,11 +89,8 @@ def add_lora(model: nn.Module, peft: PeftConfig, model_cfg, rules, seed: int, st
         if kind != "plain":
             shard_adapters_in_checkpoints(module)
         if module.weight.device.type != "meta":
-            init_params(adapter, seed, lambda local, prefix=name: f"{prefix}.{ADAPTER}.{local}", std)
+            init_params(adapter, seed, lambda local, at=f"{prefix}{name}": f"{at}.{ADAPTER}.{local}", std)
         done.append(name)
-    if peft.freeze_base:
-        for param_name, param in model.named_parameters():
-            param.requires_grad_(is_adapter_param(param_name))
     return done
 
 
