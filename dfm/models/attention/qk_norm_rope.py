@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dfm.models.attention.rope_tables import rotate, rotate_transposed
-from dfm.models.common.norm_recompute import norm_backward
+from dfm.models.common.norm_recompute import accumulation_dtype, norm_backward
 
 
 class _QKNormRope(torch.autograd.Function):
@@ -34,7 +34,7 @@ class _QKNormRope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, rstd, weight, cos, sin = ctx.saved_tensors
-        acc = torch.promote_types(x.dtype, torch.float32)
+        acc = accumulation_dtype(x)
         normed = x.to(acc) * rstd.to(acc)
         grad_weighted = grad.to(acc)
         if cos is not None:

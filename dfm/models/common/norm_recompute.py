@@ -24,6 +24,11 @@ def norm_with_stats(x: Tensor, eps: float, rms: bool) -> tuple[Tensor, Tensor | 
     return torch.native_layer_norm(x, x.shape[-1:], None, None, eps)
 
 
+def accumulation_dtype(x: Tensor) -> torch.dtype:
+    """Backward's precision: at least fp32 (fp64 stays fp64: the gradient checks)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def norm_backward(grad_normed: Tensor, normed: Tensor, rstd: Tensor, rms: bool) -> Tensor:
     """d loss / d x of the affine-free norm from d loss / d norm(x) (all [s, b, h], rstd [s, b, 1])."""
     inner = grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True)
@@ -34,7 +39,7 @@ def norm_backward(grad_normed: Tensor, normed: Tensor, rstd: Tensor, rms: bool) 
 
 def normed_again(x: Tensor, mean: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """(norm(x), rstd) recomputed from the saved statistics in at least fp32 (backward's precision)."""
-    acc = torch.promote_types(x.dtype, torch.float32)
+    acc = accumulation_dtype(x)
     centred = x.to(acc) if mean is None else x.to(acc) - mean.to(acc)
     return centred * rstd.to(acc), rstd.to(acc)
 

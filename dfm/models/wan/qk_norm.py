@@ -17,11 +17,7 @@ import torch
 from torch import Tensor
 
 from dfm.models.attention.rope_tables import rotate, rotate_transposed
-
-
-def accumulation_dtype(x: Tensor) -> torch.dtype:
-    """At least fp32 (fp64 stays fp64: the gradient checks)."""
-    return torch.promote_types(x.dtype, torch.float32)
+from dfm.models.common.norm_recompute import accumulation_dtype
 
 
 class _SquareSum(torch.autograd.Function):
