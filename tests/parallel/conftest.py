@@ -1,20 +1,12 @@
-"""One single-process reference run per (config, overrides), shared by every layout case of the session."""
+"""The session's training runs, shared by every layout case (tests/parallel/equivalence.py: LayoutRuns)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.parallel.equivalence import Run, train
+from tests.parallel.equivalence import LayoutRuns
 
 
 @pytest.fixture(scope="session")
-def reference_runs(tmp_path_factory):
-    tmp, cache = tmp_path_factory.mktemp("reference"), {}
-
-    def reference(config: str, overrides: list[str]) -> Run:
-        key = (config, tuple(overrides))
-        if key not in cache:
-            cache[key] = train(tmp, config, 1, overrides)
-        return cache[key]
-
-    return reference
+def layout_runs(tmp_path_factory) -> LayoutRuns:
+    return LayoutRuns(tmp_path_factory.mktemp("layout_runs"))

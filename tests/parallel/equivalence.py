@@ -6,7 +6,8 @@ Each run dumps every parameter gathered to its full tensor under its global name
 (``_weights_entry.py``: TP shards concatenated, pipeline stages and expert-parallel ranks
 merged, replicas checked bitwise equal), and the test compares all of them with the
 single-process run's. A layout runs on tp x pp x cp processes, or on 2 (data parallel) when
-that product is 1.
+that product is 1. The runs a session selects are made several per launch (``LayoutRuns``): one launch
+per process count and test, so each pays Python's and megatron-core's start-up once.
 
 Tolerances:
 * losses rel 1e-4, grad norms rel 1e-3: float sums in a different order.
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.training.entry import RECIPE_DIR, read_metrics, run_entry
+from tests.training.entry import RECIPE_DIR, read_metrics, run_entries, run_entry
 
 WEIGHTS_ENTRY = Path(__file__).resolve().parent / "_weights_entry.py"
 
@@ -72,6 +73,57 @@ def train(tmp: Path, config: str, nproc: int, overrides: list[str]) -> Run:
     result = run_entry(nproc, args, entry=WEIGHTS_ENTRY, env={"DFM_TEST_FULL_WEIGHTS": str(weights)}, config=conf)
     assert result.returncode == 0, result.stderr[-4000:]
     return Run(read_metrics(log_dir), torch.load(weights))
+
+
+def train_many(tmp: Path, nproc: int, cases: list[tuple[str, list[str]]]) -> list[Run | str]:
+    """``train`` of each (config, overrides) on ``nproc`` processes, several per launch
+    (tests/training/_runs_entry.py) -> each case's Run, or its failure."""
+    runs, log_dirs = [], []
+    for index, (config, overrides) in enumerate(cases):
+        log_dir = tmp / f"{Path(config).name}-{nproc}-{index}"
+        conf = RECIPE_DIR / "conf" / f"{config}.yaml"
+        argv = ["--config-file", str(conf), "--mock", "train.train_iters=3", f"logger.log_dir={log_dir}", *overrides]
+        runs.append({"argv": argv, "weights": str(log_dir / "full_weights.pt")})
+        log_dirs.append(log_dir)
+    statuses = run_entries(nproc, runs, tmp / f"launch-{nproc}")
+    return [
+        Run(read_metrics(log_dir), torch.load(log_dir / "full_weights.pt")) if status == "ok" else status
+        for status, log_dir in zip(statuses, log_dirs)
+    ]
+
+
+Case = tuple[str, int, tuple[str, ...]]  # (config, processes, overrides)
+
+
+class LayoutRuns:
+    """The session's training runs by (config, processes, overrides), made on first use together with
+    the other runs on as many processes that the requesting test's selected cases need."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.done, self.launches = tmp, {}, 0
+
+    def get(self, config: str, nproc: int, overrides: list[str], batch: list[Case]) -> Run:
+        case = (config, nproc, tuple(overrides))
+        if case not in self.done:
+            pending = [c for c in dict.fromkeys([case, *batch]) if c[1] == nproc and c not in self.done]
+            self.launches += 1
+            folder = self.tmp / f"batch{self.launches}"
+            results = train_many(folder, nproc, [(c[0], list(c[2])) for c in pending])
+            self.done.update(zip(pending, results))
+        result = self.done[case]
+        if isinstance(result, str):
+            pytest.fail(f"the run of {case} failed:\n{result}", pytrace=False)
+        return result
+
+
+def selected_params(request) -> list[dict]:
+    """The parameters of every case of the requesting test function that this session runs."""
+    node = request.node
+    return [
+        item.callspec.params
+        for item in request.session.items
+        if getattr(item, "originalname", None) == node.originalname and item.module is node.module
+    ]
 
 
 def assert_same_metrics(expected: list[dict], actual: list[dict]) -> None:

@@ -18,7 +18,7 @@ from tests.parallel.equivalence import (
     TP2,
     assert_same_metrics,
     assert_same_weights,
-    train,
+    selected_params,
 )
 
 DP4_DATA = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=4"]  # one pack per rank at DP=4
@@ -44,8 +44,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("config,nproc,layout,reference", CASES, ids=lambda v: v if isinstance(v, str) else None)
-def test_fsdp_layout_matches_single_process(tmp_path, reference_runs, config, nproc, layout, reference):
-    expected = reference_runs(config, reference)
-    actual = train(tmp_path, config, nproc, layout)
+def test_fsdp_layout_matches_single_process(request, layout_runs, config, nproc, layout, reference):
+    cases = selected_params(request)  # run several per launch (equivalence.LayoutRuns)
+    expected = layout_runs.get(config, 1, reference, [(c["config"], 1, tuple(c["reference"])) for c in cases])
+    actual = layout_runs.get(config, nproc, layout, [(c["config"], c["nproc"], tuple(c["layout"])) for c in cases])
     assert_same_metrics(expected.metrics, actual.metrics)
     assert_same_weights(expected.weights, actual.weights)

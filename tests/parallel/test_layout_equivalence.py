@@ -19,7 +19,7 @@ from tests.parallel.equivalence import (
     VPP,
     assert_same_metrics,
     assert_same_weights,
-    train,
+    selected_params,
     world_size,
 )
 
@@ -63,8 +63,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("config,layout,reference_overrides", CASES, ids=lambda v: v if isinstance(v, str) else None)
-def test_layout_matches_single_process(tmp_path, reference_runs, config, layout, reference_overrides):
-    expected = reference_runs(config, reference_overrides)
-    actual = train(tmp_path, config, world_size(layout), layout)
+def test_layout_matches_single_process(request, layout_runs, config, layout, reference_overrides):
+    cases = selected_params(request)  # run several per launch (equivalence.LayoutRuns)
+    references = [(c["config"], 1, tuple(c["reference_overrides"])) for c in cases]
+    expected = layout_runs.get(config, 1, reference_overrides, references)
+    layouts = [(c["config"], world_size(c["layout"]), tuple(c["layout"])) for c in cases]
+    actual = layout_runs.get(config, world_size(layout), layout, layouts)
     assert_same_metrics(expected.metrics, actual.metrics)
     assert_same_weights(expected.weights, actual.weights)

@@ -14,6 +14,7 @@ from pathlib import Path
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recipes" / "dit"
 ENTRY = RECIPE_DIR / "pretrain_dit_model.py"
 FAULT_ENTRY = Path(__file__).resolve().parent / "_fault_entry.py"
+RUNS_ENTRY = Path(__file__).resolve().parent / "_runs_entry.py"
 TINY = RECIPE_DIR / "conf" / "dit_tiny.yaml"
 
 
@@ -59,6 +60,56 @@ def run_entry(
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+
+
+def run_entries(
+    nproc: int, runs: list[dict], folder: Path, env: dict[str, str] | None = None, seconds_per_run: int = 240
+) -> list[str]:
+    """Several runs of the entry point, each ``{"argv": [...], "weights": path or None}``, in as few launches
+    on ``nproc`` processes as their failures allow (``_runs_entry.py``) -> each run's "ok" or its failure.
+
+    A launch stops at a failing run; the next launch starts after it, so one failure costs only its own
+    run. ``folder`` holds the run list and each run's status file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    runs = [{**run, "status": str(folder / f"status-{index}")} for index, run in enumerate(runs)]
+    runs_file = folder / "runs.json"
+    runs_file.write_text(json.dumps(runs))
+    pending = list(runs)
+    while pending:
+        launcher = [sys.executable]
+        if nproc > 1:
+            launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        with tempfile.TemporaryFile("w+") as out:
+            proc = subprocess.Popen(
+                [*launcher, str(RUNS_ENTRY), str(runs_file)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=entry_env(env),
+                cwd=RECIPE_DIR,
+                start_new_session=True,
+            )
+            try:
+                proc.wait(timeout=120 + seconds_per_run * len(pending))
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                kill_group(proc.pid)
+            out.seek(0)
+            output = out.read()
+        done = [run for run in pending if Path(run["status"]).exists()]
+        if not done:  # the launch died before finishing or failing any run: the rest fail with its output
+            for run in pending:
+                Path(run["status"]).write_text(
+                    f"launch exited {proc.returncode} before this run ended:\n{output[-6000:]}"
+                )
+            break
+        for run in done:
+            if Path(run["status"]).read_text() != "ok":
+                with Path(run["status"]).open("a") as status:
+                    status.write(f"\nthe launch's output:\n{output[-6000:]}")
+        pending = [run for run in pending if not Path(run["status"]).exists()]
+    return [Path(run["status"]).read_text() for run in runs]
 
 
 def kill_group(pgid: int) -> None:
