@@ -3,7 +3,8 @@
 One module per backend, all with the kernel contract ``(q, k, v, params, scale) -> out`` on
 megatron's ``sbhd`` layout (b == 1 for a pack; padding query rows are 0):
 
-* ``sdpa`` (sdpa.py): torch SDPA on each sample's segment, the reference;
+* ``sdpa`` (sdpa.py): torch SDPA per sample segment, the reference; on the CPU one flash call per
+  segment length (segment_plan.py);
 * ``flex`` (flex.py): one FlexAttention call with a document block mask;
 * ``varlen`` (varlen.py): torch's variable-length flash kernel (CUDA);
 * ``te`` (te.py): Transformer Engine's THD attention, its own megatron module.

@@ -1,11 +1,13 @@
-"""Per-segment attention on the CPU with one output buffer, kept once for backward.
+"""Segment attention on the CPU: one flash call per group of equal-length segments
+(segment_plan.py), one output buffer, kept once for backward.
 
-Through ``F.scaled_dot_product_attention`` each segment's output is saved by its SDPA node and
+Through ``F.scaled_dot_product_attention`` each call's output is saved by its SDPA node and
 copied again into the pack-wide output the output projection saves: two copies of [s, b, h]. Here
-the same flash kernel runs per segment inside one autograd Function; the segment outputs are written
-once into the pack's buffer (zeros on padding rows), and its backward hands the kernel's backward
-views of that buffer, so only the buffer (which the projection keeps anyway) and the per-segment
-log-sum-exp [b, np, nq] are saved. Values are those of SDPA, which picks this kernel on the CPU.
+the same flash kernel runs per group inside one autograd Function; the outputs are written once
+into the pack's buffer (zeros on padding rows; a view of the kernel's output when one group covers
+the pack), and its backward hands the kernel's backward views of that buffer, so only the buffer
+(which the projection keeps anyway) and the log-sum-exp [n, b*np, len] per group are saved. Values
+are those of SDPA, which picks this kernel on the CPU.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
-Segment = tuple[int, int, int, int]  # (q start, q length, kv start, kv length), all > 0 lengths
+from dfm.models.attention.segment_plan import Segment, SegmentPlan, assemble, gather, merged_heads, plan_segments
 
 
 def heads_first(x: Tensor) -> Tensor:
@@ -43,64 +45,60 @@ def padded_concat(like: Tensor, outputs: list[tuple[int, Tensor]]) -> Tensor:
     return torch.cat(pieces)
 
 
-def ordered_disjoint(segments: list[Segment]) -> bool:
-    """The kv ranges of ``segments`` follow one another without overlap (false under context
-    parallelism, where two query chunks of a sample read the same keys)."""
-    ends = [k0 + nk for _, _, k0, nk in segments]
-    return all(k0 >= end for (_, _, k0, _), end in zip(segments[1:], ends))
-
-
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 class _SegmentAttentionCPU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, segments: list[Segment], scale: float) -> Tensor:
-        q, k, v = heads_first(query), heads_first(key), heads_first(value)
+    def forward(ctx, query: Tensor, key: Tensor, value: Tensor, plan: SegmentPlan, scale: float) -> Tensor:
+        q, k, v = merged_heads(query), merged_heads(key), merged_heads(value)
         outputs, lse = [], []
-        for q0, nq, k0, nk in segments:
-            out, logsumexp = _FLASH(q[:, :, q0 : q0 + nq], k[:, :, k0 : k0 + nk], v[:, :, k0 : k0 + nk], scale=scale)
-            outputs.append((q0, out.permute(2, 0, 1, 3)))
+        for group in plan.groups:
+            keys = group.kv
+            out, logsumexp = _FLASH(
+                gather(q, group.q), gather(k, keys), gather(v, keys), attn_mask=group.bias(q.dtype), scale=scale
+            )
+            outputs.append(out)
             lse.append(logsumexp)
-        out = padded_concat(query, outputs)
+        out = assemble(query, plan, "q", outputs)
         ctx.save_for_backward(query, key, value, out, *lse)
-        ctx.segments, ctx.scale = segments, scale
+        ctx.plan, ctx.scale = plan, scale
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         query, key, value, out, *lse = ctx.saved_tensors
-        q, k, v, o, g = (heads_first(t) for t in (query, key, value, out, grad))
-        q_parts, kv_parts = [], []
-        for (q0, nq, k0, nk), logsumexp in zip(ctx.segments, lse):
-            rows, keys = slice(q0, q0 + nq), slice(k0, k0 + nk)
-            d_q, d_k, d_v = _FLASH_BACKWARD(
-                g[:, :, rows],
-                q[:, :, rows],
-                k[:, :, keys],
-                v[:, :, keys],
-                o[:, :, rows],
+        q, k, v, o, g = (merged_heads(t) for t in (query, key, value, out, grad))
+        d_q, d_k, d_v = [], [], []
+        for group, logsumexp in zip(ctx.plan.groups, lse):
+            rows, keys = group.q, group.kv
+            grads = _FLASH_BACKWARD(
+                gather(g, rows),
+                gather(q, rows),
+                gather(k, keys),
+                gather(v, keys),
+                gather(o, rows),
                 logsumexp,
                 0.0,
                 False,
+                attn_mask=group.bias(q.dtype),
                 scale=ctx.scale,
             )
-            q_parts.append((q0, d_q.permute(2, 0, 1, 3)))
-            kv_parts.append((k0, d_k.permute(2, 0, 1, 3), d_v.permute(2, 0, 1, 3)))
-        d_query = padded_concat(query, q_parts)  # query segments never overlap: written once
-        if ordered_disjoint(ctx.segments):
-            d_key = padded_concat(key, [(k0, d_k) for k0, d_k, _ in kv_parts])
-            d_value = padded_concat(value, [(k0, d_v) for k0, _, d_v in kv_parts])
-        else:
-            d_key, d_value = torch.zeros_like(key), torch.zeros_like(value)
-            for k0, d_k, d_v in kv_parts:
-                d_key[k0 : k0 + d_k.shape[0]] += d_k
-                d_value[k0 : k0 + d_v.shape[0]] += d_v
-        return d_query, d_key, d_value, None, None
+            for parts, part in zip((d_q, d_k, d_v), grads):
+                parts.append(part)
+        add = not ctx.plan.kv_once  # kv rows read twice (context parallel) or padded slots: summed
+        d_key, d_value = (assemble(t, ctx.plan, "kv", parts, add) for t, parts in ((key, d_k), (value, d_v)))
+        return assemble(query, ctx.plan, "q", d_q), d_key, d_value, None, None
+
+
+def grouped_attention_cpu(query: Tensor, key: Tensor, value: Tensor, plan: SegmentPlan, scale: float) -> Tensor:
+    """query [sq, b, np, hn], key / value [sk, b, np, hn] -> [sq, b, np, hn]: one flash call per
+    group of ``plan``; rows outside its query segments are 0."""
+    return _SegmentAttentionCPU.apply(query, key, value, plan, scale)
 
 
 def segment_attention_cpu(query: Tensor, key: Tensor, value: Tensor, segments: list[Segment], scale: float) -> Tensor:
-    """query [sq, b, np, hn], key / value [sk, b, np, hn] -> [sq, b, np, hn]; rows outside the
-    (ordered, disjoint) query segments are 0."""
-    return _SegmentAttentionCPU.apply(query, key, value, segments, scale)
+    """The same over a list of (disjoint in q) ``segments``, planned here."""
+    plan = plan_segments(segments, query.shape[0], key.shape[0], query.device)
+    return grouped_attention_cpu(query, key, value, plan, scale)

@@ -58,16 +58,9 @@ def segment_bounds(params: PackedSeqParams, side: str) -> tuple[list[int], list[
     return offsets[:-1].tolist(), segment_lengths(real).tolist()
 
 
-def document_ids(starts: list[int], lengths: list[int], total: int, device: torch.device) -> Tensor:
-    """[total] long: sample index of each real token, -1 (q) on padding."""
-    ids = torch.full((total,), -1, dtype=torch.long, device=device)
-    for index, (start, length) in enumerate(zip(starts, lengths)):
-        ids[start : start + length] = index
-    return ids
-
-
 def document_ids_on_device(params: PackedSeqParams, side: str, total: int, device: torch.device) -> Tensor:
-    """Like :func:`document_ids`, computed from the cu_seqlens tensors with no host sync."""
+    """[total] long: sample index of each real token, -1 on padding; from the cu_seqlens tensors,
+    vectorised, with no host sync."""
     real = getattr(params, f"cu_seqlens_{side}").to(device)
     padded = getattr(params, f"cu_seqlens_{side}_padded")
     padded = real if padded is None else padded.to(device)

@@ -1,0 +1,147 @@
+"""A pack's attention segments as a few batched kernel calls: one per distinct query length.
+
+Segments with the same query length form a group, attended as one ``[n, b*np, len, hn]`` call. A
+side whose segments are equally long at a regular stride (every clip 32 tokens, back to back) is a
+strided view of the pack's rows, no copy; otherwise its rows are gathered by index. Key lengths
+that differ within a group (captions) are padded to the group's longest with a -inf mask. Built
+once per pack from the host segments and kept on ``params`` (every layer gets the same object).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from torch import Tensor
+
+from dfm.models.attention.segments import cached_per_pack, host_segments, segment_bounds
+
+Segment = tuple[int, int, int, int]  # (q start, q length, kv start, kv length), lengths > 0
+
+
+@dataclass
+class Rows:
+    """One side of a group: ``n`` segments of ``length`` rows each."""
+
+    length: int
+    index: Tensor  # [n * length] long, the pack row of each (segment, position)
+    strided: tuple[int, int] | None  # (first start, stride): index == first + stride * i + j
+
+
+@dataclass
+class Group:
+    q: Rows
+    kv: Rows
+    mask: Tensor | None  # [n, 1, 1, kv.length] bool, False on keys padded to the group's longest
+    additive: dict = field(default_factory=dict, repr=False)  # dtype -> the mask as 0 / -inf
+
+    def bias(self, dtype: torch.dtype) -> Tensor | None:
+        """The mask as the additive bias the CPU flash kernel takes (in the query's dtype), made once."""
+        if self.mask is None:
+            return None
+        if dtype not in self.additive:
+            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self.additive[dtype] = zeros.masked_fill(~self.mask, float("-inf"))
+        return self.additive[dtype]
+
+
+@dataclass
+class SegmentPlan:
+    groups: list[Group]
+    q_covers_all: bool  # every query row is some segment's (no zero rows to write)
+    kv_once: bool  # every kv row read by at most one (segment, position): grads copied, not added
+
+
+def _rows(starts: list[int], lengths: list[int], device: torch.device) -> Rows:
+    length = max(lengths)
+    step = starts[1] - starts[0] if len(starts) > 1 else length
+    regular = all(n == length for n in lengths) and all(b - a == step for a, b in zip(starts, starts[1:]))
+    offsets = torch.arange(length)
+    ends = torch.tensor(lengths)[:, None] - 1
+    index = torch.tensor(starts)[:, None] + torch.minimum(offsets, ends)  # padded slots read the last key
+    return Rows(length, index.flatten().to(device, non_blocking=True), (starts[0], step) if regular else None)
+
+
+def plan_segments(segments: list[Segment], q_total: int, kv_total: int, device: torch.device) -> SegmentPlan:
+    """Group ``segments`` (non-empty, disjoint query ranges) by query length."""
+    by_length: dict[int, list[Segment]] = {}
+    for segment in segments:
+        by_length.setdefault(segment[1], []).append(segment)
+    groups = []
+    for members in by_length.values():
+        q0, nq, k0, nk = (list(column) for column in zip(*members))
+        mask = None
+        if len(set(nk)) > 1:
+            mask = (torch.arange(max(nk)) < torch.tensor(nk)[:, None])[:, None, None]
+            mask = mask.to(device, non_blocking=True)
+        groups.append(Group(_rows(q0, nq, device), _rows(k0, nk, device), mask))
+    kv_rows = sorted((k0, k0 + nk) for _, _, k0, nk in segments)
+    kv_once = all(group.mask is None for group in groups) and all(b[0] >= a[1] for a, b in zip(kv_rows, kv_rows[1:]))
+    return SegmentPlan(groups, sum(nq for _, nq, _, _ in segments) == q_total, kv_once)
+
+
+def segment_plan(params: PackedSeqParams, q_total: int, kv_total: int, device: torch.device) -> SegmentPlan | None:
+    """The plan of ``params``' non-empty segments (None: there are none), built once per pack."""
+
+    def build() -> SegmentPlan | None:
+        q_starts, q_lens = segment_bounds(params, "q")
+        kv_starts, kv_lens = segment_bounds(params, "kv")
+        segments = [s for s in zip(q_starts, q_lens, kv_starts, kv_lens) if s[1] and s[3]]
+        return plan_segments(segments, q_total, kv_total, device) if segments else None
+
+    host = host_segments(params)
+    bounds = tuple(id(getattr(host, f"cu_seqlens_{name}")) for name in ("q", "q_padded", "kv", "kv_padded"))
+    # The host tensors are kept with the plan, so their ids stay theirs while it is cached.
+    key = (q_total, kv_total, device, bounds)
+    held = (host.cu_seqlens_q, host.cu_seqlens_q_padded, host.cu_seqlens_kv, host.cu_seqlens_kv_padded)
+    return cached_per_pack(params, "segment_plan", key, lambda: (held, build()))[1]
+
+
+def merged_heads(x: Tensor) -> Tensor:
+    """``x`` [s, b, np, hn] itself when its b and np dims merge into one strided dim, else a copy that does."""
+    s0, s1, s2, s3 = x.stride()
+    if s3 == 1 and (x.shape[1] == 1 or s1 == x.shape[2] * s2):
+        return x
+    return x.contiguous()
+
+
+def gather(x: Tensor, rows: Rows) -> Tensor:
+    """[s, b, np, hn] (``merged_heads``) -> [n, b*np, length, hn]: a view when ``rows`` is strided."""
+    _, b, heads, hn = x.shape
+    n = rows.index.shape[0] // rows.length
+    if rows.strided is not None:
+        first, step = rows.strided
+        s0, _, s2, s3 = x.stride()
+        return x.as_strided((n, b * heads, rows.length, hn), (step * s0, s2, s0, s3), x.storage_offset() + first * s0)
+    return x.index_select(0, rows.index).view(n, rows.length, b * heads, hn).transpose(1, 2)
+
+
+def token_rows(values: Tensor, like: Tensor) -> Tensor:
+    """[n, b*np, length, hn] -> [n * length, b, np, hn] rows shaped like ``like``'s."""
+    return values.transpose(1, 2).reshape(-1, *like.shape[1:])
+
+
+def scatter(buffer: Tensor, rows: Rows, values: Tensor, add: bool = False) -> None:
+    """Write (``add``: sum) group values [n, b*np, length, hn] into their rows of ``buffer`` [s, b, np, hn]."""
+    if add:
+        buffer.index_add_(0, rows.index, token_rows(values, buffer))
+    elif rows.strided is not None:
+        gather(buffer, rows).copy_(values)
+    else:
+        buffer.index_copy_(0, rows.index, token_rows(values, buffer))
+
+
+def assemble(like: Tensor, plan: SegmentPlan, side: str, values: list[Tensor], add: bool = False) -> Tensor:
+    """One [s, b, np, hn] tensor shaped like ``like`` from the groups' values on ``side``; rows no
+    segment has are 0. A single group covering every row in order is a reshape of its values."""
+    groups = plan.groups
+    if len(groups) == 1 and not add:
+        rows = getattr(groups[0], side)
+        if rows.strided == (0, rows.length) and rows.index.shape[0] == like.shape[0]:
+            return token_rows(values[0], like)
+    covered = plan.q_covers_all if side == "q" else False
+    buffer = like.new_empty(like.shape) if covered else like.new_zeros(like.shape)
+    for group, value in zip(groups, values):
+        scatter(buffer, getattr(group, side), value, add)
+    return buffer
