@@ -1,14 +1,15 @@
-"""Time dfm's training step through the trainer's own pieces.
+"""dfm's training step through the trainer's own pieces, as a benchmark side.
 
-Model, optimizer, forward step, loader and ``train_step`` are the ones ``dfm.training.pretrain``
-uses, so a figure here is the trainer's speed minus its logging.
+Model, optimizer, forward step and ``train_step`` are the ones ``dfm.training.pretrain`` uses, fed
+the mock loader's packs drawn beforehand, so a figure here is the trainer's step minus its logging
+and its loader.
 """
 
 from __future__ import annotations
 
 import torch
 
-from benchmarks.timing import Timing, peak_memory_gib, reset_memory, start_clock, stop_clock
+from benchmarks.timing import Timing, draw_packs, reset_memory, time_sides
 from dfm.checkpoint.state import TrainingState
 from dfm.diffusion.pipeline import pipeline_from_config
 from dfm.parallel import ParallelLayout
@@ -18,37 +19,31 @@ from dfm.training.pretrain import RecordingIterator, finalize_defaults, train_st
 from dfm.training.setup import build_model, build_optimizer, num_microbatches
 
 
+class DfmSide:
+    """dfm's model, optimizer and forward step over ``total_steps`` steps' packs."""
+
+    def __init__(self, cfg, device: torch.device, total_steps: int):
+        layout = ParallelLayout.from_config(cfg.model, torch.distributed.get_world_size())
+        finalize_defaults(cfg, layout)
+        model, tconfig = build_model(cfg, layout, device)
+        optimizer, scheduler = build_optimizer(cfg, model, tconfig)
+        self.forward_step = DiffusionForwardStep(
+            pipeline_from_config(cfg), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device
+        )
+        self.n_micro = num_microbatches(cfg, layout)
+        self.packs = draw_packs(build_mock_loader(cfg, layout), total_steps, self.n_micro)
+        self.state = TrainingState(model, optimizer, scheduler, None)
+        self.device = device
+        for chunk in model:
+            chunk.train()
+
+    def step(self, index: int) -> None:
+        self.state.loader = RecordingIterator(iter(self.packs[index]))  # as the trainer wraps its loader
+        self.forward_step.iteration = index + 1
+        train_step(self.forward_step, self.state, self.n_micro, self.device)
+
+
 def time_dfm(cfg, device: torch.device, warmup: int, steps: int, profiler=None) -> Timing:
-    """``profiler`` (a torch.profiler.profile) records the timed steps only."""
+    """dfm alone; ``profiler`` (a torch.profiler.profile) records the timed steps only."""
     reset_memory(device)
-    layout = ParallelLayout.from_config(cfg.model, torch.distributed.get_world_size())
-    finalize_defaults(cfg, layout)
-    model, tconfig = build_model(cfg, layout, device)
-    optimizer, scheduler = build_optimizer(cfg, model, tconfig)
-    pipeline = pipeline_from_config(cfg)
-    forward_step = DiffusionForwardStep(pipeline, cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
-    data = RecordingIterator(build_mock_loader(cfg, layout))
-    state = TrainingState(model, optimizer, scheduler, data)
-    n_micro = num_microbatches(cfg, layout)
-    for chunk in model:
-        chunk.train()
-    start = 0.0
-    for iteration in range(1, warmup + steps + 1):
-        if iteration == warmup + 1:
-            start = start_clock(device)
-            data.take()
-            if profiler is not None:
-                profiler.start()
-        forward_step.iteration = iteration
-        train_step(forward_step, state, n_micro, device)
-    elapsed = stop_clock(device, start)
-    if profiler is not None:
-        profiler.stop()
-    packs = data.take()
-    return Timing(
-        elapsed_s=elapsed,
-        steps=steps,
-        video_lens=[n for q, *_ in packs for n in q],
-        text_lens=[n for _, kv, *_ in packs for n in kv],
-        peak_mem_gib=peak_memory_gib(device),
-    )
+    return time_sides([DfmSide(cfg, device, warmup + steps)], device, warmup, steps, profiler)[0]

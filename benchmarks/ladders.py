@@ -12,6 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 TINY_YAML = "examples/megatron/recipes/dit/conf/dit_tiny.yaml"
+DIGITS_VIDEO_YAML = "examples/megatron/recipes/dit/conf/digits_video_tiny.yaml"
+# The CI video config on mock clips of its shape: 1-channel [4, 16, 16] latents (32 tokens a clip after
+# 2x4x4 patches), 64 clips per 2048-token pack, captions of 8-16 tokens, one pack a step.
+DIGITS_VIDEO = [
+    "dataset.mock_video_sizes=[[4,16,16]]",
+    "dataset.mock_image_fraction=0.0",
+    "dataset.mock_text_len_range=[8,16]",
+    "dataset.num_workers=0",
+]
 
 
 @dataclass
@@ -68,6 +77,10 @@ def cpu_ladder() -> list[Rung]:
         Rung("tiny-256-image", ["dataset.mock_image_fraction=1.0"], config_file=TINY_YAML),
         Rung("tiny-1k-mix", ["dataset.seq_length=1024"], config_file=TINY_YAML),
     ]
+    digits = [
+        Rung("digits-video", DIGITS_VIDEO + ["model.architecture=dit_cross"], config_file=DIGITS_VIDEO_YAML),
+        Rung("digits-video-moviegen", DIGITS_VIDEO, config_file=DIGITS_VIDEO_YAML),
+    ]
     small = model(256, 4, 4) + ["model.in_channels=4", "model.text_embed_dim=64"]
     # The mixed rung's samples come in four shapes; each also runs alone in 4k-token packs.
     fixed = [
@@ -76,11 +89,15 @@ def cpu_ladder() -> list[Rung]:
         Rung("small-4k-fixed-512", small + data(4096, [], [[2, 32, 32]], 0.0), reference=False),
     ]
     mixed = data(4096, [[32, 32], [16, 32]], [[4, 32, 32], [2, 32, 32]], 0.5)
-    return tiny + [
-        Rung("small-4k-video", small + data(4096, [], [[4, 32, 32]], 0.0)),  # fixed, 1024 tokens
-        Rung("small-4k-mix", small + mixed, mix_of=["small-4k-video", *(r.name for r in fixed)]),
-        *fixed,
-    ]
+    return (
+        tiny
+        + digits
+        + [
+            Rung("small-4k-video", small + data(4096, [], [[4, 32, 32]], 0.0)),  # fixed, 1024 tokens
+            Rung("small-4k-mix", small + mixed, mix_of=["small-4k-video", *(r.name for r in fixed)]),
+            *fixed,
+        ]
+    )
 
 
 def gpu_smoke_ladder() -> list[Rung]:

@@ -2,8 +2,9 @@
 
 Textbook training: fp32 parameters, ``torch.autocast`` to bf16 when the run is bf16, Adam
 (torch's default implementation), gradient clipping at the config's ``clip_grad``. Noise is drawn
-on the device (the textbook way). Packs come from the same mock loader as dfm's, regrouped into
-fixed-size batches of one latent shape (see ``reference_dit.batches_from_pack``).
+on the device (the textbook way). Packs come from the same mock loader as dfm's, drawn and regrouped
+into dense batches of one latent shape (``reference_dit.batches_from_pack``) on the device before the
+clock starts: a researcher's loader hands over ready batches.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.reference_dit import ReferenceDiT, ShapeBatch, batches_from_pack
-from benchmarks.timing import Timing, peak_memory_gib, reset_memory, start_clock, stop_clock
+from benchmarks.timing import Timing, draw_packs, reset_memory, time_sides
 from dfm.diffusion.pipeline import pipeline_from_config
 from dfm.parallel import ParallelLayout
 from dfm.training.data import build_mock_loader
@@ -30,7 +31,7 @@ def build_reference(cfg, device: torch.device) -> tuple[ReferenceDiT, torch.opti
 
 
 def batch_loss(model, pipeline, batch: ShapeBatch, autocast) -> torch.Tensor:
-    """Summed per-sample loss of one fixed-size batch."""
+    """Summed per-sample loss of one dense batch."""
     b, length, dim = batch.latents.shape
     x0 = batch.latents.flatten(0, 1)
     sample_ids = torch.arange(b, device=x0.device).repeat_interleave(length)
@@ -44,53 +45,40 @@ def batch_loss(model, pipeline, batch: ShapeBatch, autocast) -> torch.Tensor:
     return per_sample.sum()
 
 
-def reference_step(cfg, model, optimizer, pipeline, packs: list, device, autocast) -> list:
-    """One optimizer step over ``packs`` (the micro-batches); returns the packs' (video, text) lengths."""
+def reference_step(cfg, model, optimizer, pipeline, micro_batches: list, autocast) -> None:
+    """One optimizer step; ``micro_batches``: per pack, (its dense batches, its sample count)."""
     optimizer.zero_grad(set_to_none=True)
-    lengths = []
-    n_micro = len(packs)
-    for pack in packs:
-        lengths.append(
-            (
-                pack.host_sample_lengths(),
-                pack.host_text_lengths(),
-            )
-        )
+    for batches, num_samples in micro_batches:
         # dfm's loss is the mean over a pack's samples, averaged over micro-batches: match it.
-        weight = 1.0 / (pack.num_samples * n_micro)
-        for batch in batches_from_pack(pack):
-            (batch_loss(model, pipeline, batch.to(device), autocast) * weight).backward()
+        weight = 1.0 / (num_samples * len(micro_batches))
+        for batch in batches:
+            (batch_loss(model, pipeline, batch, autocast) * weight).backward()
     if cfg.optimizer.clip_grad:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)
     optimizer.step()
-    return lengths
+
+
+class ReferenceSide:
+    """The reference model and optimizer over ``total_steps`` steps' packs, regrouped into dense batches
+    on the device beforehand."""
+
+    def __init__(self, cfg, device: torch.device, total_steps: int):
+        self.cfg = cfg
+        self.model, self.optimizer = build_reference(cfg, device)
+        self.pipeline = pipeline_from_config(cfg)
+        layout = ParallelLayout.from_config(cfg.model, torch.distributed.get_world_size())
+        self.packs = draw_packs(build_mock_loader(cfg, layout), total_steps, num_microbatches(cfg, layout))
+        self.batches = [
+            [([b.to(device) for b in batches_from_pack(p)], p.num_samples) for p in step] for step in self.packs
+        ]
+        bf16 = cfg.mixed_precision.precision == "bf16"
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    def step(self, index: int) -> None:
+        reference_step(self.cfg, self.model, self.optimizer, self.pipeline, self.batches[index], self.autocast)
 
 
 def time_reference(cfg, device: torch.device, warmup: int, steps: int, profiler=None) -> Timing:
+    """The reference alone; ``profiler`` records the timed steps only."""
     reset_memory(device)
-    model, optimizer = build_reference(cfg, device)
-    pipeline = pipeline_from_config(cfg)
-    layout = ParallelLayout.from_config(cfg.model, torch.distributed.get_world_size())
-    loader = build_mock_loader(cfg, layout)
-    n_micro = num_microbatches(cfg, layout)
-    bf16 = cfg.mixed_precision.precision == "bf16"
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-    start, packs = 0.0, []
-    for step in range(warmup + steps):
-        if step == warmup:
-            start = start_clock(device)
-            packs = []
-            if profiler is not None:
-                profiler.start()
-        micro_batches = [next(loader) for _ in range(n_micro)]
-        packs += reference_step(cfg, model, optimizer, pipeline, micro_batches, device, autocast)
-    elapsed = stop_clock(device, start)
-    if profiler is not None:
-        profiler.stop()
-    return Timing(
-        elapsed_s=elapsed,
-        steps=steps,
-        video_lens=[n for q, _ in packs for n in q],
-        text_lens=[n for _, kv in packs for n in kv],
-        peak_mem_gib=peak_memory_gib(device),
-    )
+    return time_sides([ReferenceSide(cfg, device, warmup + steps)], device, warmup, steps, profiler)[0]

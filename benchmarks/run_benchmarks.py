@@ -5,9 +5,10 @@
         --set model.tensor_model_parallel_size=2
     python -m benchmarks.run_benchmarks --ladder gpu --out $OUT
 
-Each rung times dfm (the trainer's own model/optimizer/forward-step/schedule) and then the reference
-on the same packs and device, and reports dfm/reference: on a noisy machine both sides see the
-same noise, so the ratio holds where absolute numbers do not. Writes results.json and results.md.
+Each rung times dfm (the trainer's own model/optimizer/forward-step/schedule) and the reference on
+the same packs and device, drawn before the clock, and reports dfm/reference. On the CPU the two
+sides take turns step by step, so a shared machine's load falls on both alike; on a GPU each side
+runs alone (its own peak memory). Writes results.json and results.md.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` and `dfm` impo
 
 import torch
 
-from benchmarks.dfm_runner import time_dfm
+from benchmarks.dfm_runner import DfmSide, time_dfm
 from benchmarks.ladders import Rung, get_ladder
-from benchmarks.reference_runner import time_reference
+from benchmarks.reference_runner import ReferenceSide, time_reference
 from benchmarks.report import markdown_table, mixed_vs_fixed, ratio, side_metrics
+from benchmarks.timing import time_sides
 from benchmarks.variants import apply_variant
 from dfm.config.loader import build_config
 from dfm.parallel import ParallelLayout, launched_world_size
@@ -65,19 +67,41 @@ def timed_side(label: str, timer, cfg, device, args, gpus_sharing: int, peak) ->
     try:
         return side_metrics(cfg, timer(cfg, device, args.warmup, args.steps), gpus_sharing, peak)
     except Exception as error:  # noqa: BLE001 - reported in the table, traceback on stderr
-        traceback.print_exc()
-        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+        return error_entry(error)
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
 
+def error_entry(error: Exception) -> dict:
+    traceback.print_exc()
+    return {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+
+
+def timed_together(rung: Rung, args, device, gpus_sharing: int, peak) -> tuple[dict, dict]:
+    """dfm and the reference built side by side, then stepped in turns (the CPU: shared cores' load
+    falls on both alike; no per-side peak memory to keep apart there)."""
+    cfgs = rung_config(rung, args.set), rung_config(rung, args.set)
+    try:
+        total = args.warmup + args.steps
+        sides = [DfmSide(cfgs[0], device, total), ReferenceSide(cfgs[1], device, total)]
+        dfm, reference = time_sides(sides, device, args.warmup, args.steps)
+    except Exception as error:  # noqa: BLE001 - reported in the table, traceback on stderr
+        return error_entry(error), error_entry(error)
+    return side_metrics(cfgs[0], dfm, gpus_sharing, peak), side_metrics(cfgs[1], reference, 1, peak)
+
+
 def run_rung(rung: Rung, args, device, peak) -> dict:
     cfg = rung_config(rung, args.set)
     row = {"config": rung.name, "variant": rung.variant, "overrides": rung.overrides + args.set, "mix_of": rung.mix_of}
-    with apply_variant(rung.variant):
-        row["dfm"] = timed_side("dfm", time_dfm, cfg, device, args, running_layout(cfg).model_parallel, peak)
-    if rung.reference and not args.no_reference:
+    with_reference = rung.reference and not args.no_reference
+    sharing = running_layout(cfg).model_parallel
+    with apply_variant(rung.variant):  # variants patch dfm's model code, which the reference never calls
+        if with_reference and device.type == "cpu":
+            row["dfm"], row["reference"] = timed_together(rung, args, device, sharing, peak)
+        else:
+            row["dfm"] = timed_side("dfm", time_dfm, cfg, device, args, sharing, peak)
+    if with_reference and "reference" not in row:
         # Every process runs its own copy on its own packs: a single-device reference, per GPU.
         row["reference"] = timed_side("reference", time_reference, rung_config(rung, args.set), device, args, 1, peak)
     row["ratio"] = ratio(row["dfm"], row.get("reference"))

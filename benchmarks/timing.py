@@ -1,10 +1,16 @@
-"""What one timed run measured, and the clock both sides share."""
+"""What one timed run measured, the clock both sides share, and the loop that times them.
+
+A side (dfm's trainer, the reference) is built with its packs drawn, then stepped: alone (each side's
+peak memory its own; GPUs), or alternating step by step with the other side (``time_sides``), so load
+from other processes on a shared CPU falls on both sides alike.
+"""
 
 from __future__ import annotations
 
 import gc
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -22,6 +28,13 @@ class Timing:
     @property
     def step_time_s(self) -> float:
         return self.elapsed_s / self.steps
+
+
+def draw_packs(loader, steps: int, n_micro: int) -> list[list]:
+    """``steps`` optimizer steps' micro-batches, drawn before the clock starts: both sides time the
+    training step on the same packs, not the loader (real runs load in worker processes;
+    benchmarks/bench_dataloader.py times the loader)."""
+    return [[next(loader) for _ in range(n_micro)] for _ in range(steps)]
 
 
 def synchronize(device: torch.device) -> None:
@@ -49,3 +62,38 @@ def reset_memory(device: torch.device) -> None:
 
 def peak_memory_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+class Side(Protocol):
+    packs: list[list]  # each step's micro-batches (PackedBatch), drawn before any step
+
+    def step(self, index: int) -> None:
+        """Optimizer step ``index`` (0-based) over ``packs[index]``."""
+
+
+def sample_lengths(packs: list) -> tuple[list[int], list[int]]:
+    """(video, text) tokens of each sample of ``packs``."""
+    return [n for p in packs for n in p.host_sample_lengths()], [n for p in packs for n in p.host_text_lengths()]
+
+
+def time_sides(sides: list[Side], device, warmup: int, steps: int, profiler=None) -> list[Timing]:
+    """``warmup`` untimed steps of each side, then ``steps`` timed ones, the sides taking turns by step;
+    ``profiler`` (a torch.profiler.profile) records the timed steps only."""
+    for index in range(warmup):
+        for side in sides:
+            side.step(index)
+    elapsed = [0.0] * len(sides)
+    if profiler is not None:
+        profiler.start()
+    for index in range(warmup, warmup + steps):
+        for k, side in enumerate(sides):
+            start = start_clock(device)
+            side.step(index)
+            elapsed[k] += stop_clock(device, start)
+    if profiler is not None:
+        profiler.stop()
+    timings = []
+    for seconds, side in zip(elapsed, sides):
+        timed = [pack for step in side.packs[warmup : warmup + steps] for pack in step]
+        timings.append(Timing(seconds, steps, *sample_lengths(timed), peak_memory_gib(device)))
+    return timings
