@@ -132,3 +132,25 @@ def test_micro_batch_on_cuda_never_syncs(dist, arch):
             loss_fn(output)[0].backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("arch", ["dit_cross", "stdit"])
+def test_attention_plans_are_built_once_per_pack_not_per_layer(dist, monkeypatch, arch):
+    """Every layer reads the same segments object, so the sdpa kernel's plan (segment_plan.py) is
+    built once per attention kind per micro-batch, forward and backward: as often for 3 layers as for 1."""
+    from dfm.models.attention import segment_plan
+
+    builds = []
+    plan = segment_plan.plan_segments
+    monkeypatch.setattr(segment_plan, "plan_segments", lambda *a: builds.append(1) or plan(*a))
+    counts = []
+    for layers in (1, 3):
+        cfg = tiny_config(arch, attention_backend="sdpa", num_layers=layers)
+        model = build_random_model(cfg)
+        step = DiffusionForwardStep(build_pipeline("flow"), seed=1, cfg_dropout_prob=0.5, device=torch.device("cpu"))
+        batch, noise, level = step.prepare(pack_samples(make_samples(cfg), segment_multiple=8))
+        builds.clear()
+        output, loss_fn = step.run(model, batch, noise, level)
+        loss_fn(output)[0].backward()
+        counts.append(len(builds))
+    assert counts[0] == counts[1] > 0
