@@ -1,5 +1,6 @@
 """The megatron modules of each attention backend: the linears and the core attention a layer spec
-is built from. Local backends (sdpa, flex, varlen) use megatron-core's parallel linears and
+is built from. Local backends (sdpa, flex, varlen) use megatron-core's parallel linears (one F.linear
+on one rank: one_rank_linear.py) and
 ``PackedDotProductAttention``; ``te`` Transformer Engine's, imported only when asked for.
 
 Parameter names are the same in both, so a checkpoint moves between them.
@@ -9,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dfm.models.attention.core import PackedDotProductAttention
+from dfm.models.common.one_rank_linear import LocalColumnLinear, LocalRowLinear
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class BackendModules:
 
 def local_modules(attention_backend: str = "sdpa") -> BackendModules:
     core = ModuleSpec(module=PackedDotProductAttention, params={"backend": attention_backend})
-    return BackendModules(ColumnParallelLinear, RowParallelLinear, core, use_te=False)
+    return BackendModules(LocalColumnLinear, LocalRowLinear, core, use_te=False)
 
 
 def te_modules() -> BackendModules:

@@ -1,0 +1,52 @@
+"""megatron's parallel linears, run as one ``F.linear`` where nothing is parallel.
+
+On one tensor-parallel rank megatron's ColumnParallelLinear / RowParallelLinear still go through a
+Python autograd Function (``LinearWithGradAccumulationAndAsyncCommunication``): a matmul, then the
+bias added in a pass of its own, or handed back (``skip_bias_add``) for the caller to add in another
+pass over [s, b, out]. Here the same parameters go through ``F.linear``: one addmm with the bias
+fused, autograd's own backward, and the bias never handed back (the caller's ``bias`` is None, so
+``out + bias`` is not computed again). Gradients reach megatron's grad buffers as before, through
+each parameter's grad-accumulation hook.
+
+Same classes (subclasses), parameters, names and sharding: checkpoints and TP > 1 are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.utils import get_pg_size
+from torch import Tensor
+
+
+def runs_alone(linear) -> bool:
+    """Nothing of megatron's linear machinery applies: one TP rank, no sequence parallelism, no fused
+    weight-gradient accumulation, no expert communication, no deferred or offloaded work."""
+    config = linear.config
+    return (
+        get_pg_size(linear.tp_group) == 1
+        and not linear.sequence_parallel
+        and not linear.gradient_accumulation_fusion
+        and not getattr(linear, "explicit_expert_comm", False)
+        and not config.defer_embedding_wgrad_compute
+        and config._cpu_offloading_context is None
+        and linear.weight is not None
+    )
+
+
+class LocalColumnLinear(ColumnParallelLinear):
+    """ColumnParallelLinear; input [s, b, in] -> ([s, b, out], None) by ``F.linear`` on one rank."""
+
+    def forward(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None):
+        if weight is None and runs_alone(self):
+            return F.linear(input_, self.weight, self.bias), None
+        return super().forward(input_, weight, runtime_gather_output)
+
+
+class LocalRowLinear(RowParallelLinear):
+    """RowParallelLinear; input [s, b, in] -> ([s, b, out], None) by ``F.linear`` on one rank."""
+
+    def forward(self, input_: Tensor):
+        if runs_alone(self):
+            return F.linear(input_, self.weight, self.bias), None
+        return super().forward(input_)
