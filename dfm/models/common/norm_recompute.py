@@ -37,6 +37,20 @@ def norm_backward(grad_normed: Tensor, normed: Tensor, rstd: Tensor, rms: bool) 
     return rstd * inner
 
 
+def norm_input_grad(grad_normed: Tensor, x: Tensor, mean: Tensor | None, rstd: Tensor, normed: Tensor | None) -> Tensor:
+    """d loss / d x [s, b, h] in backward's precision from d loss / d norm(x) (in that precision).
+
+    LayerNorm (``mean`` given) through its native backward kernel, one pass from x and the saved
+    statistics; RMSNorm (no CPU kernel) by ``norm_backward`` on ``normed`` (recomputed: ``normed_again``)."""
+    if mean is None:
+        return norm_backward(grad_normed, normed, rstd.to(grad_normed.dtype), rms=True)
+    acc = grad_normed.dtype
+    mask = [True, False, False]
+    return torch.ops.aten.native_layer_norm_backward(
+        grad_normed, x.to(acc), x.shape[-1:], mean.to(acc), rstd.to(acc), None, None, mask
+    )[0]
+
+
 def normed_again(x: Tensor, mean: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """(norm(x), rstd) recomputed from the saved statistics in at least fp32 (backward's precision)."""
     acc = accumulation_dtype(x)
@@ -49,8 +63,8 @@ class _NormModulateRows(torch.autograd.Function):
     def forward(ctx, x, shift_rows, scale_rows, ids, eps: float, rms: bool) -> Tensor:
         normed, mean, rstd = norm_with_stats(x, eps, rms)
         ctx.save_for_backward(x, mean, rstd, scale_rows, ids)
-        ctx.rms = rms
-        return normed * (1 + gather_rows(scale_rows, ids)) + gather_rows(shift_rows, ids)
+        # (1 + scale) on the rows, then gathered: one pass over [s, b, h] less, the same values.
+        return normed * gather_rows(1 + scale_rows, ids) + gather_rows(shift_rows, ids)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -62,8 +76,8 @@ class _NormModulateRows(torch.autograd.Function):
         d_shift, d_scale = d_rows.to(scale_rows.dtype).chunk(2, dim=-1)
         d_x = None
         if ctx.needs_input_grad[0]:
-            grad_normed = grad * (1 + gather_rows(scale_rows, ids).to(normed.dtype))
-            d_x = norm_backward(grad_normed, normed, rstd, ctx.rms).to(x.dtype)
+            grad_normed = grad * gather_rows(1 + scale_rows.to(normed.dtype), ids)
+            d_x = norm_input_grad(grad_normed, x, mean, rstd, normed).to(x.dtype)
         return d_x, d_shift, d_scale, None, None, None
 
 
@@ -81,8 +95,8 @@ class _Norm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, mean, rstd = ctx.saved_tensors
-        normed, rstd = normed_again(x, mean, rstd)
-        return norm_backward(grad.to(normed.dtype), normed, rstd, ctx.rms).to(x.dtype), None, None
+        normed = normed_again(x, mean, rstd)[0] if ctx.rms else None
+        return norm_input_grad(grad.to(accumulation_dtype(x)), x, mean, rstd, normed).to(x.dtype), None, None
 
 
 def norm_recomputed(x: Tensor, eps: float, rms: bool) -> Tensor:
