@@ -80,16 +80,19 @@ class EDMPipeline(DiffusionPipeline):
 
     def draw_sigma(self, num_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """[N] fp32 training noise levels, log-normal: ln sigma ~ N(P_mean, P_std^2)."""
-        device = generator.device if generator is not None else None
-        ln_sigma = torch.randn(num_samples, generator=generator, device=device)
-        return (self.settings.P_mean + self.settings.P_std * ln_sigma).exp()
+        return self.levels_from_draws(self.level_draws(num_samples, generator))
 
     # --- training pieces -------------------------------------------------------------------------
 
-    def draw_level(
-        self, num_samples: int, generator: torch.Generator | None = None, tokens: float | None = None
+    def level_draws(self, num_samples: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+        """The standard normals [N] ln sigma is made from."""
+        device = generator.device if generator is not None else None
+        return (torch.randn(num_samples, generator=generator, device=device),)
+
+    def levels_from_draws(
+        self, draws: tuple[torch.Tensor, ...], tokens: float | list[int] | None = None
     ) -> torch.Tensor:
-        return self.draw_sigma(num_samples, generator)
+        return (self.settings.P_mean + self.settings.P_std * draws[0]).exp()
 
     def noisy(
         self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor, sample_ids: torch.Tensor

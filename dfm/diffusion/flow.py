@@ -134,31 +134,51 @@ class FlowPipeline(DiffusionPipeline):
     def c_noise(self, t: torch.Tensor) -> torch.Tensor:
         return self.settings.c_noise_scale * t
 
+    def level_draws(self, num_samples: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+        """The uniform / normal numbers ``num_samples`` training times are made from, each [N], in the
+        order drawn (``levels_from_draws`` makes the times)."""
+        s = self.settings
+        device = generator.device if generator is not None else None
+        if s.timestep_sampling == "uniform":
+            return (torch.rand(num_samples, generator=generator, device=device),)
+        normal = torch.randn(num_samples, generator=generator, device=device)
+        if s.uniform_mix == 0:
+            return (normal,)
+        uniform = torch.rand(num_samples, generator=generator, device=device)
+        return normal, uniform, torch.rand(num_samples, generator=generator, device=device)
+
+    def times_from_draws(
+        self, draws: tuple[torch.Tensor, ...], shift: float | torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[N] fp32 training times from ``level_draws``; ``shift`` (scalar or [N]) overrides the settings'."""
+        s = self.settings
+        if s.timestep_sampling == "uniform":
+            t = draws[0]
+        else:
+            t = torch.sigmoid(s.logit_mean + s.logit_std * draws[0])
+            if s.uniform_mix > 0:
+                t = torch.where(draws[2] < s.uniform_mix, draws[1], t)
+        t = shift_timesteps(t, s.shift if shift is None else shift)
+        return t if (s.t_min, s.t_max) == (0.0, 1.0) else s.t_min + (s.t_max - s.t_min) * t
+
     def draw_t(
         self, num_samples: int, generator: torch.Generator | None = None, shift: float | torch.Tensor | None = None
     ) -> torch.Tensor:
         """[N] fp32 training times; ``shift`` (scalar or [N]) overrides the settings' shift."""
-        s = self.settings
-        device = generator.device if generator is not None else None
-        if s.timestep_sampling == "uniform":
-            t = torch.rand(num_samples, generator=generator, device=device)
-        else:
-            t = torch.sigmoid(s.logit_mean + s.logit_std * torch.randn(num_samples, generator=generator, device=device))
-            if s.uniform_mix > 0:
-                uniform = torch.rand(num_samples, generator=generator, device=device)
-                mixed = torch.rand(num_samples, generator=generator, device=device) < s.uniform_mix
-                t = torch.where(mixed, uniform, t)
-        t = shift_timesteps(t, s.shift if shift is None else shift)
-        return t if (s.t_min, s.t_max) == (0.0, 1.0) else s.t_min + (s.t_max - s.t_min) * t
+        return self.times_from_draws(self.level_draws(num_samples, generator), shift)
 
     # --- training pieces -------------------------------------------------------------------------
 
-    def draw_level(
-        self, num_samples: int, generator: torch.Generator | None = None, tokens: float | None = None
+    def levels_from_draws(
+        self, draws: tuple[torch.Tensor, ...], tokens: float | list[int] | None = None
     ) -> torch.Tensor:
-        """With ``dynamic_shift``, t is shifted for ``tokens`` per sample (FLUX's resolution-dependent shift)."""
-        dynamic = self.settings.dynamic_shift and tokens is not None
-        return self.draw_t(num_samples, generator, shift=shift_for_num_tokens(tokens) if dynamic else None)
+        """With ``dynamic_shift``, t is shifted for ``tokens`` (a number, or one per sample) tokens (FLUX's
+        resolution-dependent shift, each in double precision as one sample's would be)."""
+        if not self.settings.dynamic_shift or tokens is None:
+            return self.times_from_draws(draws)
+        if isinstance(tokens, list | tuple):
+            return self.times_from_draws(draws, torch.tensor([shift_for_num_tokens(float(n)) for n in tokens]))
+        return self.times_from_draws(draws, shift_for_num_tokens(tokens))
 
     def model_input(
         self, x0: torch.Tensor, noise: torch.Tensor, level: torch.Tensor, sample_ids: torch.Tensor

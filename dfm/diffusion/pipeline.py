@@ -81,11 +81,21 @@ class DiffusionPipeline(ABC):
         return sampler_for(self.name, name or self.settings.sampler)
 
     @abstractmethod
+    def level_draws(self, num_samples: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
+        """The random numbers ``num_samples`` training levels are made from, each [N], in the order drawn."""
+
+    @abstractmethod
+    def levels_from_draws(
+        self, draws: tuple[torch.Tensor, ...], tokens: float | list[int] | None = None
+    ) -> torch.Tensor:
+        """[N] fp32 training noise levels (sigma for EDM, t for flow) from ``level_draws``; ``tokens``:
+        one number, or one per sample, for a level distribution that depends on the sample's size."""
+
     def draw_level(
         self, num_samples: int, generator: torch.Generator | None = None, tokens: float | None = None
     ) -> torch.Tensor:
-        """[N] fp32 training noise levels (sigma for EDM, t for flow); ``tokens``: per sample, for a
-        level distribution that depends on the sample's size."""
+        """[N] fp32 training noise levels drawn from ``generator``."""
+        return self.levels_from_draws(self.level_draws(num_samples, generator), tokens)
 
     def draw_training_noise(
         self,

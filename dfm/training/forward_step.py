@@ -11,7 +11,7 @@ import torch
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.video_condition import as_text_to_video, text_to_video_samples
 from dfm.diffusion.first_frame import keep_first_frames_clean
-from dfm.diffusion.pipeline import DiffusionPipeline, cfg_drop_mask, null_dropped_context
+from dfm.diffusion.pipeline import DiffusionPipeline, null_dropped_context
 from dfm.diffusion.timestep_experts import EXPERTS, expert_of
 
 
@@ -23,19 +23,23 @@ def sample_noise_generator(seed: int, iteration: int, sample_index: int) -> torc
 def draw_pack_noise(
     pipeline: DiffusionPipeline, batch: PackedBatch, seed: int, iteration: int, cfg_dropout_prob: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> noise [S, D] (zero on padding), level [N], text dropped [N] bool; drawn on the CPU."""
+    """-> noise [S, D] (zero on padding), level [N], text dropped [N] bool; drawn on the CPU.
+
+    Each sample's generator draws, in order, its level's random numbers, its noise and its text-drop
+    number (``draw_training_noise`` then ``cfg_drop_mask``); the loop only draws, the levels and the
+    drop decisions are made once for the pack from the drawn numbers."""
     starts = batch.cu_seqlens_q_padded[:-1].tolist()
     lengths = batch.host_sample_lengths()
-    feature_dim = batch.latents.shape[1]
     noise = torch.zeros(batch.latents.shape, dtype=torch.float32)
-    levels, dropped = [], []
+    draws, drop_draws = [], []
     for start, length, index in zip(starts, lengths, batch.sample_index.tolist()):
         generator = sample_noise_generator(seed, iteration, index)
-        sample_noise, level = pipeline.draw_training_noise(1, (length, feature_dim), generator)
-        noise[start : start + length] = sample_noise
-        levels.append(level)
-        dropped.append(cfg_drop_mask(1, cfg_dropout_prob, generator))
-    return noise, torch.cat(levels), torch.cat(dropped)
+        draws.append(pipeline.level_draws(1, generator))
+        torch.randn((length, noise.shape[1]), generator=generator, out=noise[start : start + length])
+        drop_draws.append(torch.rand(1, generator=generator))
+    columns = tuple(torch.cat(column) for column in zip(*draws))
+    level = pipeline.levels_from_draws(columns, tokens=lengths)
+    return noise, level, torch.cat(drop_draws) < cfg_dropout_prob
 
 
 class DiffusionForwardStep:
