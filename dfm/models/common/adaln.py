@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear, copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor, nn
 
 from dfm.models.common.init import zero_init
+from dfm.models.common.one_rank_linear import LocalColumnLinear
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
@@ -78,7 +79,7 @@ class AdaLNModulation(MegatronModule):
         # Low-rank adaLN (Cosmos / NeMo's DiT-7B): h -> rank, replicated and tiny, then rank -> chunks x h;
         # 7 rank h parameters per block instead of 6 h^2.
         self.down = nn.Linear(config.hidden_size, rank, bias=False) if rank else None
-        self.linear = ColumnParallelLinear(
+        self.linear = LocalColumnLinear(
             rank or config.hidden_size,
             num_chunks * config.hidden_size,
             config=config,
