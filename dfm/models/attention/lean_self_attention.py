@@ -3,7 +3,8 @@
 * RoPE from ``RotaryTables``: cos / sin made once per pack and shared by every layer (an angles
   tensor [s, 1, 1, d], as megatron takes it, still works: its tables are made per call).
 * q / k RMSNorm and RoPE in one Function (qk_norm_rope.py): the normed q and k are recomputed in
-  backward, not kept beside their inputs.
+  backward, not kept beside their inputs; without RoPE (absolute positions) the norm alone, one
+  fused kernel instead of RMSNorm's composite ops.
 * RoPE without q / k norms: the value is copied out of the fused QKV output, which is then freed
   (a view of it would keep all three of q, k, v alive beside the rotated q and k).
 
@@ -48,8 +49,7 @@ class LeanSelfAttention(SelfAttention):
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
         """query [sq, b, np, hn], key / value [sq, b, ng, hn] (+ gate), RoPE applied to query and key."""
         fused = (
-            self.rotary is not None
-            and split_qkv
+            split_qkv
             and not output_gate
             and self.config.num_query_groups >= self.world_size
             and fusable_norm(self.q_layernorm)
@@ -72,5 +72,8 @@ class LeanSelfAttention(SelfAttention):
         return self.norm_rope(query, self.q_layernorm), self.norm_rope(key, self.k_layernorm), value
 
     def norm_rope(self, x: Tensor, norm: nn.RMSNorm) -> Tensor:
+        """RMSNorm (+ RoPE when the pack has tables) of x [s, b, np, hn] in one Function."""
+        if self.rotary is None:
+            return qk_norm_rope(x, norm.weight, None, None, norm.eps, False)
         cos, sin = self.rotary.cos_sin(x.dtype)
         return qk_norm_rope(x, norm.weight, cos, sin, norm.eps, self.rotary.interleaved)
