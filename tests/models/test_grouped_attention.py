@@ -24,8 +24,11 @@ CASES = {
     "empty_caption": ([4, 4, 4], [4, 4, 4], [3, 0, 2], [3, 0, 2]),
 }
 # (q start, q length, kv start, kv length): under context parallelism a rank's two query chunks of
-# one sample read the same keys
-SHARED_KEYS = [(0, 3, 0, 5), (4, 3, 0, 5), (7, 2, 5, 2), (9, 2, 7, 3)]
+# one sample read the same keys; and keys in another order than their queries
+SEGMENT_LISTS = {
+    "shared_keys": [(0, 3, 0, 5), (4, 3, 0, 5), (7, 2, 5, 2), (9, 2, 7, 3)],
+    "keys_out_of_order": [(0, 3, 7, 3), (4, 3, 0, 3), (7, 2, 3, 2)],
+}
 
 
 def rand(*shape, seed=0, requires_grad=True):
@@ -71,19 +74,20 @@ def test_padding_rows_stay_zero(case):
         start += padded
 
 
-def test_keys_shared_by_two_query_segments():
+@pytest.mark.parametrize("name", list(SEGMENT_LISTS))
+def test_segments_given_as_a_list(name):
     inputs = (rand(11, 1, 2, 4), rand(10, 1, 2, 4, seed=1), rand(10, 1, 2, 4, seed=2))
 
     def per_segment(query, key, value):
         out = torch.zeros_like(query)
-        for q0, nq, k0, nk in SHARED_KEYS:
+        for q0, nq, k0, nk in SEGMENT_LISTS[name]:
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query[q0 : q0 + nq], key[k0 : k0 + nk], value[k0 : k0 + nk]))
             out[q0 : q0 + nq] = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=SCALE).permute(
                 2, 0, 1, 3
             )
         return out
 
-    grouped = lambda *t: sdpa_cpu.segment_attention_cpu(*t, SHARED_KEYS, SCALE)  # noqa: E731
+    grouped = lambda *t: sdpa_cpu.segment_attention_cpu(*t, SEGMENT_LISTS[name], SCALE)  # noqa: E731
     assert_same_forward_backward(grouped, per_segment, inputs)
     assert torch.autograd.gradcheck(grouped, [t.detach()[..., :1, :2].clone().requires_grad_() for t in inputs])
 

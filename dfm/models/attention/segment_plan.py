@@ -56,7 +56,7 @@ class SegmentPlan:
 def _rows(starts: list[int], lengths: list[int], device: torch.device) -> Rows:
     length = max(lengths)
     step = starts[1] - starts[0] if len(starts) > 1 else length
-    regular = all(n == length for n in lengths) and all(b - a == step for a, b in zip(starts, starts[1:]))
+    regular = step >= 0 and all(n == length for n in lengths) and all(b - a == step for a, b in zip(starts, starts[1:]))
     offsets = torch.arange(length)
     ends = torch.tensor(lengths)[:, None] - 1
     index = torch.tensor(starts)[:, None] + torch.minimum(offsets, ends)  # padded slots read the last key
