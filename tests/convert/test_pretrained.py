@@ -39,6 +39,7 @@ def test_weights_only_checkpoint_reads_back_bit_exact(pretrained):
     assert all(torch.equal(back[name], tensor) for name, tensor in weights.items())
 
 
+@pytest.mark.slow
 def test_training_starts_from_pretrained_at_tp2_and_refuses_it_as_resume(pretrained, tmp_path):
     root, weights = pretrained
     dump = tmp_path / "weights.pt"

@@ -22,6 +22,7 @@ def train(dataset_dir: Path, log_dir: Path, overrides: list[str], nproc: int = 1
     return {r["iteration"]: r["loss"] for r in read_metrics(log_dir)}
 
 
+@pytest.mark.slow
 def test_tiny_dit_trains_on_prepared_energon_data(dataset, tmp_path):
     assert dataset.corrupt_files and dataset.report.skipped  # the corrupt file is counted, not trained on
     losses = train(dataset.dataset_dir, tmp_path / "logs", ["train.train_iters=5"])
@@ -35,6 +36,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_exact_resume_on_energon_data(dataset, tmp_path, layout):
     nproc, overrides = LAYOUTS[layout]

@@ -41,6 +41,7 @@ def straight(tmp_path_factory) -> tuple[Path, dict]:
     return tmp / "ckpt", losses
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_is_skipped_and_resume_is_exact(tmp_path, straight):
     root, losses = straight
     copy = tmp_path / "ckpt"
@@ -53,6 +54,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_resume_is_exact(tmp_path, st
     assert resumed == {3: losses[3], 4: losses[4]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["before_write", "after_write", "before_latest"])
 def test_kill_during_save_keeps_latest_and_resume_is_exact(tmp_path, straight, when):
     _, losses = straight
@@ -71,6 +73,7 @@ def test_kill_during_save_keeps_latest_and_resume_is_exact(tmp_path, straight, w
     assert latest(root) == 4
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_save_leaves_latest_and_removes_the_partial(tmp_path):
     root = tmp_path / "ckpt"
     env = {"DFM_TEST_FAULT": "enospc_during_save:4"}
@@ -82,6 +85,7 @@ def test_disk_full_during_a_save_leaves_latest_and_removes_the_partial(tmp_path)
     assert latest(root) == 2 and not (root / "iter_0000004").exists()
 
 
+@pytest.mark.slow
 def test_an_unfinished_first_save_does_not_block_the_requeue_and_keep_last_keeps_the_newest(tmp_path):
     root = tmp_path / "ckpt"
     (root / "iter_0000005").mkdir(parents=True)
@@ -94,6 +98,7 @@ def test_an_unfinished_first_save_does_not_block_the_requeue_and_keep_last_keeps
     assert latest(root) == 2
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_different_model(tmp_path, straight):
     root, _ = straight
     result, _ = train(tmp_path, "other", [f"checkpoint.load={root}", "model.num_layers=1", "model.hidden_size=32"])
@@ -102,6 +107,7 @@ def test_resume_refuses_a_different_model(tmp_path, straight):
     assert "model.hidden_size: checkpoint 64, this run 32" in result.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
     save, log_dir = tmp_path / "ckpt", tmp_path / "logs"
     cmd = entry_command(1, ["train.train_iters=100000", f"checkpoint.save={save}", f"logger.log_dir={log_dir}"])

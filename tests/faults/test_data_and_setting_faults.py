@@ -40,12 +40,14 @@ def train_on(tmp: Path, dataset: Path, *overrides: str):
     return run_entry(1, args, mock=False)
 
 
+@pytest.mark.slow
 def test_a_bad_sample_stops_the_run_naming_shard_and_key(tmp_path, dataset_with_a_bad_sample):
     result = train_on(tmp_path, dataset_with_a_bad_sample)
     assert result.returncode != 0
     assert "part-000000.tar, key wide-latent" in result.stderr and "expected model.in_channels=4" in result.stderr
 
 
+@pytest.mark.slow
 def test_with_skip_bad_samples_it_is_skipped_counted_and_training_goes_on(tmp_path, dataset_with_a_bad_sample):
     result = train_on(tmp_path, dataset_with_a_bad_sample, "dataset.skip_bad_samples=true")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -10,6 +10,7 @@ import sys
 import time
 
 import psutil
+import pytest
 from entry import ENTRY, RECIPE_DIR, TINY, entry_env, kill_group, read_metrics
 
 
@@ -20,6 +21,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_workers_exit_when_the_launcher_is_killed(tmp_path):
     log_dir = tmp_path / "logs"
     overrides = [

@@ -79,6 +79,7 @@ def wait_for(path: Path, text: str, proc: subprocess.Popen, seconds: float = 300
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "how, save",
     [

@@ -33,6 +33,7 @@ def resume(tmp: Path, root: Path, *overrides: str, mock: bool = True):
     return run_entry(1, args, mock=mock)
 
 
+@pytest.mark.slow
 def test_changed_batch_sizes_and_packing_length_are_refused_naming_old_and_new(tmp_path, saved):
     result = resume(tmp_path, saved, "train.micro_batch_size=2", "train.global_batch_size=4", "dataset.seq_length=512")
     assert result.returncode != 0
@@ -46,6 +47,7 @@ def test_changed_batch_sizes_and_packing_length_are_refused_naming_old_and_new(t
     assert not (tmp_path / "logs" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_energon_data_after_mock_is_refused(tmp_path, saved):
     gen = torch.Generator().manual_seed(0)
     with wds.ShardWriter(str(tmp_path / "part-%06d.tar"), maxcount=100, verbose=0) as writer:
@@ -59,6 +61,7 @@ def test_energon_data_after_mock_is_refused(tmp_path, saved):
     assert "loader state has format" not in result.stderr
 
 
+@pytest.mark.slow
 def test_with_allow_setting_changes_the_run_continues_and_logs(tmp_path, saved):
     result = resume(
         tmp_path,

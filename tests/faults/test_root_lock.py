@@ -34,6 +34,7 @@ def first_runs_files(root: Path) -> None:
     (root / "config.yaml").write_text("first: run\n")
 
 
+@pytest.mark.slow
 def test_a_second_start_is_refused_naming_the_first_and_touches_nothing(tmp_path):
     root = tmp_path / "ckpt"
     first_runs_files(root)

@@ -97,6 +97,7 @@ def test_import_from_a_pipeline_folder_verifies_and_exports_back(tmp_path, capsy
     assert all(torch.equal(back[name], tensor) for name, tensor in reference.state_dict().items())
 
 
+@pytest.mark.slow
 def test_import_finetune_on_prepared_shards_at_tp2_export_loads_in_diffusers(shards, tmp_path, capsys):
     source, reference = tmp_path / "diffusers", tiny_diffusers_flux(**TINY_AS_FLUX_TINY_YAML)
     reference.save_pretrained(source)

@@ -84,6 +84,7 @@ def test_rules_round_trip_bit_exact(guidance_embeds):
     assert_bit_equal(back, reference.state_dict())
 
 
+@pytest.mark.slow
 def test_tp2_sp_cp2_pp2_forward_match_diffusers(tiny, tmp_path):
     reference, cfg, weights = tiny
     batch, t, guidance = verification_pack(cfg.model)

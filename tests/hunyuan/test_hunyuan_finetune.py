@@ -79,6 +79,7 @@ def test_shards_hold_what_the_diffusers_pipelines_encode(shards):
         assert float((sample["first_frame.pth"][:, 0] - latent[:, 0]).abs().max()) <= 1e-4, name
 
 
+@pytest.mark.slow
 def test_import_verify_finetune_at_tp2_export_loads_in_diffusers(shards, tmp_path, capsys):
     pipeline, reference = tmp_path / "HunyuanVideo-1.5-tiny", tiny_diffusers_hunyuan()
     reference.save_pretrained(pipeline / "transformer")

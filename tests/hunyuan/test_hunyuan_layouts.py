@@ -6,9 +6,12 @@ adds) within 1e-5 of diffusers' (relative to max(1, its max))."""
 
 from pathlib import Path
 
+import pytest
+
 from tests._layouts import LayoutTests
 
 
+@pytest.mark.slow
 class TestHunyuanLayouts(LayoutTests):
     WORKER = Path(__file__).with_name("_layouts_worker.py")
     TOLERANCE = 1e-5

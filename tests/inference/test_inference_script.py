@@ -60,6 +60,7 @@ def generate(checkpoint: Path, out: Path, extra: list[str]) -> subprocess.Comple
     return result
 
 
+@pytest.mark.slow
 def test_mp4_from_checkpoint_root(checkpoint_root, tmp_path):
     import imageio.v2 as imageio
 
@@ -71,6 +72,7 @@ def test_mp4_from_checkpoint_root(checkpoint_root, tmp_path):
     assert frames[0].shape == (32, 48, 3)
 
 
+@pytest.mark.slow
 def test_png_from_iteration_dir(checkpoint_root, tmp_path):
     import imageio.v2 as imageio
 
@@ -79,6 +81,7 @@ def test_png_from_iteration_dir(checkpoint_root, tmp_path):
     assert imageio.imread(out).shape[:2] == (64, 32)
 
 
+@pytest.mark.slow
 def test_config_is_read_from_the_checkpoint(checkpoint_root):
     from dfm.config.loader import build_config
     from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, single_process_config

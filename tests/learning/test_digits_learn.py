@@ -33,6 +33,7 @@ def test_classifier_recognises_real_digits():
     assert train_digit_classifier().held_out_accuracy >= 0.95
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_dit_cross_learns_digits(runs, pipeline):
     scores = runs[pipeline].scores[-1]

@@ -62,6 +62,7 @@ def run(tmp_path_factory):
     return train_and_score(root, FAMILY, CLIP_CONFIG, [f"model.architecture={FAMILY}"], CI_SAMPLING)
 
 
+@pytest.mark.slow
 def test_learns_moving_digits(run):
     scores = run.scores[-1]
     print(

@@ -28,6 +28,7 @@ def builds(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{rank}.pt") for rank in range(4)]
 
 
+@pytest.mark.slow
 def test_tensor_parallel_build_holds_its_share_plus_one_chunk(builds):
     for rank, result in enumerate(builds):
         tp, chunk = result["tp"], result["chunk"]
@@ -36,6 +37,7 @@ def test_tensor_parallel_build_holds_its_share_plus_one_chunk(builds):
         assert tp["largest_full"] > chunk + SLACK  # drawing a full weight whole would not fit
 
 
+@pytest.mark.slow
 def test_fsdp_build_shards_before_anything_is_allocated(builds):
     for rank, result in enumerate(builds):
         fsdp, chunk = result["fsdp"], result["chunk"]
@@ -48,6 +50,7 @@ def test_fsdp_build_shards_before_anything_is_allocated(builds):
         assert fsdp["largest_diff"] == 0.0, rank  # its rows are bit for bit the one-piece model's
 
 
+@pytest.mark.slow
 def test_bf16_fsdp_build_holds_the_bf16_model_values(builds):
     for rank, result in enumerate(builds):
         assert result["fsdp_bf16"]["before_sharding"] == 0, rank

@@ -31,6 +31,7 @@ EXPECTED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantity", EXPECTED)
 def test_cp_attention_matches_single_process(cp_results, quantity):
     for rank, results in enumerate(cp_results):

@@ -43,6 +43,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config,nproc,layout,reference", CASES, ids=lambda v: v if isinstance(v, str) else None)
 def test_fsdp_layout_matches_single_process(request, layout_runs, config, nproc, layout, reference):
     cases = selected_params(request)  # run several per launch (equivalence.LayoutRuns)

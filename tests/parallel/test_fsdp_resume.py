@@ -57,23 +57,27 @@ def chain(tmp_path_factory):
     return {"a": a, "b": b, "c": c, "d": d, "a_log": a_log, "a_dir": tmp / "a"}
 
 
+@pytest.mark.slow
 def test_exact_resume_under_fsdp(chain):
     assert sorted(chain["b"]) == [3, 4]
     assert all(chain["b"][i] == chain["a"][i] for i in chain["b"]), (chain["a"], chain["b"])
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_resumes_at_tp2(chain):
     assert sorted(chain["c"]) == [3, 4]
     for i in chain["c"]:
         assert chain["c"][i] == pytest.approx(chain["a"][i], rel=1e-5), (i, chain["a"], chain["c"])
 
 
+@pytest.mark.slow
 def test_tp2_checkpoint_resumes_under_fsdp(chain):
     assert sorted(chain["d"]) == [4]
     for i in chain["d"]:
         assert chain["d"][i] == pytest.approx(chain["c"][i], rel=1e-5), (i, chain["c"], chain["d"])
 
 
+@pytest.mark.slow
 def test_start_up_log_shows_memory_per_rank(chain):
     assert "memory per rank (optim_grads_params" in chain["a_log"]
     assert "rank 1: params" in chain["a_log"]
@@ -84,6 +88,7 @@ def test_start_up_log_shows_memory_per_rank(chain):
 MEMORY_TOLERANCE = 0.01
 
 
+@pytest.mark.slow
 def test_measured_bytes_per_rank_match_the_formula(chain):
     """The tensors each rank holds after setup (FSDP parameter / gradient buffers, fp32 main weights and
     the Adam moments sized by them), summed, against the closed form of dfm.training.memory."""

@@ -62,6 +62,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config,layout,reference_overrides", CASES, ids=lambda v: v if isinstance(v, str) else None)
 def test_layout_matches_single_process(request, layout_runs, config, layout, reference_overrides):
     cases = selected_params(request)  # run several per launch (equivalence.LayoutRuns)

@@ -56,6 +56,7 @@ def reference(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_lora_layout_trains_like_one_process(tmp_path, reference, layout):
     saving = [f"checkpoint.save={tmp_path / 'ckpt'}"] if SAVE[0] in LAYOUTS[layout] else []

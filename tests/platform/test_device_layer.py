@@ -83,6 +83,7 @@ def launches(tmp_path_factory):
     return single, pair
 
 
+@pytest.mark.slow
 def test_schedule_ddp_adam_train_tiny_gpt_on_cpu(launches):
     single, _ = launches
     losses = _scenario(single, "gpt_losses", "scenario_train_gpt")
@@ -90,6 +91,7 @@ def test_schedule_ddp_adam_train_tiny_gpt_on_cpu(launches):
     assert all(torch.isfinite(torch.tensor(single["gpt_grad_norms"])))
 
 
+@pytest.mark.slow
 def test_rng_tracker_fork_is_reproducible_and_separate(launches):
     single, _ = launches
     rng = _scenario(single, "rng", "scenario_rng_tracker")
@@ -99,6 +101,7 @@ def test_rng_tracker_fork_is_reproducible_and_separate(launches):
     assert not torch.equal(rng["forked"], rng["default"])
 
 
+@pytest.mark.slow
 def test_tensor_parallel_block_matches_tp1(launches):
     single, pair = launches
     reference = _scenario(single, "block_tp1", "scenario_block_reference")
@@ -110,6 +113,7 @@ def test_tensor_parallel_block_matches_tp1(launches):
             assert_close(got["grads"], reference["grads"], msg=f"{key} rank {rank} grads")
 
 
+@pytest.mark.slow
 def test_distributed_optimizer_dp2_matches_dp1(launches):
     single, pair = launches
     reference = _scenario(single, "gpt_final_params", "scenario_train_gpt")
@@ -121,6 +125,7 @@ def test_distributed_optimizer_dp2_matches_dp1(launches):
         assert_close(results["dp2_grad_norms"], single["gpt_grad_norms"], rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_pipeline_parallel_pp2_matches_pp1(launches):
     single, pair = launches
     last_stage = pair[1]
@@ -131,6 +136,7 @@ def test_pipeline_parallel_pp2_matches_pp1(launches):
         assert_close(results["pp2_grad_norms"], single["gpt_grad_norms"], rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_dist_checkpointing_roundtrip_and_reshard(launches):
     _, pair = launches
     for rank, results in enumerate(pair):
@@ -139,6 +145,7 @@ def test_dist_checkpointing_roundtrip_and_reshard(launches):
         assert_close(results["ckpt_loaded_tp1"], saved, rtol=0, atol=0, msg=f"rank {rank}")
 
 
+@pytest.mark.slow
 def test_moe_expert_parallel_matches_single_process(launches):
     single, pair = launches
     reference = _scenario(single, "moe_ep1", "scenario_moe_reference")

@@ -18,6 +18,7 @@ def records(tmp_path_factory) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
 
 
+@pytest.mark.slow
 def test_in_place_collectives_give_gloos_bits(records):
     assert len(records) == 3
     for record in records:
@@ -25,6 +26,7 @@ def test_in_place_collectives_give_gloos_bits(records):
         assert all(record["same_gathered"]), record
 
 
+@pytest.mark.slow
 def test_in_place_reduce_scatter_adds_no_bucket_copy(records):
     for record in records:
         assert record["peaks"]["gloo"] >= 0.9 * record["bucket"], record  # what the patch removes

@@ -12,6 +12,8 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "scripts" / "slurm" / "pretrain.sbatch"
 
@@ -55,6 +57,7 @@ def submit_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_tiny_dit_trains_through_sbatch(slurm_cluster, tmp_path):
     cwd = submit_dir(tmp_path)
     env = {**slurm_cluster.env, "DFM_DIR": str(REPO), "NPROC_PER_NODE": "2"}
@@ -81,6 +84,7 @@ def test_tiny_dit_trains_through_sbatch(slurm_cluster, tmp_path):
     assert (cwd / "checkpoints" / f"dfm-pretrain-{job_id}" / "latest").read_text().strip() == "3"
 
 
+@pytest.mark.slow
 def test_preempted_training_requeues_and_resumes(slurm_cluster, tmp_path):
     """SIGUSR1 (what Slurm sends before the time limit) -> checkpoint, requeue, resume, finish: metrics 1..N once."""
     cwd = submit_dir(tmp_path)
@@ -112,6 +116,7 @@ def test_preempted_training_requeues_and_resumes(slurm_cluster, tmp_path):
     assert iterations() == list(range(1, 41))  # the second run continued where the first stopped
 
 
+@pytest.mark.slow
 def test_usr1_reaches_every_srun_task_and_requeues(slurm_cluster, tmp_path):
     cwd = submit_dir(tmp_path)
     (cwd / "fake_trainer.py").write_text(FAKE_TRAINER)

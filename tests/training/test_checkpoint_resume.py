@@ -50,18 +50,21 @@ def dp2_runs(tmp_path_factory):
     return straight_and_resumed(tmp_path_factory.mktemp("dp2"), 2, DP2)
 
 
+@pytest.mark.slow
 def test_exact_resume_dp2(dp2_runs):
     straight, resumed = dp2_runs
     assert sorted(resumed) == [6, 7, 8, 9, 10]
     assert all(resumed[i] == straight[i] for i in resumed), (straight, resumed)  # bitwise on CPU
 
 
+@pytest.mark.slow
 def test_exact_resume_tp2_pp2(tmp_path):
     straight, resumed = straight_and_resumed(tmp_path, 4, TP2_PP2)
     assert sorted(resumed) == [6, 7, 8, 9, 10]
     assert all(resumed[i] == straight[i] for i in resumed), (straight, resumed)
 
 
+@pytest.mark.slow
 def test_tp2_checkpoint_loads_into_tp1_pp2(tmp_path):
     save = tmp_path / "ckpt"
     result, tp2 = train(
@@ -86,6 +89,7 @@ def test_tp2_checkpoint_loads_into_tp1_pp2(tmp_path):
     assert losses(pp2)[3] == pytest.approx(losses(tp2)[3], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_skips_the_update(tmp_path):
     env = {"DFM_TEST_FAULT": "nonfinite_loss:3"}
     result, log_dir = train(tmp_path, "nan", 1, ["train.train_iters=5"], entry=FAULT_ENTRY, env=env)
@@ -96,6 +100,7 @@ def test_nonfinite_loss_skips_the_update(tmp_path):
     assert math.isfinite(records[4]["loss"]) and math.isfinite(records[5]["loss"])
 
 
+@pytest.mark.slow
 def test_consecutive_nonfinite_steps_stop_the_run(tmp_path):
     env = {"DFM_TEST_FAULT": "nonfinite_loss:2,3"}
     result, _ = train(

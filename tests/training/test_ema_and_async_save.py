@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from entry import read_metrics, run_entry
 
@@ -32,6 +33,7 @@ def losses(log_dir: Path) -> dict[int, float]:
     return {r["iteration"]: r["loss"] for r in read_metrics(log_dir)}
 
 
+@pytest.mark.slow
 def test_ema_after_one_step_and_inference_uses_it(tmp_path):
     save = tmp_path / "ckpt"
     train(tmp_path, "one_step", 1, ["train.train_iters=1", f"checkpoint.save={save}", f"optimizer.ema_decay={DECAY}"])
@@ -61,6 +63,7 @@ def ema_weights(directory: Path) -> dict[str, torch.Tensor]:
         destroy_distributed()
 
 
+@pytest.mark.slow
 def test_async_save_resume_is_exact_with_ema(tmp_path):
     save = tmp_path / "ckpt"
     async_save = ["checkpoint.async_save=true", f"checkpoint.save={save}", "checkpoint.save_interval=3"]

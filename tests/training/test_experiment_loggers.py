@@ -55,6 +55,7 @@ def wandb_offline_history(log_dir: Path, key: str) -> dict[int, float]:
     return history
 
 
+@pytest.mark.slow
 def test_tensorboard_and_wandb_offline_match_metrics(tmp_path):
     log_dir, tb_dir = tmp_path / "logs", tmp_path / "tb"
     result = run_entry(

@@ -11,6 +11,7 @@ from entry import RECIPE_DIR, run_entry
 TP2 = "model.tensor_model_parallel_size=2"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config, overrides, message",
     [

@@ -15,6 +15,7 @@ def losses(tmp_path, precision: str) -> list[float]:
     return [r["loss"] for r in read_metrics(log_dir)]
 
 
+@pytest.mark.slow
 def test_bf16_tracks_fp32(tmp_path):
     fp32, bf16 = losses(tmp_path, "fp32"), losses(tmp_path, "bf16")
     # Step 1 is exact: the zero-initialised final layer outputs 0 in any precision.

@@ -31,6 +31,7 @@ def tp_runs(tmp_path_factory):
     return logs
 
 
+@pytest.mark.slow
 def test_tp2_writes_metrics_and_learns(tp_runs):
     records = tp_runs[2]
     assert [r["iteration"] for r in records] == list(range(1, 21))
@@ -42,6 +43,7 @@ def test_tp2_writes_metrics_and_learns(tp_runs):
     assert sum(losses[-5:]) < sum(losses[:5])
 
 
+@pytest.mark.slow
 def test_tp2_losses_match_tp1(tp_runs):
     # Same seed, same data: TP only changes the order of float sums. Early steps agree to ~1e-6;
     # Adam amplifies that rounding over 20 steps, so later steps get a looser (stated) tolerance.
@@ -55,6 +57,7 @@ def test_tp2_losses_match_tp1(tp_runs):
         )
 
 
+@pytest.mark.slow
 def test_validation_loss_and_one_generated_sample_per_dp_rank(tmp_path):
     save, log_dir = tmp_path / "ckpt", tmp_path / "logs"
     overrides = [

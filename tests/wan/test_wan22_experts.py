@@ -144,6 +144,7 @@ def test_two_expert_sampling_matches_wan_pipeline(dist):
     assert (alone - theirs).abs().max().item() > 100 * TOLERANCE
 
 
+@pytest.mark.slow
 def test_finetune_one_expert_at_tp2_then_export_loads_in_wan_pipeline(imported, tmp_path, dist):
     """The entry point trains the high-noise expert from its import (checkpoint.pretrained) at TP=2:
     losses finite and falling; the run and the untouched low-noise import export as one pipeline."""

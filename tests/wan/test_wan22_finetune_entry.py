@@ -69,6 +69,7 @@ def assert_exported(out, run_checkpoints, expert_modules) -> None:
         assert loaded.keys() == ours.keys() and all(torch.equal(loaded[k], ours[k]) for k in ours), attribute
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_both_experts_finetune_at_tp2_and_dp2_like_one_process_and_export_to_wan_pipeline(imported, tmp_path):
     run = tmp_path / "tp2"
@@ -99,6 +100,7 @@ def test_both_experts_finetune_at_tp2_and_dp2_like_one_process_and_export_to_wan
     assert_exported(out, run / "checkpoints", {"transformer": "high_noise.", "transformer_2": "low_noise."})
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_one_expert_finetunes_at_tp2_and_exports_with_the_other(imported, tmp_path):
     run = tmp_path / "low"

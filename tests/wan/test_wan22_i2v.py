@@ -239,6 +239,7 @@ def test_prepared_image_conditions_train_the_condition_channels(i2v_shards, dist
     assert grad[:, :, 4:].abs().amax() > 0 and bool(torch.isfinite(grad).all())
 
 
+@pytest.mark.slow
 def test_entry_point_fine_tunes_the_low_noise_i2v_expert_on_prepared_data(imported, i2v_shards, tmp_path):
     """pretrain_dit_model.py (one process) from the low-noise import on the --wan_image_condition shards:
     3 iterations, finite losses, and the patch embedding's condition columns move."""

@@ -102,6 +102,7 @@ def export(argv) -> None:
         run_cli(argv)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_one_expert_lora_loads_into_its_transformer_and_equals_the_merged_export(imported, tmp_path):  # noqa: F811
     metrics, ckpt = lora_run(tmp_path, imported / "low_noise", "low_noise")
@@ -160,6 +161,7 @@ def both_run(imported, tmp_path_factory):  # noqa: F811
     return lora_run(tmp_path_factory.mktemp("both_lora"), imported, "both", BOTH)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 def test_both_experts_lora_trains_and_exports_into_both_transformers(both_run, tmp_path):
     metrics, ckpt = both_run
@@ -187,6 +189,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_both_experts_lora_layout_trains_like_one_process(imported, both_run, tmp_path, layout):  # noqa: F811

@@ -155,6 +155,7 @@ def test_prepare_with_the_wan22_vae_marks_samples_for_image_to_video(ti2v_shards
     assert batch.first_frame_clean is not None and bool(batch.first_frame_clean.all())
 
 
+@pytest.mark.slow
 def test_entry_point_trains_ti2v_on_first_frame_clean_shards(ti2v_shards, tmp_path):
     """pretrain_dit_model.py (one process) on those shards: a TI2V-shaped tiny Wan (48 channels, 32-d
     text) trains 6 iterations (lr 5e-3) with finite losses, the last below the first."""

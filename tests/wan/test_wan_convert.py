@@ -100,6 +100,7 @@ def finetune_overrides(data, pretrained, run) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_finetune_at_tp2_then_export_loads_in_diffusers(imported, tmp_path):
     _, state, checkpoint, _ = imported
     run = tmp_path / "run"

@@ -14,6 +14,7 @@ import pytest
 from tests._layouts import GRADIENT_LAYOUTS, LayoutTests, assert_gradients_match, assert_outputs_match
 
 
+@pytest.mark.slow
 class TestWanLayouts(LayoutTests):
     WORKER = Path(__file__).with_name("_layouts_worker.py")
     TOLERANCE = 1e-5
