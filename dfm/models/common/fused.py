@@ -91,10 +91,11 @@ def compiled_rows_ops(backend: str) -> tuple[Callable[..., Tensor], Callable[...
     """norm_modulate_rows and gated_residual_rows compiled, their rows passed through ``padded_rows``."""
     norm_mod, gated = compile_region(norm_modulate_rows, backend), compile_region(gated_residual_rows, backend)
 
-    def norm_modulate_rows_compiled(x, shift_rows, scale_rows, ids, eps, rms):
+    # Always gathered by ids (per_row 0): a per-pack number would be a guard, a graph per sample length.
+    def norm_modulate_rows_compiled(x, shift_rows, scale_rows, ids, eps, rms, per_row=0):
         return norm_mod(x, padded_rows(shift_rows), padded_rows(scale_rows), ids, eps, rms)
 
-    def gated_residual_rows_compiled(x, gate_rows, ids, out, bias):
+    def gated_residual_rows_compiled(x, gate_rows, ids, out, bias, per_row=0):
         return gated(x, padded_rows(gate_rows), ids, out, bias)
 
     return norm_modulate_rows_compiled, gated_residual_rows_compiled

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dfm.models.common.row_modulation import gather_rows, sum_to_rows
+from dfm.models.common.row_modulation import by_row, sum_to_rows, token_rows
 
 
 def norm_with_stats(x: Tensor, eps: float, rms: bool) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -60,25 +60,33 @@ def normed_again(x: Tensor, mean: Tensor | None, rstd: Tensor) -> tuple[Tensor, 
 
 class _NormModulateRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shift_rows, scale_rows, ids, eps: float, rms: bool) -> Tensor:
+    def forward(ctx, x, shift_rows, scale_rows, ids, eps: float, rms: bool, per_row: int) -> Tensor:  # noqa: PLR0913 - ctx + apply's 7
         normed, mean, rstd = norm_with_stats(x, eps, rms)
         ctx.save_for_backward(x, mean, rstd, scale_rows, ids)
+        ctx.per_row = per_row
         # (1 + scale) on the rows, then gathered: one pass over [s, b, h] less, the same values.
-        return normed * gather_rows(1 + scale_rows, ids) + gather_rows(shift_rows, ids)
+        scale, shift = token_rows(1 + scale_rows, ids, per_row), token_rows(shift_rows, ids, per_row)
+        return (by_row(normed, per_row) * scale + shift).view_as(normed)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, mean, rstd, scale_rows, ids = ctx.saved_tensors
         normed, rstd = normed_again(x, mean, rstd)  # recompute and reduce in at least fp32
         grad = grad.to(normed.dtype)
-        # Shift and scale rows summed in one pass over [s, b, 2h].
-        d_rows = sum_to_rows(torch.cat([grad, grad * normed], dim=-1), ids, scale_rows.shape[0])
-        d_shift, d_scale = d_rows.to(scale_rows.dtype).chunk(2, dim=-1)
+        per_row, num_rows = ctx.per_row, scale_rows.shape[0]
+        if per_row:  # two reductions over the row view, no concatenation
+            d_shift, d_scale = (
+                sum_to_rows(grad, ids, num_rows, per_row),
+                sum_to_rows(grad * normed, ids, num_rows, per_row),
+            )
+        else:  # shift and scale rows summed in one index_add over [s, b, 2h]
+            d_shift, d_scale = sum_to_rows(torch.cat([grad, grad * normed], dim=-1), ids, num_rows).chunk(2, dim=-1)
         d_x = None
         if ctx.needs_input_grad[0]:
-            grad_normed = grad * gather_rows(1 + scale_rows.to(normed.dtype), ids)
+            scale = token_rows(1 + scale_rows.to(normed.dtype), ids, per_row)
+            grad_normed = (by_row(grad, per_row) * scale).view_as(grad)
             d_x = norm_input_grad(grad_normed, x, mean, rstd, normed).to(x.dtype)
-        return d_x, d_shift, d_scale, None, None, None
+        return d_x, d_shift.to(scale_rows.dtype), d_scale.to(scale_rows.dtype), None, None, None, None
 
 
 class _Norm(torch.autograd.Function):
@@ -104,6 +112,9 @@ def norm_recomputed(x: Tensor, eps: float, rms: bool) -> Tensor:
     return _Norm.apply(x, eps, rms)
 
 
-def norm_modulate_rows(x: Tensor, shift_rows: Tensor, scale_rows: Tensor, ids: Tensor, eps: float, rms: bool) -> Tensor:
-    """norm(x [s, b, h]) * (1 + scale_rows[ids]) + shift_rows[ids]; rows [N, h], ids [s] -> [s, b, h]."""
-    return _NormModulateRows.apply(x, shift_rows, scale_rows, ids, eps, rms)
+def norm_modulate_rows(
+    x: Tensor, shift_rows: Tensor, scale_rows: Tensor, ids: Tensor, eps: float, rms: bool, per_row: int = 0
+) -> Tensor:
+    """norm(x [s, b, h]) * (1 + scale_rows[ids]) + shift_rows[ids]; rows [N, h], ids [s] -> [s, b, h]
+    (``per_row``: row_modulation.py)."""
+    return _NormModulateRows.apply(x, shift_rows, scale_rows, ids, eps, rms, per_row)

@@ -27,3 +27,6 @@ class PackInputs:
     # [s, 1, 1, d] (attention sees all s) RoPE angles, rope3d only; DiT: wrapped in RotaryTables
     rotary_pos_emb: Tensor | RotaryTables | None = None
     padding_mask: Tensor | None = None  # [s_sp] bool, True on padding (MoE routing statistics leave it out)
+    # L when the s_sp tokens are N runs of L tokens in sample order (one sample shape, no split): the
+    # row ops broadcast rows over [N, L, b, h] instead of gathering them (row_modulation.py); else 0.
+    tokens_per_sample: int = 0

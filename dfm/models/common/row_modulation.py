@@ -6,7 +6,10 @@ gathers happen inside two autograd Functions that save only the rows, the token 
 they must have; the backward gathers again (cheap) and sums the per-token grads back into rows.
 
 Shapes: x, out [s, b, h]; rows [N, h] (N samples, one row each); ids [s] long, the row of each token
-(under sequence parallelism: this rank's slice of the tokens, the rows whole).
+(under sequence parallelism: this rank's slice of the tokens, the rows whole). ``per_row`` > 0: the
+tokens are N runs of ``per_row`` tokens in row order (every sample the same length, the usual batch of
+one shape), so rows broadcast over x viewed [N, per_row, b, h] and no per-token copy is made at all;
+0: rows gathered by ids.
 """
 
 from __future__ import annotations
@@ -21,19 +24,21 @@ from dfm.models.common.adaln import AdaLNModulation, sum_rows_by_index_add, sum_
 
 @dataclass(frozen=True)
 class ModulationRows:
-    """One adaLN chunk (shift, scale or gate): rows [N, h] and the row of each token, ids [s]."""
+    """One adaLN chunk (shift, scale or gate): rows [N, h], the row of each token, ids [s], and the
+    tokens per row when every row has that many, in order (0: not so)."""
 
     rows: Tensor
     ids: Tensor
+    per_row: int = 0
 
 
 class AdaLNRows(AdaLNModulation):
     """``AdaLNModulation`` (same parameters) that hands out per-sample rows instead of per-token copies:
     cond [N, h], token_sample_ids [s] -> num_chunks x ModulationRows (rows [N, h])."""
 
-    def forward(self, cond: Tensor, token_sample_ids: Tensor) -> tuple[ModulationRows, ...]:
+    def forward(self, cond: Tensor, token_sample_ids: Tensor, per_row: int = 0) -> tuple[ModulationRows, ...]:
         chunks = self.rows(cond).chunk(self.num_chunks, dim=-1)
-        return tuple(ModulationRows(rows, token_sample_ids) for rows in chunks)
+        return tuple(ModulationRows(rows, token_sample_ids, per_row) for rows in chunks)
 
 
 def gather_rows(rows: Tensor, ids: Tensor) -> Tensor:
@@ -41,8 +46,22 @@ def gather_rows(rows: Tensor, ids: Tensor) -> Tensor:
     return rows.index_select(0, ids).unsqueeze(1)
 
 
-def sum_to_rows(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor:
+def by_row(x: Tensor, per_row: int) -> Tensor:
+    """x [s, b, h] as [N, per_row, b, h] (a view) when ``per_row``, else as it is."""
+    return x.view(-1, per_row, *x.shape[1:]) if per_row else x
+
+
+def token_rows(rows: Tensor, ids: Tensor, per_row: int) -> Tensor:
+    """rows [N, h] per token, to broadcast against ``by_row(x, per_row)``: [N, 1, 1, h] (a view) when
+    ``per_row``, else gathered [s, 1, h]."""
+    return rows[:, None, None] if per_row else gather_rows(rows, ids)
+
+
+def sum_to_rows(grad: Tensor, ids: Tensor, num_rows: int, per_row: int = 0) -> Tensor:
     """Per-token grads [s, b, h] -> [N, h], row n summing its tokens' (and batch entries') grads."""
+    if per_row:
+        acc = torch.promote_types(grad.dtype, torch.float32)
+        return by_row(grad, per_row).sum((1, 2), dtype=acc).to(grad.dtype)
     grad = grad.sum(1) if grad.shape[1] > 1 else grad[:, 0]
     sum_rows = sum_rows_by_one_hot_gemm if grad.is_cuda else sum_rows_by_index_add
     return sum_rows(grad.contiguous(), ids, num_rows)
@@ -52,24 +71,29 @@ class _GatedResidualRows(torch.autograd.Function):
     """x + gate[ids] * (out + bias), saving the gate rows, ids, out and bias (no per-token gate)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, gate_rows: Tensor, ids: Tensor, out: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(ctx, x: Tensor, gate_rows: Tensor, ids: Tensor, out: Tensor, bias: Tensor | None, per_row: int):
         ctx.save_for_backward(gate_rows, ids, out, bias)
-        return x + gather_rows(gate_rows, ids) * (out if bias is None else out + bias)
+        ctx.per_row = per_row
+        branch = by_row(out if bias is None else out + bias, per_row)
+        return x + (token_rows(gate_rows, ids, per_row) * branch).view_as(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         gate_rows, ids, out, bias = ctx.saved_tensors
+        per_row = ctx.per_row
         d_gate = d_out = d_bias = None
         if ctx.needs_input_grad[1]:
             branch = out if bias is None else out + bias
-            d_gate = sum_to_rows(grad * branch, ids, gate_rows.shape[0]).to(gate_rows.dtype)
+            d_gate = sum_to_rows(grad * branch, ids, gate_rows.shape[0], per_row).to(gate_rows.dtype)
         if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
-            d_out = grad * gather_rows(gate_rows, ids)
+            d_out = (by_row(grad, per_row) * token_rows(gate_rows, ids, per_row)).view_as(grad)
             if bias is not None and ctx.needs_input_grad[4]:
                 d_bias = d_out.sum(dim=(0, 1)).to(bias.dtype)
-        return grad, d_gate, None, d_out, d_bias
+        return grad, d_gate, None, d_out, d_bias, None
 
 
-def gated_residual_rows(x: Tensor, gate_rows: Tensor, ids: Tensor, out: Tensor, bias: Tensor | None) -> Tensor:
+def gated_residual_rows(
+    x: Tensor, gate_rows: Tensor, ids: Tensor, out: Tensor, bias: Tensor | None, per_row: int = 0
+) -> Tensor:
     """x [s, b, h] + gate_rows[ids] * (out [s, b, h] + bias [h]); gate_rows [N, h], ids [s]."""
-    return _GatedResidualRows.apply(x, gate_rows, ids, out, bias)
+    return _GatedResidualRows.apply(x, gate_rows, ids, out, bias, per_row)

@@ -98,7 +98,9 @@ class DiTLayer(MegatronModule):
 
     def forward(self, hidden: Tensor, inputs: PackInputs) -> Tensor:
         """hidden [s, b, h] -> [s, b, h]; ``inputs`` holds this pack's conditioning and segments."""
-        *attn_mod, shift_mlp, scale_mlp, gate_mlp = self.adaln(inputs.cond, inputs.token_sample_ids)
+        *attn_mod, shift_mlp, scale_mlp, gate_mlp = self.adaln(
+            inputs.cond, inputs.token_sample_ids, inputs.tokens_per_sample
+        )
         hidden = self.self_attend(hidden, attn_mod, inputs.rotary_pos_emb, inputs.self_attention)
         hidden = self.cross_attend(hidden, inputs.context, inputs.cross_attention)
         return self.feed_forward(hidden, shift_mlp, scale_mlp, gate_mlp, inputs.padding_mask)
@@ -121,11 +123,11 @@ class DiTLayer(MegatronModule):
         """modulate(norm(hidden), shift, scale) [s, b, h] in one fused region (tensors and plain numbers only
         cross into it); neither the normed tensor nor a per-token modulation is kept for backward."""
         rms = isinstance(norm, nn.RMSNorm)
-        return self.ops.norm_modulate_rows(hidden, shift.rows, scale.rows, shift.ids, norm.eps, rms)
+        return self.ops.norm_modulate_rows(hidden, shift.rows, scale.rows, shift.ids, norm.eps, rms, shift.per_row)
 
     def gated_residual(self, hidden: Tensor, gate: ModulationRows, out: Tensor, bias: Tensor | None) -> Tensor:
         """hidden + gate * (out + bias) [s, b, h], each token taking its sample's gate row."""
-        return self.ops.gated_residual_rows(hidden, gate.rows, gate.ids, out, bias)
+        return self.ops.gated_residual_rows(hidden, gate.rows, gate.ids, out, bias, gate.per_row)
 
     def cross_attend(self, hidden: Tensor, context: Tensor | None, params: PackedSeqParams | None) -> Tensor:
         if self.cross_attention is None:

@@ -139,6 +139,7 @@ class DiTModel(PackedDiffusionModel):
             token_sample_ids=self.layout.sequence_parallel_slice(token_ids),
             self_attention=self.self_attention_params(batch, split),
             padding_mask=self.layout.sequence_parallel_slice(split.local(batch.loss_mask == 0)),
+            tokens_per_sample=self.tokens_per_sample(batch, split),
         )
         if self.cross:
             context = self.text_embedder(batch.context.to(cond.dtype)).unsqueeze(1)
@@ -152,6 +153,15 @@ class DiTModel(PackedDiffusionModel):
             )
             inputs.rotary_pos_emb = self.rotary_inputs(angles)
         return inputs
+
+    def tokens_per_sample(self, batch: PackedBatch, split: SequenceSplit) -> int:
+        """L when this rank holds the whole pack as N samples of L tokens each (padding included) in
+        order, else 0 (read from the host copy: no device sync)."""
+        if split.size > 1 or self.config.sequence_parallel:
+            return 0
+        lengths = batch.host_view().padded_sample_lengths
+        per_sample = int(lengths[0])
+        return per_sample if bool((lengths == per_sample).all()) and per_sample * len(lengths) == batch.seq_len else 0
 
     def rotary_inputs(self, angles: Tensor) -> RotaryTables | Tensor:
         """The blocks' RoPE input from the angles [s, 1, 1, d]: cos / sin tables made once for the pack and

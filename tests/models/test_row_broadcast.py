@@ -1,0 +1,74 @@
+"""Packs of one sample length: the row ops broadcast the rows over [N, L, b, h] (``per_row``) instead of
+gathering them per token; forward bitwise and backward (float64) equal to the gathered path, and the
+model takes that path exactly when its rank holds N whole runs of L tokens."""
+
+import pytest
+import torch
+
+from dfm.models.common.norm_recompute import norm_modulate_rows
+from dfm.models.common.row_modulation import gated_residual_rows
+
+N, L, B, H = 3, 5, 2, 6
+IDS = torch.arange(N).repeat_interleave(L)
+
+
+def rand(*shape, seed=0, dtype=torch.float64):
+    return torch.randn(*shape, dtype=dtype, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+
+
+def grads(fn, inputs):
+    out = fn(*inputs)
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    return out, torch.autograd.grad(out, tensors, torch.ones_like(out) + out.detach())
+
+
+def assert_paths_agree(fn, inputs_of):
+    gathered, broadcast = grads(fn, inputs_of(0)), grads(fn, inputs_of(L))
+    torch.testing.assert_close(broadcast[0], gathered[0], rtol=0, atol=0)
+    for got, expected in zip(broadcast[1], gathered[1]):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(fn, inputs_of(L))
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_norm_modulate_broadcast_equals_gathered(rms):
+    x, shift, scale = rand(N * L, B, H), rand(N, H, seed=1), rand(N, H, seed=2)
+    assert_paths_agree(norm_modulate_rows, lambda per_row: (x, shift, scale, IDS, 1e-6, rms, per_row))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_residual_broadcast_equals_gathered(with_bias):
+    x, gate, out = rand(N * L, B, H), rand(N, H, seed=1), rand(N * L, B, H, seed=2)
+    bias = rand(H, seed=3) if with_bias else None
+    assert_paths_agree(gated_residual_rows, lambda per_row: (x, gate, IDS, out, bias, per_row))
+
+
+def test_fp32_forward_is_bitwise_the_gathered_one():
+    x, shift, scale, gate = (rand(N * L, 1, H, seed=i, dtype=torch.float32).detach() for i in range(4))
+    shift, scale, gate = shift[:N, 0], scale[:N, 0], gate[:N, 0]
+    for per_row in (0, L):
+        assert torch.equal(
+            norm_modulate_rows(x, shift, scale, IDS, 1e-6, False, per_row),
+            norm_modulate_rows(x, shift, scale, IDS, 1e-6, False, 0),
+        )
+        assert torch.equal(
+            gated_residual_rows(x, gate, IDS, x, None, per_row), gated_residual_rows(x, gate, IDS, x, None)
+        )
+
+
+@pytest.mark.parametrize(
+    ("video_sizes", "expected"), [([(4, 16, 16)], 256), ([(4, 16, 16), (2, 16, 16)], 0)], ids=["one-shape", "mixed"]
+)
+def test_the_model_broadcasts_only_whole_runs_of_one_length(video_sizes, expected):
+    from types import SimpleNamespace
+
+    from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking
+    from dfm.models.dit.dit_model import DiTModel
+
+    settings = MockDataSettings(video_sizes=video_sizes, image_fraction=0.0)
+    pack = next(MockPackedLoader(settings, 0, 1, MockPacking(2048, samples_per_pack=4)))
+    one_rank = SimpleNamespace(config=SimpleNamespace(sequence_parallel=False))
+    assert DiTModel.tokens_per_sample(one_rank, pack, SimpleNamespace(size=1)) == expected
+    assert DiTModel.tokens_per_sample(one_rank, pack, SimpleNamespace(size=2)) == 0  # a CP rank's share
+    sequence_parallel = SimpleNamespace(config=SimpleNamespace(sequence_parallel=True))
+    assert DiTModel.tokens_per_sample(sequence_parallel, pack, SimpleNamespace(size=1)) == 0
