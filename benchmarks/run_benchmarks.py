@@ -14,6 +14,7 @@ runs alone (its own peak memory). Writes results.json and results.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -46,6 +47,9 @@ def parse_args(argv):
     parser.add_argument("--only", default="", help="comma-separated rung names to run (default: all)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compilation, allocator warm-up)")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per side")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run the chosen rungs this many times (rows 'NAME#2', ...)"
+    )
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for every rung (e.g. the layout)")
     parser.add_argument("--no-reference", action="store_true", help="time dfm only")
     parser.add_argument("--out", default="outputs/benchmarks", help="folder for results.json / results.md")
@@ -143,6 +147,8 @@ def main(argv=None) -> None:
     if args.only:
         wanted = args.only.split(",")
         rungs = [r for r in rungs if r.name in wanted]
+    if args.repeat > 1:  # a second pass after the first: the ratio's spread on a shared machine
+        rungs = rungs + [dataclasses.replace(r, name=f"{r.name}#{k}") for k in range(2, args.repeat + 1) for r in rungs]
     # One process-group setup for the whole ladder: every rung shares the layout given in --set.
     device = initialize_distributed(running_layout(rung_config(rungs[0], args.set)))
     torch._dynamo.config.cache_size_limit = 64  # many shapes across rungs: keep compiled kernels
