@@ -7,6 +7,8 @@ and its loader.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from benchmarks.timing import Timing, draw_packs, reset_memory, time_sides
@@ -43,7 +45,7 @@ class DfmSide:
         train_step(self.forward_step, self.state, self.n_micro, self.device)
 
 
-def time_dfm(cfg, device: torch.device, warmup: int, steps: int, profiler=None) -> Timing:
+def time_dfm(cfg, device: torch.device, warmup: int, steps: int, profiler=None, clock=time.perf_counter) -> Timing:
     """dfm alone; ``profiler`` (a torch.profiler.profile) records the timed steps only."""
     reset_memory(device)
-    return time_sides([DfmSide(cfg, device, warmup + steps)], device, warmup, steps, profiler)[0]
+    return time_sides([DfmSide(cfg, device, warmup + steps)], device, warmup, steps, profiler, clock)[0]

@@ -9,6 +9,8 @@ clock starts: a researcher's loader hands over ready batches.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from benchmarks.reference_dit import ReferenceDiT, ShapeBatch, batches_from_pack
@@ -78,7 +80,9 @@ class ReferenceSide:
         reference_step(self.cfg, self.model, self.optimizer, self.pipeline, self.batches[index], self.autocast)
 
 
-def time_reference(cfg, device: torch.device, warmup: int, steps: int, profiler=None) -> Timing:
+def time_reference(
+    cfg, device: torch.device, warmup: int, steps: int, profiler=None, clock=time.perf_counter
+) -> Timing:
     """The reference alone; ``profiler`` records the timed steps only."""
     reset_memory(device)
-    return time_sides([ReferenceSide(cfg, device, warmup + steps)], device, warmup, steps, profiler)[0]
+    return time_sides([ReferenceSide(cfg, device, warmup + steps)], device, warmup, steps, profiler, clock)[0]

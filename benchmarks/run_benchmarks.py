@@ -31,7 +31,7 @@ from benchmarks.dfm_runner import DfmSide, time_dfm
 from benchmarks.ladders import Rung, get_ladder
 from benchmarks.reference_runner import ReferenceSide, time_reference
 from benchmarks.report import markdown_table, mixed_vs_fixed, ratio, side_metrics
-from benchmarks.timing import time_sides
+from benchmarks.timing import CLOCKS, time_sides
 from benchmarks.variants import apply_variant
 from dfm.config.loader import build_config
 from dfm.parallel import ParallelLayout, launched_world_size
@@ -50,6 +50,13 @@ def parse_args(argv):
     parser.add_argument(
         "--repeat", type=int, default=1, help="run the chosen rungs this many times (rows 'NAME#2', ...)"
     )
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=sorted(CLOCKS),
+        help="cpu: this process's CPU seconds (a machine shared with other jobs; pair with --threads 1)",
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides for every rung (e.g. the layout)")
     parser.add_argument("--no-reference", action="store_true", help="time dfm only")
     parser.add_argument("--out", default="outputs/benchmarks", help="folder for results.json / results.md")
@@ -69,7 +76,9 @@ def running_layout(cfg) -> ParallelLayout:
 def timed_side(label: str, timer, cfg, device, args, gpus_sharing: int, peak) -> dict:
     """Run one side; a failure (out of memory, say) becomes the row's entry, not the ladder's end."""
     try:
-        return side_metrics(cfg, timer(cfg, device, args.warmup, args.steps), gpus_sharing, peak)
+        return side_metrics(
+            cfg, timer(cfg, device, args.warmup, args.steps, clock=CLOCKS[args.clock]), gpus_sharing, peak
+        )
     except Exception as error:  # noqa: BLE001 - reported in the table, traceback on stderr
         return error_entry(error)
     finally:
@@ -89,7 +98,7 @@ def timed_together(rung: Rung, args, device, gpus_sharing: int, peak) -> tuple[d
     try:
         total = args.warmup + args.steps
         sides = [DfmSide(cfgs[0], device, total), ReferenceSide(cfgs[1], device, total)]
-        dfm, reference = time_sides(sides, device, args.warmup, args.steps)
+        dfm, reference = time_sides(sides, device, args.warmup, args.steps, clock=CLOCKS[args.clock])
     except Exception as error:  # noqa: BLE001 - reported in the table, traceback on stderr
         return error_entry(error), error_entry(error)
     return side_metrics(cfgs[0], dfm, gpus_sharing, peak), side_metrics(cfgs[1], reference, 1, peak)
@@ -114,7 +123,7 @@ def run_rung(rung: Rung, args, device, peak) -> dict:
     return row
 
 
-def environment(device, argv) -> dict:
+def environment(device, argv, clock: str) -> dict:
     name = (
         torch.cuda.get_device_name(device)
         if device.type == "cuda"
@@ -127,6 +136,7 @@ def environment(device, argv) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpu_threads": torch.get_num_threads(),
+        "clock": clock,
         "command": " ".join(["python -m benchmarks.run_benchmarks", *argv]),
     }
 
@@ -144,6 +154,8 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     rungs = get_ladder(args.ladder)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.only:
         wanted = args.only.split(",")
         rungs = [r for r in rungs if r.name in wanted]
@@ -153,7 +165,7 @@ def main(argv=None) -> None:
     device = initialize_distributed(running_layout(rung_config(rungs[0], args.set)))
     torch._dynamo.config.cache_size_limit = 64  # many shapes across rungs: keep compiled kernels
     try:
-        peak, env, rows = device_peak_flops(device), environment(device, argv), []
+        peak, env, rows = device_peak_flops(device), environment(device, argv, args.clock), []
         for rung in rungs:
             rows.append(run_rung(rung, args, device, peak))
             for row in rows:  # a mixed rung's comparison completes once its fixed rungs ran

@@ -42,15 +42,23 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def start_clock(device: torch.device) -> float:
+CLOCKS = {
+    "wall": time.perf_counter,
+    # This process's CPU seconds: on a CPU shared with other jobs, the work done rather than the wait
+    # for a core (run with one torch thread, or a thread's spinning counts too).
+    "cpu": time.process_time,
+}
+
+
+def start_clock(device: torch.device, clock=time.perf_counter) -> float:
     """Drain queued device work first, so the window holds only the timed steps."""
     synchronize(device)
-    return time.perf_counter()
+    return clock()
 
 
-def stop_clock(device: torch.device, start: float) -> float:
+def stop_clock(device: torch.device, start: float, clock=time.perf_counter) -> float:
     synchronize(device)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def reset_memory(device: torch.device) -> None:
@@ -76,9 +84,11 @@ def sample_lengths(packs: list) -> tuple[list[int], list[int]]:
     return [n for p in packs for n in p.host_sample_lengths()], [n for p in packs for n in p.host_text_lengths()]
 
 
-def time_sides(sides: list[Side], device, warmup: int, steps: int, profiler=None) -> list[Timing]:
+def time_sides(
+    sides: list[Side], device, warmup: int, steps: int, profiler=None, clock=time.perf_counter
+) -> list[Timing]:
     """``warmup`` untimed steps of each side, then ``steps`` timed ones, the sides taking turns by step;
-    ``profiler`` (a torch.profiler.profile) records the timed steps only."""
+    ``profiler`` (a torch.profiler.profile) records the timed steps only; ``clock``: one of CLOCKS."""
     for index in range(warmup):
         for side in sides:
             side.step(index)
@@ -87,9 +97,9 @@ def time_sides(sides: list[Side], device, warmup: int, steps: int, profiler=None
         profiler.start()
     for index in range(warmup, warmup + steps):
         for k, side in enumerate(sides):
-            start = start_clock(device)
+            start = start_clock(device, clock)
             side.step(index)
-            elapsed[k] += stop_clock(device, start)
+            elapsed[k] += stop_clock(device, start, clock)
     if profiler is not None:
         profiler.stop()
     timings = []
