@@ -20,6 +20,7 @@ from benchmarks.memory_phases import (
 from dfm.training.memory import STATE_LOG_KEY
 
 
+@pytest.mark.slow
 def test_one_tiny_case_reports_peak_over_state():
     # Whole-process peaks (no baseline subtracted): a tiny model's peak minus an import-only process is
     # within the noise of two processes' RSS, so the sign of that difference is not something to assert.

@@ -33,7 +33,7 @@ def energon_settings(path, num_workers: int) -> EnergonDataSettings:
     )
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 2: worker processes
 def test_energon_loader_resumes_exactly(synthetic_dataset, num_workers):
     settings = energon_settings(synthetic_dataset, num_workers)
     consumed, following = 7, 6

@@ -135,6 +135,7 @@ def mixture_report(samples: torch.Tensor) -> dict[str, float]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, settings, sampler, steps",
     [
@@ -169,6 +170,7 @@ def near_mode_fraction(samples: torch.Tensor) -> float:
     return (torch.cdist(samples, mode_centres()).min(dim=1).values < 4 * MODE_STD).float().mean().item()
 
 
+@pytest.mark.slow
 def test_cfg_dropout_training_gives_conditional_and_unconditional_model():
     pipe = build_pipeline("flow", timestep_sampling="uniform")
     net = train(pipe, TrainSettings(conditional=True, cfg_drop_prob=0.2))

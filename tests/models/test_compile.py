@@ -64,6 +64,7 @@ def outputs_and_grads(model, pack) -> tuple[torch.Tensor, dict[str, torch.Tensor
     return out.detach(), grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_compiled_blocks_equal_eager(dist, aot_eager, name):
     eager = build_random_model(tiny_config(name))
@@ -80,6 +81,7 @@ def test_compiled_blocks_equal_eager(dist, aot_eager, name):
             assert error <= 1e-4 * max(scale, 1e-6), f"{key}: max error {error:.3g} at scale {scale:.3g}"
 
 
+@pytest.mark.slow
 def test_changing_pack_lengths_reuse_the_graphs(dist, aot_eager):
     """After the first pack, packs of other lengths and sample counts compile nothing new."""
     cfg = tiny_config("dit_cross", compile=True)
@@ -91,6 +93,7 @@ def test_changing_pack_lengths_reuse_the_graphs(dist, aot_eager):
     assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * (len(graphs) - 1), graphs
 
 
+@pytest.mark.slow
 def test_inductor_fused_regions_equal_eager():
     """Inductor's generated kernels for the block regions (norm + modulate and gated residual on
     per-sample rows, the ungated residual), at two lengths, forward and backward."""

@@ -55,6 +55,7 @@ def test_dit_presets_are_the_size_their_names_state():
     assert counts["DiT-7B"] == 7_074_935_872 and counts["DiT-28B"] == 27_726_500_416
 
 
+@pytest.mark.slow
 def test_cli_builds_every_preset_on_meta(capsys):
     main(["--all"])
     lines = capsys.readouterr().out.strip().splitlines()

@@ -52,6 +52,7 @@ def branches(model, pack, c_noise):
     return spatial, temporal
 
 
+@pytest.mark.slow
 def test_spatial_attention_mixes_only_within_a_frame(setup):
     model, pack, c_noise, hidden = setup
     spatial, _ = branches(model, pack, c_noise)
@@ -59,6 +60,7 @@ def test_spatial_attention_mixes_only_within_a_frame(setup):
     assert torch.equal(dependency(spatial, hidden), expected(pack, t[:, None] == t[None]))
 
 
+@pytest.mark.slow
 def test_temporal_attention_mixes_only_at_one_position(setup):
     model, pack, c_noise, hidden = setup
     _, temporal = branches(model, pack, c_noise)
@@ -66,6 +68,7 @@ def test_temporal_attention_mixes_only_at_one_position(setup):
     assert torch.equal(dependency(temporal, hidden), expected(pack, (hw[:, None] == hw[None]).all(-1)))
 
 
+@pytest.mark.slow
 def test_a_block_mixes_only_within_a_sample(setup):
     model, pack, c_noise, hidden = setup
     layer = model.layers[0]
