@@ -42,10 +42,12 @@ class WanModulation(MegatronModule):
         self.scale_shift_table = nn.Parameter(torch.empty(1, num_chunks, config.hidden_size, dtype=config.params_dtype))
         normal_init(self)
 
-    def forward(self, cond: Tensor, token_row_ids: Tensor) -> tuple[ModulationRows, ...]:
+    def forward(self, cond: Tensor, token_row_ids: Tensor, tokens_per_sample: int = 0) -> tuple[ModulationRows, ...]:
         """cond [R, 7, h] (R: N samples + the timestep-0 row), token_row_ids [s] (each token's row of
         cond: its sample's, or the timestep-0 row for a clean first frame's token) -> num_chunks x
-        ModulationRows (rows [R, h]): tokens take their row inside the block's ops (row_modulation.py)."""
+        ModulationRows (rows [R, h]): tokens take their row inside the block's ops (row_modulation.py).
+        The rows are not one a sample (the timestep-0 row), so they are always gathered by id:
+        ``tokens_per_sample`` is not used."""
         per_row = (self.scale_shift_table + cond[:, TEMB_ROW + 1 :]).flatten(1)
         if self.config.sequence_parallel:
             # Each TP rank modulates only its tokens: sum the grads of the table and of time_proj over TP.
