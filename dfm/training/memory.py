@@ -18,7 +18,6 @@ gathers for its forward / backward are not in these figures.
 from __future__ import annotations
 
 import json
-import logging
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,8 +28,6 @@ from megatron.core.utils import to_local_if_dtensor
 from dfm.checkpoint.files import format_bytes
 from dfm.parallel.fsdp_shards import inner_model
 from dfm.training.faults import grad_buffers
-
-logger = logging.getLogger("dfm.train")
 
 # Which of (parameters, gradients, optimizer state) a data-parallel layout shards.
 SHARDED = {
@@ -165,39 +162,6 @@ def trainable_parameter_count(model) -> int:
         for p in inner_model(chunk).parameters()
         if p.requires_grad
     )
-
-
-def log_memory(cfg, layout, model, optimizer) -> None:
-    """Start-up log (rank 0): every rank's measured bytes, and the formula for rank 0's share; the
-    same figures, unrounded, in ``<log_dir>/memory_per_rank.json``."""
-    ddp = cfg.ddp
-    name = layout_name(ddp.use_megatron_fsdp, ddp.data_parallel_sharding_strategy, ddp.use_distributed_optimizer)
-    measured = measured_bytes(model, optimizer, cfg.optimizer.optimizer)
-    counts = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(
-        counts, (measured, local_parameter_count(model), trainable_parameter_count(model))
-    )
-    if torch.distributed.get_rank() != 0:
-        return
-    per = bytes_per_parameter(
-        cfg.mixed_precision.precision, ddp.grad_reduce_in_fp32, cfg.optimizer.optimizer, ddp.use_megatron_fsdp
-    )
-    lines = [f"rank {rank}: {held.describe()}" for rank, (held, *_) in enumerate(counts)]
-    formula = state_formula(counts[0][1], per, name, layout.dp * layout.cp, counts[0][2])
-    write_memory_record(cfg.logger.log_dir, name, layout.dp * layout.cp, counts, per)
-    logger.info(
-        "memory per rank (%s, %d parameters on rank 0, sharded over %d DP x CP ranks):\n  %s\n  formula, rank 0: %s",
-        name,
-        counts[0][1],
-        layout.dp * layout.cp,
-        "\n  ".join(lines),
-        formula.describe(),
-    )
-    # One machine-readable line (benchmarks.memory_phases reads it).
-    logger.info("%s %s", STATE_LOG_KEY, json.dumps([held.total for held, *_ in counts]))
-    from dfm.training.memory_plan import log_plan  # it builds on this module
-
-    log_plan(cfg, layout, counts[0][1], next(model[0].parameters()).device, trainable=counts[0][2])
 
 
 def write_memory_record(log_dir: str | None, layout_name_: str, shards: int, counts, per: BytesPerParameter) -> None:

@@ -1,4 +1,5 @@
-"""The bytes a run will need per rank in each phase (build, training step, save, load), before it starts.
+"""The bytes a run will need per rank in each phase (build, training step, save, load), before it starts,
+and the start-up log of what the built ranks hold (``log_memory``) beside that plan.
 
 * build: the rank's share of the parameters (its TP / PP slice; under Megatron-FSDP its 1/D shard),
   materialised one chunk of at most ``BUILD_CHUNK`` at a time (the meta-device build).
@@ -24,13 +25,24 @@ text and image tokens alike, and its single-stream blocks their concatenation: b
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from dfm.checkpoint.files import format_bytes
-from dfm.training.memory import RankBytes, bytes_per_parameter, layout_name, state_formula
+from dfm.training.memory import (
+    STATE_LOG_KEY,
+    RankBytes,
+    bytes_per_parameter,
+    layout_name,
+    local_parameter_count,
+    measured_bytes,
+    state_formula,
+    trainable_parameter_count,
+    write_memory_record,
+)
 
 BUILD_CHUNK = 256 * 2**20  # the meta-device build's largest materialised chunk
 IO_BUFFER = 256 * 2**20  # one bounded staging / read buffer of the sharded save and load
@@ -230,3 +242,34 @@ def log_plan(cfg, layout, share: int, device: torch.device, trainable: int | Non
             format_bytes(plan.peak()),
             format_bytes(total),
         )
+
+
+def log_memory(cfg, layout, model, optimizer) -> None:
+    """Start-up log (rank 0): every rank's measured bytes, the formula for rank 0's share (the same
+    figures, unrounded, in ``<log_dir>/memory_per_rank.json``), then the plan (``log_plan``)."""
+    ddp = cfg.ddp
+    name = layout_name(ddp.use_megatron_fsdp, ddp.data_parallel_sharding_strategy, ddp.use_distributed_optimizer)
+    measured = measured_bytes(model, optimizer, cfg.optimizer.optimizer)
+    counts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(
+        counts, (measured, local_parameter_count(model), trainable_parameter_count(model))
+    )
+    if torch.distributed.get_rank() != 0:
+        return
+    per = bytes_per_parameter(
+        cfg.mixed_precision.precision, ddp.grad_reduce_in_fp32, cfg.optimizer.optimizer, ddp.use_megatron_fsdp
+    )
+    lines = [f"rank {rank}: {held.describe()}" for rank, (held, *_) in enumerate(counts)]
+    formula = state_formula(counts[0][1], per, name, layout.dp * layout.cp, counts[0][2])
+    write_memory_record(cfg.logger.log_dir, name, layout.dp * layout.cp, counts, per)
+    logger.info(
+        "memory per rank (%s, %d parameters on rank 0, sharded over %d DP x CP ranks):\n  %s\n  formula, rank 0: %s",
+        name,
+        counts[0][1],
+        layout.dp * layout.cp,
+        "\n  ".join(lines),
+        formula.describe(),
+    )
+    # One machine-readable line (benchmarks.memory_phases reads it).
+    logger.info("%s %s", STATE_LOG_KEY, json.dumps([held.total for held, *_ in counts]))
+    log_plan(cfg, layout, counts[0][1], next(model[0].parameters()).device, trainable=counts[0][2])
