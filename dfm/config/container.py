@@ -172,6 +172,9 @@ class DatasetConfig:
     # True: '.pickle' shard parts through full pickle, which runs any code a shard holds: trusted data only.
     # False: numpy arrays and torch tensors only (docs/data.md).
     allow_pickle: bool = False
+    # True: energon may run the Python a dataset's .nv-meta/dataset.yaml names (part_filter, sample_loader,
+    # __module__ other than megatron.energon): trusted data only. False: such metadata is refused.
+    allow_code: bool = False
     num_workers: int = 2
     mock_image_fraction: float = 0.5
     # Latent sizes: images [H, W], videos [T, H, W].

@@ -79,6 +79,7 @@ def energon_settings(cfg: ConfigContainer, layout: ParallelLayout):
         val_limit=cfg.train.eval_iters,
         skip_bad_samples=d.skip_bad_samples,
         allow_pickle=d.allow_pickle,
+        allow_code=d.allow_code,
     )
 
 

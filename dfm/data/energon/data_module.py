@@ -44,6 +44,7 @@ class EnergonDataSettings:
     val_limit: int | None = None  # max validation packs per pass
     skip_bad_samples: bool = False  # False: a broken sample stops the run with its shard and key
     allow_pickle: bool = False  # True: '.pickle' parts through full pickle (trusted data only)
+    allow_code: bool = False  # True: the metadata may name Python for energon to run (trusted data only)
     prefetch_factor: int = 2
     extra_worker_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -64,7 +65,7 @@ def build_worker_config(
 
 
 def build_train_dataset(settings: EnergonDataSettings, dp_rank: int, dp_size: int):
-    check_energon_dataset(settings.path)
+    check_energon_dataset(settings.path, settings.allow_code)
     bad_samples = BadSampleLog(settings.skip_bad_samples)
     return get_train_dataset(
         settings.path,
@@ -143,7 +144,7 @@ def build_train_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int
 
 def build_val_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int):
     """One pass over the "val" split (of ``val_path`` or ``path``), packed like training."""
-    check_energon_dataset(settings.val_path or settings.path)
+    check_energon_dataset(settings.val_path or settings.path, settings.allow_code)
     bad_samples = BadSampleLog(settings.skip_bad_samples)
     dataset = get_val_dataset(
         settings.val_path or settings.path,

@@ -13,16 +13,19 @@ from pathlib import Path
 import numpy as np
 
 from dfm.data.energon.cooker import BadSampleError, sample_location
+from dfm.data.energon.metadata_code import check_metadata_is_data
 from dfm.data.prepare.record import check_preparation_complete
 
 META = ".nv-meta"
 OFFSET_BYTES = 8  # a .tar.idx is uint64 sample offsets; the last one is where the last sample ends
 
 
-def check_energon_dataset(path: str | Path) -> None:
+def check_energon_dataset(path: str | Path, allow_code: bool = False) -> None:
+    """``allow_code``: ``dataset.allow_code``, the metadata may name Python for energon to run (metadata_code.py)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset path {path} does not exist")
+    check_metadata_is_data(path, allow_code)
     if path.is_file():
         return  # a metadataset .yaml: energon checks the datasets it names
     if not (path / META / "dataset.yaml").is_file():
