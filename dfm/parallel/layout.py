@@ -20,7 +20,6 @@ from dfm.parallel import rules
 if TYPE_CHECKING:
     from torch import Tensor, device
 
-    from dfm.config.container import ModelConfig
     from dfm.data.packed_batch import PackedBatch
     from dfm.parallel.sequence_split import SequenceSplit
 
@@ -62,9 +61,10 @@ class ParallelLayout:
         rules.check_world(self)
 
     @classmethod
-    def from_config(cls, model: ModelConfig, world_size: int | None) -> ParallelLayout:
-        """The layout of ``model``'s sizes on ``world_size`` ranks. None (a config read outside a
-        launch): the smallest world the sizes tile, so only the world's own rules cannot fail."""
+    def from_config(cls, model: Any, world_size: int | None) -> ParallelLayout:
+        """The layout of ``model``'s sizes (its ``CONFIG_FIELDS`` attributes: the config's ModelConfig)
+        on ``world_size`` ranks. None (a config read outside a launch): the smallest world the sizes
+        tile, so only the world's own rules cannot fail."""
         values = {name: getattr(model, CONFIG_FIELDS[name]) for name in CONFIG_FIELDS}
         if world_size is None:
             world_size = _smallest_world(values)
@@ -99,7 +99,7 @@ class ParallelLayout:
         ``parallel_state.initialize_model_parallel`` (sp is TransformerConfig's ``sequence_parallel``)."""
         return {CONFIG_FIELDS[name]: getattr(self, name) for name in SIZES}
 
-    def check_model(self, model: ModelConfig, seq_length: int) -> None:
+    def check_model(self, model: rules.Model, seq_length: int) -> None:
         """ConfigError naming the key to change if ``model`` (packs of ``seq_length`` tokens)
         cannot run under this layout."""
         rules.check_model(self, model, seq_length)

@@ -1,20 +1,57 @@
 """The rules a parallel layout, and a model under it, must meet; checked before any process group starts.
 
-Each rule raises ConfigError naming the sizes and the config key to change (`layout.key`).
+Each rule raises ConfigError naming the sizes and the config key to change (`layout.key`). The rules
+read what the protocols below name (a layout, a model, the data-parallel sharding), so that
+layout.py imports the rules and nothing here imports the layout or the config.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dfm.errors import ConfigError
 
-if TYPE_CHECKING:
-    from dfm.config.container import DDPConfig, ModelConfig
-    from dfm.parallel.layout import ParallelLayout
+
+class Layout(Protocol):
+    """The sizes of a layout and what follows from them (``dfm.parallel.layout.ParallelLayout``)."""
+
+    world_size: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    vpp: int | None
+    sp: bool
+    dp: int
+    model_parallel: int  # tp x pp x cp
+    chunks_per_stage: int  # vpp, or 1
+    pipeline_stages: int  # pp x chunks_per_stage
+
+    def key(self, name: str) -> str: ...  # the config key to change, e.g. for 'tp'
+
+    def padding_multiples(self) -> tuple[int, int]: ...
 
 
-def check_sizes(layout: ParallelLayout) -> None:
+class Model(Protocol):
+    """What the rules read of a model config (the config's ``ModelConfig``): depth, widths, experts."""
+
+    architecture: str
+    num_layers: int
+    num_attention_heads: int
+    num_moe_experts: int | None
+    moe_ffn_hidden_size: int | None
+    effective_ffn_hidden_size: int
+
+
+class Sharding(Protocol):
+    """The data-parallel sharding settings (the config's ``DDPConfig``)."""
+
+    use_torch_fsdp2: bool
+    use_megatron_fsdp: bool
+    data_parallel_sharding_strategy: str
+
+
+def check_sizes(layout: Layout) -> None:
     """Rules of the sizes alone."""
     for name in ("tp", "pp", "cp", "ep"):
         if getattr(layout, name) < 1:
@@ -36,7 +73,7 @@ def check_sizes(layout: ParallelLayout) -> None:
         )
 
 
-def check_world(layout: ParallelLayout) -> None:
+def check_world(layout: Layout) -> None:
     """Rules of the sizes on ``layout.world_size`` ranks (``layout.dp`` already derived)."""
     tp, pp, cp, ep = layout.tp, layout.pp, layout.cp, layout.ep
     if layout.world_size % layout.model_parallel:
@@ -54,7 +91,7 @@ def check_world(layout: ParallelLayout) -> None:
         )
 
 
-def check_model(layout: ParallelLayout, model: ModelConfig, seq_length: int) -> None:
+def check_model(layout: Layout, model: Model, seq_length: int) -> None:
     """Rules of ``model`` (and its packs of ``seq_length`` tokens) under ``layout``."""
     _check_pipeline_stages(layout, model)
     _check_tensor_parallel_widths(layout, model)
@@ -62,7 +99,7 @@ def check_model(layout: ParallelLayout, model: ModelConfig, seq_length: int) -> 
     _check_context_parallel(layout, model, seq_length)
 
 
-def _check_pipeline_stages(layout: ParallelLayout, model: ModelConfig) -> None:
+def _check_pipeline_stages(layout: Layout, model: Model) -> None:
     """Every (virtual) pipeline stage needs the same whole number of layers."""
     if model.num_layers % layout.pipeline_stages:
         raise ConfigError(
@@ -72,7 +109,7 @@ def _check_pipeline_stages(layout: ParallelLayout, model: ModelConfig) -> None:
         )
 
 
-def _check_tensor_parallel_widths(layout: ParallelLayout, model: ModelConfig) -> None:
+def _check_tensor_parallel_widths(layout: Layout, model: Model) -> None:
     """megatron splits attention heads and MLP widths over the TP ranks. (ModelConfig has no
     grouped-query attention: every head has its own K/V, so query groups follow the heads.)"""
     tp = layout.tp
@@ -92,7 +129,7 @@ def _check_tensor_parallel_widths(layout: ParallelLayout, model: ModelConfig) ->
         )
 
 
-def _check_experts(layout: ParallelLayout, model: ModelConfig) -> None:
+def _check_experts(layout: Layout, model: Model) -> None:
     experts = model.num_moe_experts
     if not experts:
         if layout.ep > 1:
@@ -115,7 +152,7 @@ def _check_experts(layout: ParallelLayout, model: ModelConfig) -> None:
         )
 
 
-def _check_context_parallel(layout: ParallelLayout, model: ModelConfig, seq_length: int) -> None:
+def _check_context_parallel(layout: Layout, model: Model, seq_length: int) -> None:
     """Each sample is cut into 2*cp chunks (load balance), each CP share split over TP under SP;
     ST-DiT's all-to-all gives every CP rank heads/(tp*cp) whole heads."""
     cp, tp = layout.cp, layout.tp
@@ -139,7 +176,7 @@ def _check_context_parallel(layout: ParallelLayout, model: ModelConfig, seq_leng
         )
 
 
-def _field(layout: ParallelLayout, name: str) -> str:
+def _field(layout: Layout, name: str) -> str:
     """The size's ModelConfig field name: its key without the 'model.' section."""
     return layout.key(name).removeprefix("model.")
 
@@ -153,7 +190,7 @@ TORCH_FSDP2_REFUSED = (
 )
 
 
-def check_data_parallel_sharding(ddp: DDPConfig, layout: ParallelLayout) -> None:
+def check_data_parallel_sharding(ddp: Sharding, layout: Layout) -> None:
     """Fully sharded data parallel: Megatron-FSDP only, without pipeline stages."""
     if ddp.use_torch_fsdp2:
         raise ConfigError(TORCH_FSDP2_REFUSED)
@@ -174,7 +211,7 @@ def check_data_parallel_sharding(ddp: DDPConfig, layout: ParallelLayout) -> None
         )
 
 
-def _check_sharded_gradient_groups(ddp: DDPConfig, layout: ParallelLayout) -> None:
+def _check_sharded_gradient_groups(ddp: Sharding, layout: Layout) -> None:
     """megatron-core 0.16.1's Megatron-FSDP reduce-scatters a gradient bucket it does not shard (a
     group of one rank) onto itself and then adds the result to the same memory: those gradients
     come out doubled (measured: MovieGen's experts at EP = DP x CP = 2). Every gradient group
