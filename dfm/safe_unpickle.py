@@ -151,6 +151,17 @@ def load_rank_object(data: IO[bytes], source: str) -> Any:
         raise UnsafePickleError(f"{source}: refused to load ({reason}; only data types are admitted)") from error
 
 
+def load_weights_only(file, map_location=None, **kwargs) -> Any:
+    """``torch.load`` with ``weights_only=True`` whatever the caller or ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+    asks (an explicit ``weights_only=True`` wins over the variable); a refusal names the file."""
+    kwargs.pop("weights_only", None)
+    kwargs.pop("pickle_module", None)
+    try:
+        return torch.load(file, map_location=map_location, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as error:
+        raise UnsafePickleError(f"{file}: refused to load ({_reason(error)}; only data types are admitted)") from error
+
+
 def _reason(error: Exception) -> str:
     """The line of torch's weights-only refusal that says what was refused (its first line is generic)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]

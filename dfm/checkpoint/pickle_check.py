@@ -5,24 +5,32 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from dfm.safe_unpickle import UnsafePickleError, load_checkpoint_metadata, load_rank_object
+from dfm.safe_unpickle import UnsafePickleError, load_checkpoint_metadata, load_rank_object, load_weights_only
+
+COMMON = "common.pt"  # megatron's common state (iteration, config, schedule): torch.save bytes
 
 
 def pickled_faults(directory: Path) -> list[str]:
-    """Every pickle of a distributed checkpoint (``.metadata``, per-rank objects) read as data; -> refusals.
+    """Every pickle of a distributed checkpoint (``common.pt``, ``.metadata``, per-rank objects) read as data;
+    -> refusals.
 
     A manifest proves no authenticity (whoever crafts a file writes the manifest), so ``verify`` reads these too.
     """
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+    faults = []
+    if (directory / COMMON).is_file():
+        try:
+            load_weights_only(directory / COMMON, map_location="cpu")
+        except (UnsafePickleError, OSError, RuntimeError) as error:
+            faults.append(str(error))
     try:
         with open(directory / ".metadata", "rb") as file:
             metadata = load_checkpoint_metadata(file)
     except FileNotFoundError:
-        return []  # reported as missing by the manifest check
+        return faults  # a missing .metadata is reported by the manifest check
     except UnsafePickleError as error:
-        return [str(error)]
-    faults = []
+        return [*faults, str(error)]
     for index, info in metadata.storage_data.items():
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue

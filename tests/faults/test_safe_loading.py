@@ -178,3 +178,31 @@ def test_numpys_rng_state_loads_without_megatrons_safe_globals():
         assert state[0] == "MT19937" and state[1].dtype == np.uint32
     finally:
         torch.serialization.add_safe_globals(registered)
+
+
+@pytest.fixture
+def crafted_common(saved, tmp_path, marker) -> tuple[Path, Path]:
+    """(root, its common.pt) with common.pt holding a payload beside the real common state."""
+    root = tmp_path / "common_ckpt"
+    shutil.copytree(saved, root)
+    common = root / "iter_0000001" / "common.pt"
+    state = torch.load(common, weights_only=True)
+    torch.save({**state, "payload": Payload(marker)}, common)
+    sealed(common.parent)
+    return root, common
+
+
+def test_common_state_is_weights_only_whatever_the_environment_says(run, saved, crafted_common, monkeypatch, capsys):
+    """``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` (set by users for other tools) makes megatron's plain
+    ``torch.load`` of common.pt full pickle; dfm loads it weights-only anyway, naming the file."""
+    root, common = crafted_common
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(BaseException, match="refused") as error:
+        run.resume(root)
+    assert str(common) in str(error.value)
+    with pytest.raises(BaseException, match="refused") as error:
+        load_pretrained(root, run.model)
+    assert str(common) in str(error.value)
+    assert checkpoint_cli(["verify", str(saved)]) == 0
+    assert checkpoint_cli(["verify", str(root)]) == 1
+    assert f"DAMAGED: {common}: refused to load" in capsys.readouterr().out

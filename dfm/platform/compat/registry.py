@@ -477,6 +477,18 @@ SAFE_LOADING = (
         cpu_only=False,
     ),
     Patch(
+        name="safe-common-state",
+        module="megatron.core.dist_checkpointing.strategies.common",
+        attribute="TorchCommonLoadStrategy.load_common",
+        why="reads common.pt with a plain torch.load: TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 makes it full pickle",
+        relies_on=(
+            "load_path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)",
+            "torch.load(load_path, map_location='cpu')",
+        ),
+        replace=safe_loading.weights_only_common,
+        cpu_only=False,
+    ),
+    Patch(
         name="safe-checkpoint-objects-named",
         module=f"{DCP}.filesystem",
         attribute="FileSystemReader.read_data",

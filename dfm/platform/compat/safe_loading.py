@@ -2,15 +2,18 @@
 
 torch distributed checkpoint reads ``.metadata`` with ``pickle.load`` and every byte object (megatron's
 ``ShardedObject``: RNG state, data position) with ``torch.load(weights_only=False)``: a crafted checkpoint
-would run code on load. These builders route both through ``dfm.safe_unpickle``.
+would run code on load. These builders route both through ``dfm.safe_unpickle``. megatron reads
+``common.pt`` with a plain ``torch.load``, which ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns into full
+pickle: dfm reads it weights-only whatever the environment says.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import types
 
-from dfm.safe_unpickle import UnsafePickleError, load_checkpoint_metadata, load_rank_object
+from dfm.safe_unpickle import UnsafePickleError, load_checkpoint_metadata, load_rank_object, load_weights_only
 
 
 def metadata_pickle_view(original: types.ModuleType) -> types.ModuleType:
@@ -50,3 +53,22 @@ def refusals_name_the_directory(original):
             raise UnsafePickleError(f"{self.path}/{error}") from error
 
     return read_data
+
+
+def weights_only_common(original):
+    """Replaces ``TorchCommonLoadStrategy.load_common``: ``common.pt`` read weights-only, whatever the
+    environment says, refusals naming the file (megatron's own reads it with a plain ``torch.load``, through
+    multistorageclient when that is installed)."""
+
+    @functools.wraps(original)
+    def load_common(self, checkpoint_dir):
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+        from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+        path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
+        try:
+            return load_weights_only(path, map_location="cpu")
+        except FileNotFoundError as error:
+            raise CheckpointingException(f"Common file {path} does not exist") from error
+
+    return load_common
