@@ -14,6 +14,11 @@ Tolerances:
 * weights atol 1e-6 (lr 1e-3, 3 Adam steps: updates ~3e-3 on weights up to ~0.3). Dense layouts
   agree far inside it (TP=2+SP: max |diff| 7e-9); a layout bug moves weights by ~lr (a missing
   SP gradient reduction in adaLN was found this way: 1.5e-3).
+* Adam's eps is 1e-4 in these runs (ADAM_EPS), not 1e-8: an update is lr g / (|g| + eps), so an element
+  whose gradient sums to ~eps from larger terms turns the layouts' ~1e-8 gradient rounding into
+  lr 1e-8 / eps of weight. At eps 1e-8 that is up to ~lr: FLUX at CP=2 under FSDP moved 55 elements by
+  up to 1e-4 while its gradients agree to 4e-8 (checked with eps 1 and lr 1, i.e. updates ~ gradients);
+  at 1e-4 the same run agrees to 4e-8. Elements with |g| >> 1e-4 still take Adam's steps.
 * MoE with EP=2 x DP=2 agrees to ~1e-8 since the mock loader forms packs over the global
   stream (dfm/data/mock.py): the load-balancing loss is computed per pack, so DP=2 must train
   on the same packs as one process with 2 micro-batches, not only on the same samples.
@@ -33,6 +38,7 @@ from tests.training.entry import RECIPE_DIR, read_metrics, run_entries, run_entr
 WEIGHTS_ENTRY = Path(__file__).resolve().parent / "_weights_entry.py"
 
 WEIGHT_ATOL = 1e-6
+ADAM_EPS = "optimizer.adam_eps=1e-4"  # see the docstring: rounding, not Adam, is what is compared
 DP_DATA = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=2"]  # same samples for DP=1 and DP=2
 # Gradient accumulation: 2 micro-batches per DP rank and step (4 on the single process).
 ACCUMULATE = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=4"]
@@ -82,7 +88,8 @@ def train_many(tmp: Path, nproc: int, cases: list[tuple[str, list[str]]]) -> lis
     for index, (config, overrides) in enumerate(cases):
         log_dir = tmp / f"{Path(config).name}-{nproc}-{index}"
         conf = RECIPE_DIR / "conf" / f"{config}.yaml"
-        argv = ["--config-file", str(conf), "--mock", "train.train_iters=3", f"logger.log_dir={log_dir}", *overrides]
+        argv = ["--config-file", str(conf), "--mock", "train.train_iters=3", ADAM_EPS, f"logger.log_dir={log_dir}"]
+        argv += overrides
         runs.append({"argv": argv, "weights": str(log_dir / "full_weights.pt")})
         log_dirs.append(log_dir)
     statuses = run_entries(nproc, runs, tmp / f"launch-{nproc}")
