@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.timing import Timing, draw_packs, reset_memory, time_sides
 from dfm.checkpoint.state import TrainingState
-from dfm.diffusion.pipeline import pipeline_from_config
+from dfm.diffusion.registry import pipeline_from_config
 from dfm.parallel import ParallelLayout
 from dfm.training.data import build_mock_loader
 from dfm.training.forward_step import DiffusionForwardStep

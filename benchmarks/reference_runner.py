@@ -15,7 +15,7 @@ import torch
 
 from benchmarks.reference_dit import ReferenceDiT, ShapeBatch, batches_from_pack
 from benchmarks.timing import Timing, draw_packs, reset_memory, time_sides
-from dfm.diffusion.pipeline import pipeline_from_config
+from dfm.diffusion.registry import pipeline_from_config
 from dfm.parallel import ParallelLayout
 from dfm.training.data import build_mock_loader
 from dfm.training.setup import num_microbatches

@@ -25,12 +25,9 @@ from torch import Tensor
 from dfm.data.packed_batch import segment_lengths
 from dfm.diffusion.packed_loss import masked_mean_per_sample
 from dfm.diffusion.samplers import Churn, Sampler, classifier_free_guidance, sampler_for
-from dfm.diffusion.timestep_experts import expert_flow_settings
 
 Net = Callable[..., torch.Tensor]
 Shape = Sequence[int] | torch.Size
-
-PIPELINE_NAMES = ("edm", "flow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,30 +293,3 @@ def apply_cfg_dropout(
     if prob <= 0:
         return context
     return null_dropped_context(context, cu_seqlens_kv_padded, cfg_drop_mask(num_samples, prob, generator))
-
-
-# ---------------------------------------------------------------------------------------------
-# Factory
-# ---------------------------------------------------------------------------------------------
-
-
-def pipeline_from_config(cfg) -> DiffusionPipeline:
-    """The pipeline ``cfg.model.pipeline`` names, with its section's settings (``cfg.edm`` / ``cfg.flow``)."""
-    name = cfg.model.pipeline
-    settings = dataclasses.asdict(getattr(cfg, name))
-    if name == "flow":  # a Wan 2.2 expert's run draws its side of the boundary
-        settings = expert_flow_settings(cfg.model, settings)
-    return build_pipeline(name, **settings)
-
-
-def build_pipeline(name: str, **settings: Any) -> DiffusionPipeline:
-    """``build_pipeline("edm", sigma_data=1.0)`` or ``build_pipeline("flow", shift=3.0)``."""
-    # Imported here because both modules import this one for the base class.
-    from dfm.diffusion.edm import EDMPipeline, EDMSettings
-    from dfm.diffusion.flow import FlowPipeline, FlowSettings
-
-    if name == "edm":
-        return EDMPipeline(EDMSettings(**settings))
-    if name == "flow":
-        return FlowPipeline(FlowSettings(**settings))
-    raise ValueError(f"unknown diffusion pipeline {name!r}; valid: {', '.join(PIPELINE_NAMES)}")

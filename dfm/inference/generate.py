@@ -25,7 +25,8 @@ from dfm.config.container import ConfigContainer
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.prepare.pipeline import DEFAULT_T5, DEFAULT_VAE
 from dfm.diffusion.flow import shift_for_num_tokens
-from dfm.diffusion.pipeline import SamplingOptions, pipeline_from_config
+from dfm.diffusion.pipeline import SamplingOptions
+from dfm.diffusion.registry import pipeline_from_config
 from dfm.diffusion.timestep_experts import BOTH, TimestepExperts, c_noise_boundary
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
 from dfm.inference.encoders import (

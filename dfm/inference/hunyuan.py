@@ -15,7 +15,8 @@ from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify
 from dfm.data.sample import DiffusionSample
 from dfm.data.video_condition import first_frame_condition
-from dfm.diffusion.pipeline import SamplingOptions, pipeline_from_config
+from dfm.diffusion.pipeline import SamplingOptions
+from dfm.diffusion.registry import pipeline_from_config
 from dfm.inference.sampling import sample_latent
 
 

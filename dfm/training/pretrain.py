@@ -22,7 +22,7 @@ from dfm.checkpoint.state import TrainingState
 from dfm.checkpoint.weights_only import load_pretrained
 from dfm.config.container import ConfigContainer
 from dfm.config.loader import config_to_dict, format_config, save_config_yaml
-from dfm.diffusion.pipeline import pipeline_from_config
+from dfm.diffusion.registry import pipeline_from_config
 from dfm.diffusion.timestep_experts import BOTH, EXPERTS
 from dfm.models.flops import training_flops
 from dfm.parallel.layout import ParallelLayout, launched_world_size

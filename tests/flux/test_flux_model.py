@@ -23,7 +23,7 @@ from dfm.convert.flux import (
 )
 from dfm.convert.pretrained import single_process_world
 from dfm.convert.rules import to_dfm, to_diffusers
-from dfm.diffusion.pipeline import build_pipeline
+from dfm.diffusion.registry import build_pipeline
 from dfm.models.presets_cli import preset_parameter_counts
 from dfm.training.forward_step import DiffusionForwardStep
 from tests._layouts import LAYOUTS, assert_outputs_match, layout_results

@@ -17,7 +17,7 @@ from dfm.convert.hunyuan import diffusers_inputs, diffusers_outputs, hunyuan_rul
 from dfm.convert.rules import to_dfm, to_diffusers
 from dfm.data.patchify import patchify
 from dfm.diffusion.flow import FlowPipeline, FlowSettings
-from dfm.diffusion.pipeline import build_pipeline
+from dfm.diffusion.registry import build_pipeline
 from dfm.models.presets_cli import preset_parameter_counts
 from dfm.training.forward_step import DiffusionForwardStep
 from tests import _parity as parity

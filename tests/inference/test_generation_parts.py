@@ -9,7 +9,8 @@ import torch
 
 from dfm.config.container import ModelConfig
 from dfm.data.patchify import unpatchify
-from dfm.diffusion.pipeline import SamplingOptions, build_pipeline
+from dfm.diffusion.pipeline import SamplingOptions
+from dfm.diffusion.registry import build_pipeline
 from dfm.inference.generation_batch import draw_noise, generation_batch, latent_shape_for, null_text_batch
 from dfm.inference.media import check_output_path, to_uint8_frames
 

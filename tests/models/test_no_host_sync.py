@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dfm.data.packed_batch import PackedBatch
-from dfm.diffusion.pipeline import build_pipeline
+from dfm.diffusion.registry import build_pipeline
 from dfm.training.forward_step import DiffusionForwardStep
 from tests.models._helpers import build_random_model, make_samples, pack_samples, tiny_config
 

@@ -15,7 +15,7 @@ import torch
 
 from dfm.checkpoint.state import TrainingState
 from dfm.config.loader import build_config
-from dfm.diffusion.pipeline import pipeline_from_config
+from dfm.diffusion.registry import pipeline_from_config
 from dfm.parallel import ParallelLayout
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.training.data import build_mock_loader

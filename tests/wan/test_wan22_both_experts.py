@@ -33,7 +33,8 @@ from dfm.convert.rules import to_dfm
 from dfm.convert.wan import parity_samples, rules
 from dfm.convert.wan_experts import main
 from dfm.data.packing import pack_samples, sub_pack
-from dfm.diffusion.pipeline import SamplingOptions, build_pipeline, pipeline_from_config
+from dfm.diffusion.pipeline import SamplingOptions
+from dfm.diffusion.registry import build_pipeline, pipeline_from_config
 from dfm.diffusion.timestep_experts import TimestepExperts, c_noise_boundary
 from dfm.inference.generate import expert_guidance, generate, parse_args
 from dfm.inference.generation_batch import draw_noise, generation_batch

@@ -31,7 +31,8 @@ from dfm.convert.wan import parity_samples, rules
 from dfm.convert.wan_experts import main
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import unpatchify
-from dfm.diffusion.pipeline import SamplingOptions, build_pipeline, pipeline_from_config
+from dfm.diffusion.pipeline import SamplingOptions
+from dfm.diffusion.registry import build_pipeline, pipeline_from_config
 from dfm.diffusion.timestep_experts import TimestepExperts
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory
 from dfm.inference.generate import generate, parse_args

@@ -8,7 +8,8 @@ import pytest
 from dfm.convert.wan import parity_samples
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import unpatchify
-from dfm.diffusion.pipeline import SamplingOptions, build_pipeline
+from dfm.diffusion.pipeline import SamplingOptions
+from dfm.diffusion.registry import build_pipeline
 from dfm.diffusion.timestep_experts import TimestepExperts
 from dfm.inference.sampling import sample_latent
 from tests.wan._tiny import dfm_wan_of, tiny_model_config

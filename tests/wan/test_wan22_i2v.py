@@ -34,7 +34,8 @@ from dfm.data.energon.data_module import EnergonDataSettings, build_train_loader
 from dfm.data.energon.task_encoder import PackingSettings
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import unpatchify
-from dfm.diffusion.pipeline import SamplingOptions, build_pipeline
+from dfm.diffusion.pipeline import SamplingOptions
+from dfm.diffusion.registry import build_pipeline
 from dfm.diffusion.timestep_experts import TimestepExperts
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory
 from dfm.inference.generate import generate, parse_args

@@ -26,7 +26,7 @@ import torch
 from dfm.config.peft import PeftConfig
 from dfm.convert.pretrained import read_full_weights
 from dfm.convert.wan import diffusers_sample_output, parity_samples, parity_timesteps, rules
-from dfm.diffusion.pipeline import build_pipeline
+from dfm.diffusion.registry import build_pipeline
 from dfm.peft.inject import add_lora
 from tests.models.conftest import dist  # noqa: F401
 from tests.peft.test_lora_memory import assert_measured_matches_formula

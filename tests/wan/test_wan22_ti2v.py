@@ -21,7 +21,8 @@ from dfm.data.energon.task_encoder import PackingSettings
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import unpatchify
 from dfm.diffusion.first_frame import first_frame_tokens, keep_first_frames_clean
-from dfm.diffusion.pipeline import SamplingOptions, build_pipeline
+from dfm.diffusion.pipeline import SamplingOptions
+from dfm.diffusion.registry import build_pipeline
 from dfm.inference.generation_batch import generation_batch
 from dfm.inference.image_condition import image_latent
 from dfm.inference.sampling import sample_latent

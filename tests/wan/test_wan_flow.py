@@ -9,7 +9,7 @@ from dfm.config.loader import apply_overrides
 from dfm.config.recipes import get_recipe
 from dfm.config.validate import validate_config
 from dfm.diffusion.flow import FlowPipeline, FlowSettings
-from dfm.diffusion.pipeline import build_pipeline
+from dfm.diffusion.registry import build_pipeline
 
 
 def test_velocity_and_timestep_follow_wan():

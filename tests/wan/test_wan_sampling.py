@@ -17,7 +17,8 @@ from dfm.convert.rules import to_dfm
 from dfm.convert.wan import parity_samples, rules
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import unpatchify
-from dfm.diffusion.pipeline import SamplingOptions, build_pipeline
+from dfm.diffusion.pipeline import SamplingOptions
+from dfm.diffusion.registry import build_pipeline
 from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model
 from tests.wan._tiny import TEXT_LEN, tiny_diffusers_wan, tiny_model_config

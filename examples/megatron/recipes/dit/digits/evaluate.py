@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dfm.diffusion.pipeline import SamplingOptions, pipeline_from_config
+from dfm.diffusion.pipeline import SamplingOptions
+from dfm.diffusion.registry import pipeline_from_config
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
 from dfm.inference.encoders import Encoders, EncoderSources, check_encoders_match, load_encoders
 from dfm.inference.generation_batch import draw_noise, generation_pack, null_text_batch
