@@ -12,10 +12,12 @@ On CUDA the same calls would each stall the CPU until the GPU queue drains.
 from __future__ import annotations
 
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
 
+import dfm
 from dfm.data.packed_batch import PackedBatch
 from dfm.diffusion.registry import build_pipeline
 from dfm.training.forward_step import DiffusionForwardStep
@@ -59,6 +61,16 @@ def _reads_back(func, args, kwargs) -> bool:
     return False
 
 
+PACKAGE = Path(dfm.__file__).resolve().parent
+
+
+def package_path(filename: str) -> str | None:
+    """``filename`` relative to the dfm package (``training/faults.py``), None outside it; whatever the
+    clone's folder is called (a clone named ``dfm`` holds ``dfm/tests/...`` too)."""
+    path = Path(filename).resolve()
+    return path.relative_to(PACKAGE).as_posix() if path.is_relative_to(PACKAGE) else None
+
+
 class DeviceTensor(torch.Tensor):
     reads: list[str] = []
 
@@ -66,8 +78,8 @@ class DeviceTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _reads_back(func, args, kwargs):
-            frames = [f for f in traceback.extract_stack()[:-1] if "/dfm/" in f.filename]
-            where = f"{frames[-1].filename.split('/dfm/')[-1]}:{frames[-1].lineno}" if frames else "?"
+            frames = [f for f in traceback.extract_stack()[:-1] if package_path(f.filename)]
+            where = f"{package_path(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
             cls.reads.append(f"{getattr(func, '__name__', func)} at {where}")
         return super().__torch_function__(func, types, args, kwargs)
 

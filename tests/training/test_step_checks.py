@@ -23,14 +23,14 @@ from dfm.training.faults import PreemptionSignal
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.pretrain import RecordingIterator, finalize_defaults, train_step
 from dfm.training.setup import build_model, build_optimizer, num_microbatches
-from tests.models.test_no_host_sync import DeviceTensor
+from tests.models.test_no_host_sync import DeviceTensor, package_path
 from tests.training.entry import TINY
 
 
 def direct_caller() -> str:
     """The file that called ``all_reduce`` (dfm's relative to the package; megatron's grad reductions too)."""
     caller = traceback.extract_stack()[-3].filename
-    return caller.split("/dfm/")[-1] if "/dfm/" in caller else caller
+    return package_path(caller) or caller
 
 
 @pytest.fixture(scope="module")
