@@ -171,3 +171,27 @@ def _reason(error: Exception) -> str:
 
 def restricted_loads(data: bytes, allowed: Globals, source: str) -> Any:
     return restricted_load(io.BytesIO(data), allowed, source)
+
+
+EXTRA_STATE = "_extra_state"
+
+
+def extra_state_as_data(value: Any, source: str) -> Any:
+    """A module's ``_extra_state`` (Transformer Engine's: a uint8 tensor of pickle bytes that its
+    ``set_extra_state`` would ``pickle.loads``) read as data, then dropped: the bytes are decoded with the
+    array allow-list (anything else is refused naming ``source``) and an empty tensor is returned, so no
+    checkpoint byte reaches a module's own unpickler. dfm runs no fp8 (refused at start-up), so TE's
+    fp8 scaling state is rebuilt, never needed from the file. ``None`` (megatron's local layers) stays."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):  # megatron keeps some layers' extra state in a list
+        return type(value)(extra_state_as_data(item, source) for item in value)
+    if isinstance(value, io.BytesIO):  # older TE: torch.save bytes, torch.load'ed by set_extra_state
+        load_rank_object(io.BytesIO(value.getvalue()), source)
+        return torch.empty(0, dtype=torch.uint8)
+    if isinstance(value, torch.Tensor):
+        if value.numel():
+            data = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+            restricted_loads(data, array_globals(), source)
+        return torch.empty(0, dtype=torch.uint8)
+    raise UnsafePickleError(f"{source}: extra state of type {type(value).__name__} refused (a tensor or None expected)")

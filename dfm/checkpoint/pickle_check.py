@@ -5,7 +5,14 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from dfm.safe_unpickle import UnsafePickleError, load_checkpoint_metadata, load_rank_object, load_weights_only
+from dfm.safe_unpickle import (
+    EXTRA_STATE,
+    UnsafePickleError,
+    extra_state_as_data,
+    load_checkpoint_metadata,
+    load_rank_object,
+    load_weights_only,
+)
 
 COMMON = "common.pt"  # megatron's common state (iteration, config, schedule): torch.save bytes
 
@@ -38,7 +45,11 @@ def pickled_faults(directory: Path) -> list[str]:
         try:
             with open(file, "rb") as handle:
                 handle.seek(info.offset)
-                load_rank_object(io.BytesIO(handle.read(info.length)), f"{file}: per-rank object '{index.fqn}'")
+                loaded = load_rank_object(
+                    io.BytesIO(handle.read(info.length)), f"{file}: per-rank object '{index.fqn}'"
+                )
+            if index.fqn.partition("/")[0].endswith(EXTRA_STATE):
+                extra_state_as_data(loaded, f"{file}: extra state '{index.fqn}'")
         except (UnsafePickleError, OSError) as error:
             faults.append(str(error))
     return faults

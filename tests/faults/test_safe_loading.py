@@ -206,3 +206,46 @@ def test_common_state_is_weights_only_whatever_the_environment_says(run, saved, 
     assert checkpoint_cli(["verify", str(saved)]) == 0
     assert checkpoint_cli(["verify", str(root)]) == 1
     assert f"DAMAGED: {common}: refused to load" in capsys.readouterr().out
+
+
+def te_like_extra_state(monkeypatch, saved_state) -> list:
+    """megatron's linears get Transformer Engine's extra-state protocol: ``get_extra_state`` returns a uint8
+    tensor of pickle bytes (``saved_state``'s), ``set_extra_state`` ``pickle.loads`` it; -> what each set got."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    received = []
+
+    def get_extra_state(self):
+        return torch.frombuffer(bytearray(pickle.dumps(saved_state)), dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        received.append(state)
+        if isinstance(state, torch.Tensor) and state.numel():
+            pickle.loads(state.numpy().tobytes())  # what TE does
+
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        monkeypatch.setattr(cls, "get_extra_state", get_extra_state)
+        monkeypatch.setattr(cls, "set_extra_state", set_extra_state)
+    return received
+
+
+def test_extra_state_holding_a_pickle_is_refused_naming_file_and_key(run, tmp_path, marker, monkeypatch, capsys):
+    """TE's ``set_extra_state`` unpickles the checkpoint's bytes: dfm reads them through the array allow-list
+    first (a payload is refused, naming the file and the key) and hands the module an empty state."""
+    te_like_extra_state(monkeypatch, Payload(marker))
+    root = tmp_path / "extra_state_ckpt"
+    run.save(root)
+    with pytest.raises(BaseException, match="refused") as error:
+        run.resume(root)
+    message = str(error.value)
+    assert str(root / "iter_0000001") in message and "._extra_state" in message, message
+    assert checkpoint_cli(["verify", str(root)]) == 1
+    assert "._extra_state" in capsys.readouterr().out
+
+
+def test_extra_state_holding_data_is_dropped_and_rebuilt(run, tmp_path, monkeypatch):
+    received = te_like_extra_state(monkeypatch, {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(2, 3)})
+    root = tmp_path / "extra_state_ckpt"
+    run.save(root)
+    load_pretrained(root, run.model)  # the model's part of a resume (extra state included), weights only
+    assert received and all(isinstance(s, torch.Tensor) and s.numel() == 0 for s in received)

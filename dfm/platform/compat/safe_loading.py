@@ -13,7 +13,14 @@ import functools
 import os
 import types
 
-from dfm.safe_unpickle import UnsafePickleError, load_checkpoint_metadata, load_rank_object, load_weights_only
+from dfm.safe_unpickle import (
+    EXTRA_STATE,
+    UnsafePickleError,
+    extra_state_as_data,
+    load_checkpoint_metadata,
+    load_rank_object,
+    load_weights_only,
+)
 
 
 def metadata_pickle_view(original: types.ModuleType) -> types.ModuleType:
@@ -32,6 +39,8 @@ def objects_as_data(original):
         fqn = read_item.dest_index.fqn
         file = self.metadata.storage_data[read_item.storage_index].relative_path
         loaded = load_rank_object(value, f"{file}: per-rank object '{fqn}'")
+        if fqn.partition("/")[0].endswith(EXTRA_STATE):
+            loaded = extra_state_as_data(loaded, f"{file}: extra state '{fqn}'")
         if self.flatten_state_dict:
             from torch.distributed.checkpoint.default_planner import set_element  # the original's helper
 
