@@ -161,7 +161,7 @@ def measure(
     """(saved bytes, video tokens, text tokens) of one training forward of dfm's model on one pack."""
     from megatron.core.transformer.module import Float16Module
 
-    from dfm.convert.pretrained import single_process_world
+    from dfm.convert.weights import single_process_world
     from dfm.models.build import build_model_chunk
 
     batch = mock_pack(cfg, video, samples)

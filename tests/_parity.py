@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from dfm.convert.flux import per_sample_max_abs_diff
-from dfm.convert.pretrained import fill_weights, single_process_world
 from dfm.convert.rules import to_diffusers
+from dfm.convert.weights import fill_weights, single_process_world
 from dfm.models.build import build_model
 
 

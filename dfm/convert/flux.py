@@ -16,10 +16,12 @@ import torch
 from torch import Tensor
 
 from dfm.config.container import ConfigContainer, ModelConfig
-from dfm.convert.cli import Family
 from dfm.convert.diffusers_model import diffusers_outputs_alone
-from dfm.convert.pretrained import converted_model
+from dfm.convert.family import Family
 from dfm.convert.rules import ConversionError, Rule, fused_qkv, rename
+from dfm.convert.weights import converted_model
+from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking
+from dfm.inference.checkpoint_loading import single_process_config
 
 PATCH = 2  # FLUX packs 2x2 latent patches into a token
 
@@ -221,8 +223,6 @@ def per_sample_max_abs_diff(packed: Tensor, references: list[Tensor], batch) -> 
 def verification_pack(model_cfg: ModelConfig, seed: int = 0, padding: tuple[int, int] = (1, 1)):
     """(pack, t [N], guidance [N] or None): three images of different sizes (16, 15, 15 tokens) and
     text lengths; ``padding``: the layout's (segment, total) multiples."""
-    from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking
-
     settings = MockDataSettings(
         seed=seed,
         image_sizes=[(8, 8), (6, 10), (10, 6)],
@@ -240,8 +240,6 @@ def verification_pack(model_cfg: ModelConfig, seed: int = 0, padding: tuple[int,
 def verify(folder: str, cfg: ConfigContainer, weights: Callable[[], Iterable[tuple[str, Tensor]]]) -> float:
     """Max abs diff of dfm (``weights()``: its (name, tensor) pairs) vs diffusers (the model or pipeline
     folder ``folder``) on ``verification_pack`` (fp32, one process); the two models run one after the other."""
-    from dfm.inference.checkpoint_loading import single_process_config
-
     model_cfg = single_process_config(cfg).model
     batch, t, guidance = verification_pack(model_cfg)
 

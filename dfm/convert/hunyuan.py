@@ -14,16 +14,17 @@ import torch
 from torch import Tensor
 
 from dfm.config.container import ConfigContainer, ModelConfig
-from dfm.convert.cli import Family
 from dfm.convert.diffusers_model import diffusers_outputs_alone
+from dfm.convert.family import Family
 from dfm.convert.flux import _double_block, _linear, per_sample_max_abs_diff, swapped_halves
-from dfm.convert.pretrained import converted_model
 from dfm.convert.rules import ConversionError, Rule, rename
+from dfm.convert.weights import converted_model
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify, unpatchify
 from dfm.data.sample import DiffusionSample
 from dfm.data.video_condition import condition_of
+from dfm.inference.checkpoint_loading import single_process_config
 
 DIFFUSERS_CLASS = "HunyuanVideo15Transformer3DModel"
 
@@ -211,8 +212,6 @@ def diffusers_outputs(diffusers_model, batch: PackedBatch, c_noise: Tensor) -> l
 def verify(folder: str, cfg: ConfigContainer, weights: Callable[[], Iterable[tuple[str, Tensor]]]) -> float:
     """Max abs diff of dfm (``weights()``: its (name, tensor) pairs) vs diffusers (the model or pipeline
     folder ``folder``) on ``verification_pack`` (fp32, one process); the two models run one after the other."""
-    from dfm.inference.checkpoint_loading import single_process_config
-
     model_cfg = single_process_config(cfg).model
     batch, c_noise = verification_pack(model_cfg)
     references = diffusers_outputs_alone(

@@ -12,15 +12,16 @@ import torch
 from torch import Tensor
 
 from dfm.config.container import ConfigContainer, ModelConfig
-from dfm.convert.cli import Family
 from dfm.convert.diffusers_model import diffusers_outputs_alone
-from dfm.convert.pretrained import converted_model
+from dfm.convert.family import Family
 from dfm.convert.rules import ConversionError, Rule, fused_kv, fused_qkv, rename
+from dfm.convert.weights import converted_model
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import patchify, unpatchify
 from dfm.data.sample import DiffusionSample
 from dfm.data.video_condition import WAN_MASK_CHANNELS, wan_condition_channels, wan_image_condition
+from dfm.diffusion.timestep_experts import BOTH
 from dfm.inference.checkpoint_loading import single_process_config
 
 FREQ_DIM = 256  # the timestep sinusoid width of every published Wan (dfm's TimestepEmbedder)
@@ -264,3 +265,27 @@ WAN = Family(
     rules=rules,
     verify=verify,
 )
+
+
+# --- Wan 2.2 A14B's two experts (the folders: dfm/convert/wan_experts.py) ------------------------------
+
+# Each expert's transformer folder in a two-expert pipeline folder.
+EXPERT_FOLDERS = {"high_noise": "transformer", "low_noise": "transformer_2"}
+
+
+def expert_weights(weights: dict, expert: str) -> dict:
+    """{name in the expert: tensor} of the ``expert.*`` entries of a both-run's ``weights``."""
+    prefix = f"{expert}."
+    return {name[len(prefix) :]: value for name, value in weights.items() if name.startswith(prefix)}
+
+
+def expert_lora_files(expert: str, weights: dict) -> list[tuple[str, dict, str]]:
+    """``export-lora`` of a run of ``expert`` (high_noise, low_noise, both): (subfolder, its model's
+    weights, the call that loads it). diffusers' Wan loader reads a file's ``transformer.*`` keys
+    into ``transformer``, or with ``load_into_transformer_2=True`` into ``transformer_2``: each
+    expert's adapters are one such file, a both-run's in ``transformer/`` and ``transformer_2/``."""
+    into = {"high_noise": 'pipeline.load_lora_weights("{}")'}
+    into["low_noise"] = 'pipeline.load_lora_weights("{}", load_into_transformer_2=True)'
+    if expert != BOTH:
+        return [("", weights, into[expert])]
+    return [(EXPERT_FOLDERS[name], expert_weights(weights, name), into[name]) for name in EXPERT_FOLDERS]

@@ -10,7 +10,8 @@ checkpoint whose config names its expert (``model.wan_expert``) and the boundary
 written: pass them, or None, to from_pretrained, or copy their folders from the original).
 ``export --checkpoint BOTH`` of a run of both experts (``model.wan_expert=both``, parameters
 ``high_noise.*`` and ``low_noise.*``) writes the same folder. Every other folder goes through
-dfm/convert/cli.py unchanged.
+the family CLI (dfm/convert/cli.py) unchanged. The experts' folder names and each expert's weights and
+LoRA file are the Wan family's (dfm/convert/wan.py).
 """
 
 from __future__ import annotations
@@ -21,15 +22,13 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from dfm.convert.cli import export_model, import_model, read_export_weights, write_export
 from dfm.convert.cli import main as family_main
+from dfm.convert.import_export import export_model, import_model, read_export_weights, write_export
 from dfm.convert.output_folder import check_target, fresh_folder
 from dfm.convert.rules import ConversionError
-from dfm.convert.wan import WAN
-from dfm.diffusion.timestep_experts import BOTH
+from dfm.convert.wan import EXPERT_FOLDERS, WAN, expert_weights
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory
 
-EXPERT_FOLDERS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 MODEL_INDEX = "model_index.json"
 # The pipeline components an export does not write (listed absent so that WanPipeline loads without them).
 ABSENT = ("tokenizer", "text_encoder", "vae", "scheduler")
@@ -131,24 +130,6 @@ def holds_both_experts(checkpoint: str) -> bool:
         return checkpoint_config(checkpoint_directory(checkpoint)).model.wan_expert == "both"
     except (FileNotFoundError, OSError, ValueError):  # not a checkpoint: the family's export says why
         return False
-
-
-def expert_weights(weights: dict, expert: str) -> dict:
-    """{name in the expert: tensor} of the ``expert.*`` entries of a both-run's ``weights``."""
-    prefix = f"{expert}."
-    return {name[len(prefix) :]: value for name, value in weights.items() if name.startswith(prefix)}
-
-
-def expert_lora_files(expert: str, weights: dict) -> list[tuple[str, dict, str]]:
-    """``export-lora`` of a run of ``expert`` (high_noise, low_noise, both): (subfolder, its model's
-    weights, the call that loads it). diffusers' Wan loader reads a file's ``transformer.*`` keys
-    into ``transformer``, or with ``load_into_transformer_2=True`` into ``transformer_2``: each
-    expert's adapters are one such file, a both-run's in ``transformer/`` and ``transformer_2/``."""
-    into = {"high_noise": 'pipeline.load_lora_weights("{}")'}
-    into["low_noise"] = 'pipeline.load_lora_weights("{}", load_into_transformer_2=True)'
-    if expert != BOTH:
-        return [("", weights, into[expert])]
-    return [(EXPERT_FOLDERS[name], expert_weights(weights, name), into[name]) for name in EXPERT_FOLDERS]
 
 
 def export_both(args: argparse.Namespace) -> Path:

@@ -84,7 +84,7 @@ def test_export_replaces_an_old_sharded_export_whole_and_only_with_overwrite(sou
 def test_import_refuses_a_training_root_and_replaces_an_import_only_with_overwrite(source, tmp_path):
     from megatron.core import dist_checkpointing
 
-    from dfm.convert.pretrained import single_process_world
+    from dfm.convert.weights import single_process_world
 
     model, _, imported = source
     training = tmp_path / "run"

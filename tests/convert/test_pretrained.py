@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dfm.config.recipes import get_recipe
-from dfm.convert.pretrained import read_full_weights, save_pretrained_checkpoint, single_process_world
+from dfm.convert.pretrained import read_full_weights, save_pretrained_checkpoint
+from dfm.convert.weights import single_process_world
 from dfm.models.build import build_model
 from tests.parallel.equivalence import WEIGHTS_ENTRY
 from tests.training.entry import run_entry

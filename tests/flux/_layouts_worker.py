@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state
 
-from dfm.convert.cli import import_config
 from dfm.convert.flux import FLUX, per_sample_max_abs_diff, verification_pack
+from dfm.convert.import_export import import_config
 from dfm.models.build import build_model
 from dfm.models.common.init import mark_tensor_parallel_weights, take_shard
 from dfm.parallel import ParallelLayout

@@ -5,8 +5,8 @@ from __future__ import annotations
 import diffusers
 import torch
 
-from dfm.convert.cli import import_config
 from dfm.convert.flux import FLUX, flux_rules
+from dfm.convert.import_export import import_config
 from dfm.convert.rules import to_dfm
 from tests._parity import random_model
 

@@ -4,7 +4,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from dfm.convert.flux import verification_pack
-from dfm.convert.pretrained import single_process_world
+from dfm.convert.weights import single_process_world
 from dfm.models.flops import training_flops
 from tests._parity import converted_model
 from tests.flux._tiny import dfm_config_and_weights, tiny_diffusers_flux

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from diffusers.models.embeddings import apply_rotary_emb
 
 from dfm.convert.flux import verification_pack
-from dfm.convert.pretrained import single_process_world
+from dfm.convert.weights import single_process_world
 from dfm.models.attention.qk_norm_rope import qk_norm_rope
 from dfm.models.flux.rope import rope_cos_sin
 from tests._parity import converted_model

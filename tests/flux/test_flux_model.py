@@ -21,8 +21,8 @@ from dfm.convert.flux import (
     reorder_patch_features,
     verification_pack,
 )
-from dfm.convert.pretrained import single_process_world
 from dfm.convert.rules import to_dfm, to_diffusers
+from dfm.convert.weights import single_process_world
 from dfm.diffusion.registry import build_pipeline
 from dfm.models.presets_cli import preset_parameter_counts
 from dfm.training.forward_step import DiffusionForwardStep

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-from dfm.convert.pretrained import converted_model
+from dfm.convert.weights import converted_model
 from dfm.data.encoders import build_tiny_random_encoders
 from dfm.inference.encoders import EncoderSources, load_encoders
 from dfm.inference.generate import sample_prompt, with_embedded_guidance

@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from dfm.convert.flux import diffusers_outputs, verification_pack
-from dfm.convert.pretrained import single_process_world
 from dfm.convert.wan import (
     dfm_sample_outputs,
     diffusers_sample_output,
@@ -31,6 +30,7 @@ from dfm.convert.wan import (
     parity_samples,
     parity_timesteps,
 )
+from dfm.convert.weights import single_process_world
 from dfm.data.packing import pack_samples
 from tests._parity import converted_model
 from tests.flux._tiny import dfm_config_and_weights, tiny_diffusers_flux

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import diffusers
 
-from dfm.convert.cli import import_config
 from dfm.convert.hunyuan import HUNYUAN, hunyuan_rules
+from dfm.convert.import_export import import_config
 from dfm.convert.rules import to_dfm
 from tests._parity import random_model
 

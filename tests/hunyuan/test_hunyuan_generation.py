@@ -14,7 +14,7 @@ import pytest
 import torch
 from diffusers.guiders import ClassifierFreeGuidance
 
-from dfm.convert.pretrained import converted_model
+from dfm.convert.weights import converted_model
 from dfm.data.encoders.hunyuan import HunyuanEncoders, build_tiny_hunyuan_encoders
 from dfm.inference.hunyuan import HunyuanRequest, sample_hunyuan
 from tests.hunyuan._tiny import dfm_config_and_weights, tiny_diffusers_hunyuan

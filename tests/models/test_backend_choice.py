@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dfm.config.recipes import get_recipe
-from dfm.convert.pretrained import converted_model, save_pretrained_checkpoint
+from dfm.convert.pretrained import save_pretrained_checkpoint
+from dfm.convert.weights import converted_model
 from dfm.inference.checkpoint_loading import load_model, single_process_config
 from dfm.models import build
 from dfm.models.attention.core import PackedDotProductAttention

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from dfm.config.peft import PeftConfig
-from dfm.convert.pretrained import fill_weights
 from dfm.convert.rules import to_diffusers
+from dfm.convert.weights import fill_weights
 from dfm.inference.empty_model import empty_model
 from dfm.peft.export import lora_metadata, lora_state_dict, merged_weights
 from dfm.peft.inject import add_lora

@@ -130,9 +130,9 @@ def parity_errors(model, cfg: ModelConfig, batch, timesteps, reference: Diffuser
 def dfm_wan_of(transformer, cfg: ModelConfig, precision: str = "fp32"):
     """The dfm Wan of ``cfg`` (built for ``precision``) holding ``transformer``'s weights (eval); needs
     the process group."""
-    from dfm.convert.pretrained import fill_weights
     from dfm.convert.rules import to_dfm
     from dfm.convert.wan import rules
+    from dfm.convert.weights import fill_weights
     from dfm.models.build import build_model
 
     model, _ = build_model(cfg, precision)

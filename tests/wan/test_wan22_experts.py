@@ -25,10 +25,11 @@ from dfm.config.errors import ConfigError
 from dfm.config.loader import apply_overrides
 from dfm.config.recipes import get_recipe
 from dfm.config.validate import validate_config
-from dfm.convert.pretrained import fill_weights, read_full_weights
+from dfm.convert.pretrained import read_full_weights
 from dfm.convert.rules import to_dfm
 from dfm.convert.wan import parity_samples, rules
 from dfm.convert.wan_experts import main
+from dfm.convert.weights import fill_weights
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import unpatchify
 from dfm.diffusion.pipeline import SamplingOptions

@@ -12,9 +12,9 @@ import diffusers
 import pytest
 import torch
 
-from dfm.convert.pretrained import fill_weights
 from dfm.convert.rules import to_dfm
 from dfm.convert.wan import parity_samples, rules
+from dfm.convert.weights import fill_weights
 from dfm.data.packing import pack_samples
 from dfm.data.patchify import unpatchify
 from dfm.diffusion.pipeline import SamplingOptions
