@@ -1,16 +1,32 @@
-"""The packages of dfm/ import each other without cycles, and the library holds no test or demo hooks.
+"""dfm's imports run one way, and the library holds no test or demo hooks.
 
-Every import counts, also those inside functions (a late import hides a cycle from Python, not from
-a reader); imports under ``if TYPE_CHECKING:`` name types for annotations only and never run, so they
-are not dependencies. The allowed direction is what docs/architecture.md draws.
+Every import statement counts: at module level, inside functions (a late import hides a circle from
+Python, not from a reader) and under ``if TYPE_CHECKING:`` (a reader follows those too; a type that a
+lower module needs from a higher one is a protocol of its own, as dfm/parallel/rules.py's). No two
+modules import each other, directly or around a circle, and a package imports only packages drawn on a
+lower floor of the picture in docs/architecture.md.
 """
 
 import ast
+import re
+from functools import cache
 from pathlib import Path
 
 import pytest
 
-DFM = Path(__file__).resolve().parents[2] / "dfm"
+ROOT = Path(__file__).resolve().parents[2]
+DFM = ROOT / "dfm"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(DFM.rglob("*.py"))}
+# dfm's packages and top-level modules: dfm/config/ -> "config", dfm/errors.py -> "errors".
+PACKAGES = sorted({name.split(".")[1] for name in MODULES if "." in name})
 
 
 def package_of(module: str) -> str | None:
@@ -18,34 +34,43 @@ def package_of(module: str) -> str | None:
     return parts[1] if parts[0] == "dfm" and len(parts) > 1 else None
 
 
-def runtime_nodes(tree: ast.AST):
-    """Every node but those under ``if TYPE_CHECKING:``."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+def imported_modules(module: str) -> set[str]:
+    """The dfm modules ``module`` imports anywhere in its file; ``from pkg import name`` is pkg.name
+    where that is a module, else pkg."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+        else:
             continue
-        yield node
-        yield from runtime_nodes(node)
+        for name in names:
+            while name and name not in MODULES:  # a name inside a module: the module
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+@cache
+def module_imports() -> dict[str, set[str]]:
+    return {module: imported_modules(module) for module in MODULES}
 
 
 def package_imports() -> dict[str, set[str]]:
     """package -> the other dfm packages its modules import."""
     graph: dict[str, set[str]] = {}
-    for path in DFM.rglob("*.py"):
-        relative = path.relative_to(DFM).parts
-        if len(relative) == 1:
-            continue  # dfm/__init__.py
-        source = relative[0]
-        targets = graph.setdefault(source, set())
-        for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
-            for name in names:
-                target = package_of(name)
-                if target and target != source:
-                    targets.add(target)
+    for module, targets in module_imports().items():
+        source = package_of(module)
+        if source:
+            graph.setdefault(source, set()).update(package_of(t) for t in targets if package_of(t) != source)
     return graph
 
 
@@ -56,7 +81,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = "open"
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
-                return [*path, node, nxt]
+                return [*path[path.index(nxt) :], node, nxt] if nxt in path else [*path, node, nxt]
             if nxt not in state and (cycle := visit(nxt, [*path, node])):
                 return cycle
         state[node] = "done"
@@ -68,11 +93,59 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def drawn_floors() -> list[list[str]]:
+    """The floors of docs/architecture.md's picture (its first code block), top first: the dfm packages
+    (``name/``) and top-level modules (``name.py``) each line names."""
+    block = ARCHITECTURE.read_text().split("```")[1]
+    floors = []
+    for line in block.splitlines():
+        names = [a or b for a, b in re.findall(r"\b(\w+)/|\b(\w+)\.py\b", line)]
+        if drawn := [name for name in names if name in PACKAGES]:
+            floors.append(drawn)
+    return floors
+
+
+def test_no_import_cycle_between_modules():
+    graph = module_imports()
+    assert {"dfm.convert.cli", "dfm.diffusion.pipeline", "dfm.parallel.layout"} <= graph.keys()
+    cycle = find_cycle(graph)
+    assert cycle is None, "modules import each other: " + " -> ".join(cycle)
+
+
 def test_no_import_cycle_between_packages():
     graph = package_imports()
     assert {"config", "data", "models", "training", "inference", "checkpoint", "parallel"} <= graph.keys()
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle) + f"\npackage imports: {graph}"
+
+
+def test_the_picture_draws_every_package_once():
+    drawn = [name for floor in drawn_floors() for name in floor]
+    assert sorted(drawn) == PACKAGES, f"docs/architecture.md draws {drawn}, dfm has {PACKAGES}"
+
+
+def test_packages_import_only_packages_drawn_below_them():
+    floor = {name: level for level, names in enumerate(drawn_floors()) for name in names}
+    upward = [
+        f"{module} -> {target}"
+        for module, targets in module_imports().items()
+        for target in sorted(targets)
+        if package_of(module) != package_of(target)
+        and package_of(module) in floor
+        and floor[package_of(target)] <= floor[package_of(module)]
+    ]
+    assert not upward, "imports of a package drawn on the same or a higher floor (docs/architecture.md):\n" + (
+        "\n".join(upward)
+    )
+
+
+def test_the_checks_see_what_they_must():
+    """The parser follows late, TYPE_CHECKING and ``from package import module`` imports."""
+    graph = module_imports()
+    assert "dfm.parallel.rules" in graph["dfm.parallel.layout"]  # from dfm.parallel import rules
+    assert "dfm.data.packed_batch" in graph["dfm.parallel.layout"]  # under TYPE_CHECKING
+    assert "dfm.convert.lora" in graph["dfm.training.setup"]  # inside a function
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == ["b", "c", "b"]
 
 
 @pytest.mark.parametrize("needle", ["examples/", '"examples"', "parents[2]", "dump_full_weights"])
