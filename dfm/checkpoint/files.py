@@ -8,7 +8,6 @@ one. A directory without a manifest newer than ``latest`` is a save that never f
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import time
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dfm.checkpoint.manifest import MANIFEST, has_manifest, manifest_size
+from dfm.safe_files import write_text_no_follow
 
 logger = logging.getLogger("dfm.checkpoint")
 
@@ -48,9 +48,8 @@ def read_latest(root: str | Path) -> int | None:
 
 
 def mark_latest(root: str | Path, iteration: int) -> None:
-    tmp = Path(root) / f".{LATEST}.tmp"
-    tmp.write_text(f"{iteration}\n")
-    os.replace(tmp, Path(root) / LATEST)
+    """Atomically, never through a link (dfm/safe_files.py)."""
+    write_text_no_follow(Path(root) / LATEST, f"{iteration}\n", fsync=True)
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ def candidates(root: str | Path) -> list[Candidate]:
     found = []
     for directory in root.iterdir() if root.is_dir() else []:
         iteration = iteration_of(directory)
-        if iteration is None or not directory.is_dir():
+        if iteration is None or directory.is_symlink() or not directory.is_dir():
             continue
         newer = latest is not None and iteration > latest
         if has_manifest(directory):

@@ -9,10 +9,11 @@ the manifest records which.
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from dfm.safe_files import confined_path, write_text_no_follow
 
 MANIFEST = "manifest.json"
 # Written by dist_checkpointing for every checkpoint: without them nothing loads.
@@ -59,13 +60,8 @@ def describe_files(directory: Path, paths: list[str]) -> list[FileEntry]:
 
 def write_manifest(directory: Path, entries: list[FileEntry]) -> Path:
     """Atomically write ``directory/manifest.json`` (a crash leaves no half manifest)."""
-    tmp = directory / f".{MANIFEST}.tmp"
     body = {"version": 1, "files": [asdict(e) for e in sorted(entries, key=lambda e: e.path)]}
-    tmp.write_text(json.dumps(body, indent=1) + "\n")
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, directory / MANIFEST)
-    return directory / MANIFEST
+    return write_text_no_follow(directory / MANIFEST, json.dumps(body, indent=1) + "\n", fsync=True)
 
 
 def has_manifest(directory: Path) -> bool:
@@ -117,7 +113,9 @@ def verify(directory: Path, part: tuple[int, int] = (0, 1), checksums: bool = Tr
 
 
 def file_faults(directory: Path, entry: FileEntry, checksums: bool) -> list[str]:
-    file = directory / entry.path
+    file = confined_path(directory, entry.path)
+    if file is None:
+        return [f"{directory / MANIFEST}: entry {entry.path!r} lies outside the checkpoint folder (not read)"]
     if not file.is_file():
         return [f"{file}: missing (manifest lists {entry.size} bytes)"]
     size = file.stat().st_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+from dfm.safe_files import confined_path
 from dfm.safe_unpickle import (
     EXTRA_STATE,
     UnsafePickleError,
@@ -41,7 +42,10 @@ def pickled_faults(directory: Path) -> list[str]:
     for index, info in metadata.storage_data.items():
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue
-        file = directory / info.relative_path
+        file = confined_path(directory, info.relative_path)
+        if file is None:
+            faults.append(f"{directory / '.metadata'}: names {info.relative_path!r}, outside the checkpoint folder")
+            continue
         try:
             with open(file, "rb") as handle:
                 handle.seek(info.offset)

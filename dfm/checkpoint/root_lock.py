@@ -27,6 +27,7 @@ from pathlib import Path
 
 from dfm.checkpoint.collective import decided_on_rank0, rank
 from dfm.checkpoint.errors import CheckpointError
+from dfm.safe_files import links_leaving
 
 logger = logging.getLogger("dfm.checkpoint")
 
@@ -145,6 +146,19 @@ def acquire(root: str | Path) -> tuple[Path, dict]:
     raise CheckpointError(f"checkpoint.save={root}: could not take the lock file {lock} (other runs keep taking it)")
 
 
+def refuse_links_leaving(root: str | Path) -> None:
+    """dfm writes and deletes in the root, never through links: a root holding links out of it is refused."""
+    if not Path(root).is_dir():
+        return
+    links = links_leaving(root)
+    if links:
+        raise CheckpointError(
+            f"checkpoint.save={root} holds symbolic links pointing outside it: {', '.join(links)}. dfm writes and "
+            "deletes files in its checkpoint root and never through a link; remove them (or use another "
+            "checkpoint.save)"
+        )
+
+
 def release(lock: Path, owner: dict) -> None:
     """Remove the lock file if it is still this owner's."""
     if _read(lock) == owner:
@@ -161,6 +175,7 @@ def root_locked(root: str | None) -> Iterator[None]:
 
     def take() -> str | None:
         try:
+            refuse_links_leaving(root)
             held.append(acquire(root))
         except CheckpointError as error:
             return str(error)

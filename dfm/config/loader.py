@@ -18,6 +18,7 @@ from dfm.config.errors import ConfigError
 from dfm.config.recipes import get_recipe
 from dfm.config.typecheck import coerce_value
 from dfm.config.validate import validate_config
+from dfm.safe_files import write_text_no_follow
 
 RECIPE_KEY = "recipe"
 
@@ -85,8 +86,8 @@ def save_config_yaml(cfg: ConfigContainer, path: str | Path) -> Path:
     """Write the resolved config; `build_config(None, path, [])` gives back an equal config."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("# Resolved dfm config: every field, after recipe, file and overrides.\n" + format_config(cfg))
-    return path
+    header = "# Resolved dfm config: every field, after recipe, file and overrides.\n"
+    return write_text_no_follow(path, header + format_config(cfg))  # a link there is replaced, not written through
 
 
 def load_yaml_file(path: str | Path) -> dict:

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from dfm.checkpoint.__main__ import main as verify_cli
@@ -37,7 +38,8 @@ def write_checkpoint(root: Path, iteration: int, sealed: bool = True, latest: bo
     directory.mkdir(parents=True)
     for name in (*REQUIRED, "__0_0.distcp"):
         (directory / name).write_bytes(bytes(range(256)) * (iteration + 1))
-    # verify reads .metadata as data (dfm.checkpoint.pickle_check): a real, empty one
+    # verify reads .metadata and common.pt as data (dfm.checkpoint.pickle_check): real ones
+    torch.save({"iteration": iteration, "pad": bytes(range(256)) * iteration}, directory / "common.pt")
     (directory / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data={})))
     if sealed:
         write_manifest(directory, describe_files(directory, checkpoint_files(directory)))
