@@ -27,6 +27,7 @@ from dfm.convert.lora import family_rules, lora_files
 from dfm.convert.output_folder import check_target, diffusers_folder_problem, fresh_folder, weights_only_root_problem
 from dfm.convert.pretrained import read_checkpoint_weights, save_pretrained_checkpoint
 from dfm.convert.rules import ConversionError, check_keys, convert_stream
+from dfm.convert.wan import EXPERT_FOLDERS
 from dfm.peft.export import FILE_NAME, lora_state_dict, merged_weights, write_lora_file
 
 logger = logging.getLogger("dfm.convert")
@@ -142,16 +143,17 @@ def base_or_merged(weights: dict[str, Tensor], cfg, merge: bool, source: str) ->
 
 
 def lora_folder_problem(folder: Path) -> str | None:
-    """None when ``folder`` holds only what ``export-lora`` writes (so ``--overwrite`` may replace it):
-    safetensors files, or subfolders of them (a both-run's transformer/, transformer_2/)."""
-    for entry in sorted(folder.iterdir()):
-        if entry.is_dir():
-            problem = diffusers_folder_problem(entry)
-        else:
-            problem = None if entry.name.endswith(".safetensors") else "a file export-lora does not write"
-        if problem:
-            return f"holds {entry.name}: {problem}"
-    return None
+    """None when ``folder`` holds only what ``export-lora`` writes (so ``--overwrite`` may replace it): its
+    ``pytorch_lora_weights.safetensors``, or a both-run's ``transformer/`` and ``transformer_2/`` holding one
+    each; else every other file named (another LoRA, a model folder: never deleted)."""
+    written = {FILE_NAME, *(f"{sub}/{FILE_NAME}" for sub in EXPERT_FOLDERS.values())}
+    foreign = [
+        str(path.relative_to(folder)) + ("/" if path.is_dir() else "")
+        for path in sorted(folder.rglob("*"))
+        if str(path.relative_to(folder)) not in written
+        and not (path.is_dir() and not path.is_symlink() and path.name in EXPERT_FOLDERS.values())
+    ]
+    return f"holds files export-lora does not write: {', '.join(foreign)}" if foreign else None
 
 
 def export_lora(family, args: argparse.Namespace) -> Path:

@@ -3,6 +3,7 @@ that says whether it completed, and loaders that refuse what is not a finished e
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from dfm.data.prepare.energon_prepare import run_energon_prepare
 from dfm.data.prepare.pipeline import PrepareSettings, prepare_dataset
 from dfm.data.prepare.record import read_preparation_status
 from dfm.data.prepare.synthetic import write_synthetic_dataset
+from tests.training.entry import RECIPE_DIR
 
 NUM_IMAGES = 7
 
@@ -103,12 +105,28 @@ def test_overwrite_clears_the_previous_shards_and_index(raw_dir, tmp_path):
     out = tmp_path / "out"
     (out / ".nv-meta").mkdir(parents=True)
     (out / "rank000-000042.tar").write_bytes(b"old")
-    (out / "notes.txt").write_text("kept")
     report = prepare_dataset(settings(raw_dir, out, overwrite=True, shard_maxcount=4))
     assert report.written == NUM_IMAGES and shard_keys(out) == [f"{i:08d}" for i in range(NUM_IMAGES)]
     assert not (out / ".nv-meta").exists() and not (out / "rank000-000042.tar").exists()
     record = json.loads((out / ".dfm_prepare.rank000.json").read_text())
     assert record["status"] == "complete" and record["written"] == NUM_IMAGES and record["args"]["shard_maxcount"] == 4
+
+
+def test_overwrite_refuses_a_folder_with_foreign_files_naming_them(raw_dir, tmp_path):
+    """Through prepare_energon_dataset.py: the user's backup.tar and notes are named, and nothing is deleted."""
+    out = tmp_path / "out"
+    (out / ".nv-meta").mkdir(parents=True)
+    files = {"rank000-000042.tar": b"old", "backup.tar": b"the user's own", "notes.txt": b"kept"}
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    script = importlib.util.spec_from_file_location("prepare", RECIPE_DIR / "prepare_energon_dataset.py")
+    module = importlib.util.module_from_spec(script)
+    script.loader.exec_module(module)
+    args = ["--input_dir", str(raw_dir), "--output_dir", str(out), "--tiny_random_encoders", "--overwrite"]
+    with pytest.raises(FileExistsError) as error:
+        module.main([*args, "--max_pixels", "1024", "--vae_kind", "kl"])
+    assert f"{out} holds files a preparation does not write: backup.tar, notes.txt" in str(error.value)
+    assert {name: (out / name).read_bytes() for name in files} == files and (out / ".nv-meta").is_dir()
 
 
 def loader_settings(path) -> EnergonDataSettings:

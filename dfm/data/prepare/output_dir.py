@@ -2,8 +2,9 @@
 interrupted preparation continued (``resume``). Never a mix of two runs.
 
 Under torchrun every rank writes its own files (``rank<RRR>-NNNNNN.tar``, its record, its report),
-so a rank leaves the other ranks' files of the same run alone; rank 0 also clears what belongs to
-no rank (an energon index, other shards).
+so a rank leaves the other ranks' files of the same run alone; rank 0 also clears the energon index
+and the files of ranks beyond this run's world size. ``overwrite`` deletes only files a preparation
+writes (those names); a folder holding anything else is refused, naming every foreign entry.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ logger = logging.getLogger(__name__)
 SHARED_CACHE = ".tiny_random_encoders"  # encoders, not samples: kept by --overwrite
 RANK_FILE = re.compile(r"^(?:rank(\d{3})-\d{6}\.tar(?:\.partial|\.idx)?|\.dfm_prepare\.rank(\d{3})\.json(?:\.tmp)?)$")
 REPORT_FILE = re.compile(r"^prepare_report\.rank(\d+)\.json$")
-ARTIFACT = re.compile(r"(\.tar|\.tar\.partial|\.tar\.idx|\.dfm_prepare\..*\.json(\.tmp)?|prepare_report\..*\.json)$")
 ENERGON_INDEX = ".nv-meta"
 
 
@@ -46,18 +46,33 @@ def blocking_entries(out_dir: Path, rank: int, world_size: int) -> list[str]:
 
 
 def remove(path: Path) -> None:
-    if path.is_dir():
+    if path.is_dir() and not path.is_symlink():  # a link is removed, never followed
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
 
 
+def foreign_entries(out_dir: Path) -> list[str]:
+    """Entries of ``out_dir`` that no preparation writes (not a rank's shard, record or report, the energon
+    index or the tiny encoders' cache): ``--overwrite`` must not delete them, nor write beside them."""
+    return sorted(
+        p.name for p in out_dir.iterdir() if entry_rank(p.name) is None and p.name not in (ENERGON_INDEX, SHARED_CACHE)
+    )
+
+
 def clear_previous_preparation(out_dir: Path, rank: int, world_size: int) -> None:
-    """This rank's shards, record and report; on rank 0 also the energon index and unowned shards."""
+    """This rank's shards, record and report; on rank 0 also the energon index and the files of ranks
+    beyond ``world_size``. Refuses (FileExistsError) a folder holding files a preparation does not write."""
+    foreign = foreign_entries(out_dir)
+    if foreign:
+        raise FileExistsError(
+            f"{out_dir} holds files a preparation does not write: {', '.join(foreign)}. --overwrite deletes only "
+            "a preparation's own files (rank<RRR>-NNNNNN.tar shards, their records and reports, the energon index "
+            ".nv-meta); move those files away or write to a fresh folder"
+        )
     for path in sorted(out_dir.iterdir()):
         owner = entry_rank(path.name)
-        unowned = owner is None or owner >= world_size
-        if owner == rank or (rank == 0 and unowned and (path.name == ENERGON_INDEX or ARTIFACT.search(path.name))):
+        if owner == rank or (rank == 0 and (path.name == ENERGON_INDEX or (owner is not None and owner >= world_size))):
             remove(path)
 
 
