@@ -21,6 +21,15 @@ GPU = [
     pytest.mark.gpu,
     pytest.mark.skipif(not (ON_CUDA or REHEARSAL), reason="needs a CUDA GPU (DFM_GPU_TESTS_ON_CPU=1 rehearses on CPU)"),
 ]
+
+
+def gpu_test(test):
+    """``GPU``'s marks on one test, for a module that also holds plain CPU tests."""
+    for mark in GPU:
+        test = mark(test)
+    return test
+
+
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="CUDA-only path (not rehearsed on the CPU)")
 
 
