@@ -12,6 +12,12 @@ ticks, so a reused pid is not mistaken for the holder) and the wall-clock start 
 - Held by another host otherwise: refused. Whether a process elsewhere still runs cannot be told
   from here, so such a lock is never taken over automatically; the message says to delete the file
   once that run is known to be gone.
+- Empty or unreadable (a start that died while writing it, with a dfm before whole-record locks) and
+  older than a few seconds: stale, taken over.
+
+One holder, always: a lock is created by hard-linking a record written whole beforehand (atomic, fails
+if a lock exists), and a stale one is replaced only if it still holds what was judged stale (compare and
+swap, serialised by ``run.lock.takeover``), so two starts racing for a stale lock never both hold it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import contextlib
 import json
 import logging
 import os
+import secrets
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -32,6 +40,9 @@ from dfm.safe_files import links_leaving
 logger = logging.getLogger("dfm.checkpoint")
 
 LOCK = "run.lock"
+ACQUIRE_TIMEOUT_S = 30.0
+UNREADABLE_GRACE_S = 5.0  # a lock written by an older dfm (not whole before it appeared) may be mid-write
+TAKEOVER_STALE_S = 30.0  # run.lock.takeover is held for microseconds: older, its start died
 
 
 def _process_start(pid: int) -> int | None:
@@ -84,27 +95,82 @@ def is_running_here(owner: dict) -> bool:
     return recorded is None or now is None or recorded == now
 
 
-def _create(lock: Path, owner: dict) -> bool:
-    """Write the lock file if none exists (atomic create); -> whether this process now holds it."""
+def _write_record(lock: Path, owner: dict) -> Path:
+    """``owner`` written whole (and synced) to a fresh file beside ``lock``; a failed write leaves nothing."""
+    tmp = lock.with_name(f"{LOCK}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps(owner) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"cannot write the lock file {lock}: {error.strerror or error} (errno {error.errno}, "
+            f"{shutil.disk_usage(lock.parent).free} bytes free there); free space there or use another checkpoint.save"
+        ) from error
+    return tmp
+
+
+def _create(lock: Path, owner: dict) -> bool:
+    """Make ``lock`` hold ``owner`` if no lock exists; -> whether this process now holds it.
+
+    The record is written whole to a temporary file, then hard-linked as ``lock`` (atomic, fails if
+    ``lock`` exists): a lock file is never seen empty or half written, even on a full disk."""
+    tmp = _write_record(lock, owner)
+    try:
+        os.link(tmp, lock, follow_symlinks=False)
+        return True
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as handle:
-        handle.write(json.dumps(owner) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    return True
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def _read(lock: Path) -> dict | None:
+def _read_bytes(lock: Path) -> bytes | None:
     try:
-        owner = json.loads(lock.read_text())
+        return lock.read_bytes()
     except FileNotFoundError:
-        return {}
-    except (OSError, ValueError):
+        return None
+
+
+def _parse(raw: bytes) -> dict | None:
+    try:
+        owner = json.loads(raw)
+    except ValueError:
         return None
     return owner if isinstance(owner, dict) else None
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def _take_over(lock: Path, seen: bytes, owner: dict) -> bool:
+    """Replace ``lock`` with ``owner``'s record only if it still holds ``seen`` (compare and swap).
+
+    Takeovers are serialised by ``run.lock.takeover`` (created with O_EXCL, held for the few microseconds of
+    the compare and the rename), so two starts that judged the same lock stale never both replace it: the
+    second finds the first's fresh record, not ``seen``, and backs off."""
+    mutex = lock.with_name(f"{LOCK}.takeover")
+    try:
+        os.close(os.open(mutex, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644))
+    except FileExistsError:
+        if _age_s(mutex) > TAKEOVER_STALE_S:  # a start died in those microseconds
+            logger.warning("removing %s, left by a start that died while taking the lock over", mutex)
+            mutex.unlink(missing_ok=True)
+        return False
+    try:
+        if _read_bytes(lock) != seen:
+            return False
+        os.replace(_write_record(lock, owner), lock)
+        return True
+    finally:
+        mutex.unlink(missing_ok=True)
 
 
 def acquire(root: str | Path) -> tuple[Path, dict]:
@@ -115,35 +181,44 @@ def acquire(root: str | Path) -> tuple[Path, dict]:
     lock = Path(root) / LOCK
     lock.parent.mkdir(parents=True, exist_ok=True)
     me = this_process()
-    for _ in range(3):  # a lock released or taken over meanwhile: try again
+    deadline = time.monotonic() + ACQUIRE_TIMEOUT_S
+    while time.monotonic() < deadline:  # a lock released or taken over meanwhile: look again
         if _create(lock, me):
             return lock, me
-        owner = _read(lock)
-        if owner == {}:
+        seen = _read_bytes(lock)
+        if seen is None:
             continue
+        owner = _parse(seen)
         if owner is None:
-            raise CheckpointError(
-                f"checkpoint.save={root}: the lock file {lock} is unreadable; if no run writes to this root, delete it"
-            )
-        if is_earlier_incarnation(owner, me):
-            pass  # taken over below
-        elif owner.get("host") != me["host"]:
-            raise CheckpointError(
-                f"checkpoint.save={root} is locked by a run on another host ({describe(owner)}, lock file {lock}). "
-                "dfm cannot tell from here whether it still runs, so it never takes such a lock over: once that "
-                f"run is gone, delete {lock}; or use another checkpoint.save"
-            )
-        elif is_running_here(owner):
-            raise CheckpointError(
-                f"checkpoint.save={root} is in use by another run ({describe(owner)}, lock file {lock}): two runs "
-                "would overwrite each other's checkpoints. Wait for it to end or use another checkpoint.save"
-            )
-        stale = lock.with_name(f"{LOCK}.stale-{os.getpid()}")
-        with contextlib.suppress(FileNotFoundError):  # another process took it over first: retry
-            os.rename(lock, stale)
-            stale.unlink()
-            logger.warning("taking over the stale lock %s of a run that is gone (%s)", lock, describe(owner))
+            if _age_s(lock) < UNREADABLE_GRACE_S:  # an older dfm may still be writing it
+                time.sleep(0.05)
+                continue
+            holder = f"an unreadable lock file ({len(seen)} bytes, a start that died while writing it)"
+        else:
+            refuse_live_holder(root, lock, owner, me)
+            holder = f"a run that is gone ({describe(owner)})"
+        if _take_over(lock, seen, me):
+            logger.warning("taking over the stale lock %s of %s", lock, holder)
+            return lock, me
+        time.sleep(0.01 * (1 + secrets.randbelow(5)))  # another start is taking it over: look again
     raise CheckpointError(f"checkpoint.save={root}: could not take the lock file {lock} (other runs keep taking it)")
+
+
+def refuse_live_holder(root: str | Path, lock: Path, owner: dict, me: dict) -> None:
+    """Raise CheckpointError unless ``owner`` is gone (see the module docstring)."""
+    if is_earlier_incarnation(owner, me):
+        return
+    if owner.get("host") != me["host"]:
+        raise CheckpointError(
+            f"checkpoint.save={root} is locked by a run on another host ({describe(owner)}, lock file {lock}). "
+            "dfm cannot tell from here whether it still runs, so it never takes such a lock over: once that "
+            f"run is gone, delete {lock}; or use another checkpoint.save"
+        )
+    if is_running_here(owner):
+        raise CheckpointError(
+            f"checkpoint.save={root} is in use by another run ({describe(owner)}, lock file {lock}): two runs "
+            "would overwrite each other's checkpoints. Wait for it to end or use another checkpoint.save"
+        )
 
 
 def refuse_links_leaving(root: str | Path) -> None:
@@ -161,7 +236,8 @@ def refuse_links_leaving(root: str | Path) -> None:
 
 def release(lock: Path, owner: dict) -> None:
     """Remove the lock file if it is still this owner's."""
-    if _read(lock) == owner:
+    seen = _read_bytes(lock)
+    if seen is not None and _parse(seen) == owner:
         lock.unlink(missing_ok=True)
 
 

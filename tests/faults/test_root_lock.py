@@ -101,3 +101,69 @@ def test_another_slurm_job_on_another_host_is_refused(tmp_path, monkeypatch):
     write_lock(tmp_path, host="elsewhere", pid=1, slurm_job="4242", slurm_restart=0)
     with pytest.raises(CheckpointError, match="another host"), root_locked(str(tmp_path)):
         pass
+
+
+def test_an_empty_or_unreadable_lock_of_a_dead_start_is_taken_over(tmp_path, caplog):
+    """A start that died while writing its lock (an older dfm; or a full disk) left it empty or garbled."""
+    for content in (b"", b'{"host": "vm", "pid'):
+        lock = tmp_path / LOCK
+        lock.write_bytes(content)
+        os.utime(lock, (lock.stat().st_atime - 60, lock.stat().st_mtime - 60))
+        with caplog.at_level(logging.WARNING, logger="dfm.checkpoint"), root_locked(str(tmp_path)):
+            assert json.loads(lock.read_text())["pid"] == os.getpid()
+        assert f"taking over the stale lock {lock} of an unreadable lock file ({len(content)} bytes" in caplog.text
+        assert not lock.exists()
+
+
+def one_start(root: str, started, tried, results, index: int) -> None:
+    """What rank 0 of one start does with the lock: take it (or be refused), hold it until every start of
+    the trial has tried, release it."""
+    started.wait()
+    try:
+        held = acquire(root)
+    except CheckpointError as error:
+        results.put((index, "refused" if "in use by another run" in str(error) else str(error)))
+        tried.wait()
+        return
+    results.put((index, "held"))
+    tried.wait()
+    release(*held)
+
+
+def race(root_parent: Path, trials: int, starts: int = 10) -> None:
+    """``trials`` times ``starts`` starts at once, on a root with no lock, a stale lock or an empty one in
+    turn: exactly one holds it each time."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    for trial in range(trials):
+        root = root_parent / f"trial{trial}"
+        if trial % 3 == 1:
+            write_lock(root, process_start=-1)  # this pid, another process start: stale
+        elif trial % 3 == 2:
+            root.mkdir()
+            (root / LOCK).write_bytes(b"")
+            os.utime(root / LOCK, (0, 0))
+        started, tried, results = context.Barrier(starts), context.Barrier(starts), context.Queue()
+        processes = [
+            context.Process(target=one_start, args=(str(root), started, tried, results, i)) for i in range(starts)
+        ]
+        for process in processes:
+            process.start()
+        outcomes = [results.get(timeout=60) for _ in processes]
+        for process in processes:
+            process.join(timeout=60)
+        held = [index for index, outcome in outcomes if outcome == "held"]
+        assert len(held) == 1, (trial, outcomes)
+        assert all(outcome in ("held", "refused") for _, outcome in outcomes), outcomes
+        assert not (root / LOCK).exists() and not list(root.glob(f"{LOCK}.*"))  # released, no leftovers
+
+
+def test_starts_racing_for_a_lock_never_both_hold_it(tmp_path):
+    """60 starts, 10 at a time. (Before: a start renamed away the fresh lock another had just taken over.)"""
+    race(tmp_path, trials=6)
+
+
+@pytest.mark.slow
+def test_200_starts_racing_for_a_lock_never_both_hold_it(tmp_path):
+    race(tmp_path, trials=20)
