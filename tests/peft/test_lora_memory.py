@@ -1,8 +1,9 @@
 """A LoRA run's state per rank: gradients and optimizer state for the adapters only.
 
-The plan's formula (dfm.training.memory.state_formula) for a Wan-1.3B-shaped model built on meta
-with rank-32 adapters on the attention projections gives optimizer bytes <= 2% of a full fine-tune's;
-tests/peft/test_lora_layouts.py checks the formula against what tiny LoRA runs measure.
+The adapters dfm adds to a Wan-1.3B-shaped model built on meta (rank 32 on the attention projections),
+counted by hand; ``assert_measured_matches_formula``: what each rank of a tiny LoRA run holds
+(tests/peft/test_lora_layouts.py, tests/wan/test_wan22_lora.py) is the formula's gradients and
+optimizer state for its adapters alone.
 """
 
 from __future__ import annotations
@@ -16,23 +17,15 @@ from dfm.config.peft import PeftConfig
 from dfm.config.presets import PRESETS
 from dfm.convert.lora import family_rules
 from dfm.peft.memory import lora_parameter_counts
-from dfm.training.lora_memory import state_bytes
 from tests.models.conftest import dist  # noqa: F401  (one-process megatron state)
 
 
-def test_wan_1_3b_lora_optimizer_state_is_under_2_percent_of_a_full_fine_tune(dist):  # noqa: F811
+def test_wan_1_3b_rank_32_adapters_by_hand(dist):  # noqa: F811
     model_cfg = ModelConfig(**{**PRESETS["Wan2.1-T2V-1.3B"], "attention_backend": "sdpa"})
     peft = dataclasses.replace(PeftConfig(), lora_rank=32)
-    total, adapters = lora_parameter_counts(model_cfg, peft, family_rules(model_cfg))
+    _, adapters = lora_parameter_counts(model_cfg, peft, family_rules(model_cfg))
     # 30 blocks x 2 attentions x 4 projections x r (1536 + 1536)
     assert adapters == 30 * 2 * 4 * 32 * (1536 + 1536)
-    for layout, shards in (("ddp", 1), ("distributed_optimizer", 8), ("optim_grads_params", 8)):
-        full, lora = (
-            state_bytes(total - adapters, None, layout=layout, shards=shards),
-            state_bytes(total, adapters, layout=layout, shards=shards),
-        )
-        assert lora.optimizer <= 0.02 * full.optimizer, (layout, lora, full)
-        assert lora.grads <= 0.02 * full.grads
 
 
 def assert_measured_matches_formula(log_dir: Path) -> None:
