@@ -26,6 +26,9 @@ def write_text_no_follow(path: str | Path, text: str, fsync: bool = False) -> Pa
             if fsync:
                 os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as error:  # a full disk, say: named with the file dfm was writing
+        tmp.unlink(missing_ok=True)
+        raise OSError(error.errno, f"writing {path} failed: {error.strerror or error}", str(path)) from error
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

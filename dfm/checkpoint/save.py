@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import shutil
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -75,8 +77,15 @@ def save_checkpoint(
         with failures_named(target):
             request = dist_checkpointing.save(state, str(target), async_sharded_save=True)
         request.finalize_fns.append(partial(finalize_save, root, iteration, keep_last))
+        # the writers' failures arrive in the first finalize step (megatron's): named and cleaned up there too
+        request.finalize_fns[:] = [partial(named_step, target, fn) for fn in request.finalize_fns]
         async_queue.schedule_async_request(request)
     return target
+
+
+def named_step(target: Path, step, *args, **kwargs):
+    with failures_named(target):
+        return step(*args, **kwargs)
 
 
 def finalize_save(root: str, iteration: int, keep_last: int | None) -> None:
@@ -126,16 +135,57 @@ def write_and_check(target: Path, entries: list[FileEntry]) -> list[str]:
 
 @contextlib.contextmanager
 def failures_named(target: Path) -> Iterator[None]:
-    """An OSError while writing ``target`` removes it and is re-raised naming the directory."""
+    """A failure while writing ``target`` (an OSError in the rank, or in megatron's writer processes, which
+    reach the rank as ``RuntimeError: Worker failure: [Errno 28] ...`` or torch's CheckpointException)
+    removes it and is re-raised naming the directory, the error, and the bytes written vs free."""
     try:
         yield
-    except OSError as error:
+    except CheckpointSaveError:
+        raise
+    except (KeyboardInterrupt, SystemExit):
+        raise  # a stop: the unfinished save is set aside at the next start
+    except BaseException as error:  # noqa: BLE001  (torch's CheckpointException is a BaseException)
+        written, free = directory_bytes(target), shutil.disk_usage(target.parent).free
         remove_partial(target)
+        latest = read_latest(target.parent)
         raise CheckpointSaveError(
-            f"saving checkpoint {target} failed: {error.strerror or error} ({type(error).__name__}, errno "
-            f"{error.errno}); the partial directory was removed and 'latest' still names "
-            f"{read_latest(target.parent)}"
+            f"saving checkpoint {target} failed: {write_error(error, free)}; it had written {format_bytes(written)} "
+            f"when it failed, {format_bytes(shutil.disk_usage(target.parent).free)} are free under "
+            f"{target.parent} now{last_size(target.parent)}. The partial directory was removed and "
+            + (f"'latest' still names {latest}" if latest is not None else "no 'latest' was written")
         ) from error
+
+
+FULL_BELOW = 1 << 20  # bytes free when a write failed without an errno (torch's zip writer): the disk was full
+
+
+def write_error(error: BaseException, free: int) -> str:
+    """What went wrong, named: the OSError in the chain (or quoted by a writer process's failure); a failure
+    without an errno on a file system left with under 1 MiB free is a full disk; else the error itself."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return f"{seen.strerror or seen} (errno {seen.errno})"
+        seen = seen.__cause__ or seen.__context__
+    quoted = re.search(r"\[Errno (\d+)\] ([^\n'\"]+)", str(error))
+    if quoted:
+        return f"{quoted.group(2).strip()} (errno {quoted.group(1)})"
+    detail = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    if free < FULL_BELOW:
+        return f"No space left on device ({format_bytes(free)} free when it failed; {detail})"
+    return detail
+
+
+def directory_bytes(directory: Path) -> int:
+    try:
+        return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file() and not f.is_symlink())
+    except OSError:
+        return 0
+
+
+def last_size(root: Path) -> str:
+    last = newest_complete(root)
+    return f"; the last checkpoint ({last.name}) took {format_bytes(checkpoint_bytes(last))}" if last else ""
 
 
 def check_room(root: str | Path) -> None:
