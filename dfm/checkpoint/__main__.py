@@ -1,7 +1,9 @@
 """``python -m dfm.checkpoint verify DIR``: check one checkpoint or every checkpoint of a root.
 
 Prints one line per checkpoint (``ok`` or what is wrong); exits 1 if any checkpoint is damaged or holds
-a pickle that names code (its metadata and per-rank objects are read as data, never run).
+a pickle that names code (its metadata and per-rank objects are read as data, never run). An unfinished
+save (no manifest, newer than ``latest``: a run stopped while saving) is a warning, not a fault, when an
+older checkpoint of the root verifies: that is the one a resume takes.
 """
 
 from __future__ import annotations
@@ -45,9 +47,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{directory}: no checkpoints")
         return 0
     results = [report(c, checksums=not args.sizes_only) for c in listed]
-    for _, line in results:
+    resumable = any(ok and c.loadable for c, (ok, _) in zip(listed, results, strict=True))
+    failed = False
+    for candidate, (ok, line) in zip(listed, results, strict=True):
+        if not ok and candidate.status == "partial" and resumable:
+            line = f"{line} (warning: a resume takes the newest checkpoint that verifies)"
+        else:
+            failed |= not ok
         print(line)
-    return 0 if all(ok for ok, _ in results) else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

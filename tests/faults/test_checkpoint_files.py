@@ -160,3 +160,18 @@ def imported_modules(package: Path) -> set[str]:
 @pytest.mark.parametrize("package", ["checkpoint", "inference"])
 def test_checkpoint_and_inference_do_not_import_training(package):
     assert not {m for m in imported_modules(DFM / package) if m.startswith("dfm.training")}
+
+
+def test_verify_warns_of_an_unfinished_newest_save_when_an_older_one_verifies(root, tmp_path, capsys):
+    """A run stopped while saving left iter_6 without a manifest: it resumes from iter_4, so verify exits 0
+    with a warning; a root whose only checkpoint is unfinished, or whose older one is damaged, exits 1."""
+    write_checkpoint(root, 6, sealed=False, latest=False)
+    assert verify_cli(["verify", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert f"{iteration_dir(root, 6)}: skipped on resume: no manifest" in out and "(warning: " in out
+    (iteration_dir(root, 4) / "__0_0.distcp").write_bytes(b"cut")
+    (iteration_dir(root, 2) / "__0_0.distcp").write_bytes(b"cut")
+    assert verify_cli(["verify", str(root)]) == 1
+    only_unfinished = tmp_path / "only"
+    write_checkpoint(only_unfinished, 1, sealed=False, latest=False)
+    assert verify_cli(["verify", str(only_unfinished)]) == 1
