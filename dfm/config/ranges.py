@@ -92,7 +92,7 @@ RANGES: dict[str, Range] = {
     "model.num_refiner_layers": NON_NEGATIVE,
     "model.rope_theta": POSITIVE,
     "model.wan_boundary_ratio": Range(0.0, 1.0, low_open=True, high_open=True, optional=True),
-    "train.train_iters": NON_NEGATIVE,
+    "train.train_iters": COUNT,
     "train.micro_batch_size": COUNT,
     "train.global_batch_size": OPTIONAL_COUNT,
     "train.eval_interval": OPTIONAL_COUNT,

@@ -21,12 +21,21 @@ def validate_config(cfg: ConfigContainer, world_size: int | None = None) -> None
     """Raise ConfigError naming the first key whose value cannot work. ``world_size``: the ranks
     launched (None: not known, e.g. a config read outside a run; the rules needing it are skipped)."""
     check_ranges(cfg)
+    _check_peft(cfg)
     _check_model(cfg)
     _check_dataset(cfg)
     _check_parallel_layout(cfg, world_size)
     _check_schedule(cfg)
     _check_precision(cfg)
     _check_flow(cfg)
+
+
+def _check_peft(cfg: ConfigContainer) -> None:
+    if cfg.peft.enabled and not cfg.peft.target_modules:
+        raise ConfigError(
+            f"peft.target_modules is empty with peft.lora_rank={cfg.peft.lora_rank}: LoRA needs the modules to put "
+            "adapters on (e.g. [to_q, to_k, to_v, to_out.0]), or peft.lora_rank=0 for a full fine-tune"
+        )
 
 
 def _check_flow(cfg: ConfigContainer) -> None:

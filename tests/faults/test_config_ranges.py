@@ -84,9 +84,22 @@ def test_every_declared_range_names_a_field():
         ("dataset.cfg_dropout_prob=1.5", r"dataset\.cfg_dropout_prob must be in \[0, 1\], got 1\.5"),
         ("optimizer.lr=-0.1", r"optimizer\.lr must be >= 0, got -0\.1"),
         ("model.tensor_model_parallel_size=0", r"model\.tensor_model_parallel_size must be >= 1, got 0"),
+        ("train.train_iters=0", r"train\.train_iters must be >= 1, got 0"),
+        ("peft.target_modules=[]", r"peft\.target_modules is empty with peft\.lora_rank=4"),
     ],
 )
 def test_overrides_out_of_range_are_refused_before_start(override, message):
     overrides = [override, "train.micro_batch_size=2"] if "global_batch" in override else [override]
+    overrides += ["peft.lora_rank=4"] if "peft" in override else []
     with pytest.raises(ConfigError, match=message):
         build_config("dit_tiny", None, overrides)
+
+
+def test_the_entry_point_names_bad_values_before_start(tmp_path):
+    """Through pretrain_dit_model.py: exit non-zero naming the key, no traceback from deep inside."""
+    from entry import run_entry
+
+    result = run_entry(1, ["train.train_iters=0", f"logger.log_dir={tmp_path / 'log'}"], timeout=300)
+    assert result.returncode != 0
+    assert "train.train_iters must be >= 1, got 0" in result.stderr, result.stderr[-2000:]
+    assert "AssertionError" not in result.stderr and not (tmp_path / "log").exists()
