@@ -5,12 +5,21 @@
   ``checkpoint.allow_setting_changes=true``; then the change is logged and the data position starts over (the saved one belongs to other data).
 - Learning-rate and schedule settings: a change is logged and takes effect from the resumed
   iteration on (megatron would otherwise keep the checkpoint's values, silently).
+- The diffusion pipeline (``model.pipeline``, EDM or flow): refused like a data setting; with
+  ``checkpoint.allow_setting_changes=true`` logged and applied from the resumed iteration on.
+- The precision (``mixed_precision.precision``): always refused, naming old and new (the optimizer state
+  is laid out for it); ``checkpoint.pretrained`` starts a run at another precision from the weights.
+- An energon ``dataset.path`` is compared by the dataset's identity recorded at save (its energon index
+  uuid, or a metadataset file's checksum), so another spelling of the same folder (a trailing slash, a
+  link, a relative path) is no change and another dataset under the same string is one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +42,10 @@ KIND_KEYS = {  # what defines the samples of each kind of data
         "dataset.mock_samples_per_pack",
     ),
 }
+PIPELINE_KEYS = ("model.pipeline",)
+PRECISION_KEYS = ("mixed_precision.precision",)
+# Common-state key: the energon dataset's identity at save (dataset_identity()).
+DATASET_ID = "dataset_identity"
 SCHEDULE_KEYS = (
     "optimizer.lr",
     "optimizer.min_lr",
@@ -88,9 +101,24 @@ def compare_run_settings(common: dict, directory: Path, cfg: ConfigContainer | N
     saved_kind = common.get(DATA_KIND, kind)  # checkpoints before dfm recorded it: taken as unchanged
     if saved_kind != kind:
         data.append(f"data: checkpoint {saved_kind}, this run {kind}")
+    elif kind == "energon":
+        data += dataset_change(common, saved, now)
     else:
         data += differences(saved, now, KIND_KEYS[kind])
     schedule = differences(saved, now, SCHEDULE_KEYS, resolved_decay_iters)
+    precision = differences(saved, now, PRECISION_KEYS)
+    if precision:
+        raise CheckpointError(
+            f"checkpoint {directory} was trained at another precision: {'; '.join(precision)}. A checkpoint resumes "
+            f"at the precision it was saved with (its optimizer state is laid out for it); set it back, or start a "
+            f"new run from its weights with checkpoint.pretrained={directory}"
+        )
+    pipeline = differences(saved, now, PIPELINE_KEYS)
+    if pipeline and not cfg.checkpoint.allow_setting_changes:
+        raise CheckpointError(
+            f"checkpoint {directory} was trained with another diffusion pipeline: {'; '.join(pipeline)}. Set it "
+            "back to resume, or set checkpoint.allow_setting_changes=true to continue training with the new one"
+        )
     if data and not cfg.checkpoint.allow_setting_changes:
         raise CheckpointError(
             f"checkpoint {directory} was trained with other data settings: {'; '.join(data)}. Set them back "
@@ -99,10 +127,36 @@ def compare_run_settings(common: dict, directory: Path, cfg: ConfigContainer | N
         )
     for change in data:
         logger.warning("resuming %s with a changed setting, %s: the data position starts over", directory, change)
-    for change in schedule:
+    for change in schedule + pipeline:
         logger.warning("resuming %s with a changed setting, %s: the new value applies from here on", directory, change)
     new_lr = (cfg.optimizer.lr, cfg.optimizer.min_lr) if schedule else None
     return ResumeSettings(data_position=not data, new_lr=new_lr)
+
+
+def dataset_identity(path: str | None) -> str | None:
+    """What a dataset is, whatever its path's spelling: a folder's energon index uuid (``energon prepare``
+    writes a new one each time it indexes), a metadataset file's checksum; None if neither can be read."""
+    if not path:
+        return None
+    path = Path(path)
+    try:
+        if path.is_file():
+            return "sha256 " + hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        uuid = path / ".nv-meta" / "index.uuid"
+        return f"energon index {uuid.read_text().strip()}" if uuid.is_file() else None
+    except OSError:
+        return None
+
+
+def dataset_change(common: dict, saved: dict, now: dict) -> list[str]:
+    """``dataset.path``: by identity where the checkpoint recorded one, else by the resolved path."""
+    key = "dataset.path"
+    old, new = value_at(saved, key), value_at(now, key)
+    old_id, new_id = common.get(DATASET_ID), dataset_identity(new)
+    if old_id is not None and new_id is not None:
+        return [] if old_id == new_id else [f"{key}: checkpoint {old!r} ({old_id}), this run {new!r} ({new_id})"]
+    resolved = [os.path.realpath(p) if p else p for p in (old, new)]
+    return [] if resolved[0] == resolved[1] else [f"{key}: checkpoint {old!r}, this run {new!r}"]
 
 
 def differences(saved: dict, now: dict, keys: tuple[str, ...], resolve=None) -> list[str]:

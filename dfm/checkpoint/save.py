@@ -30,7 +30,7 @@ from dfm.checkpoint.files import (
     room_problem,
 )
 from dfm.checkpoint.manifest import FileEntry, checkpoint_files, describe_files, verify, write_manifest
-from dfm.checkpoint.run_settings import data_kind
+from dfm.checkpoint.run_settings import data_kind, dataset_identity
 from dfm.checkpoint.state import TrainingState, full_sharded_state_dict, layout
 from dfm.parallel.fsdp_shards import inner_model
 
@@ -68,6 +68,9 @@ def save_checkpoint(
         layout=layout(run.model),
         has_ema=run.ema is not None,
         data_kind=data_kind(run.loader),
+        dataset_identity=dataset_identity(config_dict.get("dataset", {}).get("path"))
+        if data_kind(run.loader) == "energon"
+        else None,
     )
     if async_queue is None:
         with failures_named(target):

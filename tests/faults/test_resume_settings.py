@@ -89,3 +89,48 @@ def test_each_data_kind_compares_the_keys_that_define_its_samples(tmp_path):
     cfg.dataset.mock_image_fraction = 0.25
     with pytest.raises(CheckpointError, match="dataset.mock_image_fraction: checkpoint 0.5, this run 0.25"):
         compare_run_settings(mock, tmp_path, cfg, "mock")
+
+
+def test_pipeline_and_precision_changes_are_named(tmp_path):
+    cfg = ConfigContainer()
+    common = {"config": config_to_dict(cfg)}
+    cfg.model.pipeline = "flow"
+    with pytest.raises(CheckpointError, match="model.pipeline: checkpoint 'edm', this run 'flow'"):
+        compare_run_settings(common, tmp_path, cfg, "mock")
+    cfg.checkpoint.allow_setting_changes = True
+    assert compare_run_settings(common, tmp_path, cfg, "mock").data_position  # applied, logged
+    cfg.model.pipeline = "edm"
+    cfg.mixed_precision.precision = "bf16"
+    with pytest.raises(
+        CheckpointError, match="mixed_precision.precision: checkpoint 'fp32', this run 'bf16'.*pretrained"
+    ):
+        compare_run_settings(common, tmp_path, cfg, "mock")
+
+
+def energon_folder(path: Path, uuid: str) -> Path:
+    (path / ".nv-meta").mkdir(parents=True)
+    (path / ".nv-meta" / "index.uuid").write_text(uuid)
+    return path
+
+
+def test_a_dataset_is_compared_by_its_identity_not_its_spelling(tmp_path, monkeypatch):
+    from dfm.checkpoint.run_settings import DATASET_ID, dataset_identity
+
+    folder = energon_folder(tmp_path / "data", "1111")
+    (tmp_path / "link").symlink_to(folder)
+    cfg = ConfigContainer()
+    cfg.dataset.path = str(folder)
+    common = {"config": config_to_dict(cfg), "data_kind": "energon", DATASET_ID: dataset_identity(str(folder))}
+    monkeypatch.chdir(tmp_path)
+    for spelling in (f"{folder}/", str(tmp_path / "link"), "data", "./data/"):
+        cfg.dataset.path = spelling
+        assert compare_run_settings(common, tmp_path, cfg, "energon").data_position, spelling
+    # the same string, another dataset (re-prepared, or another folder now at that path)
+    (folder / ".nv-meta" / "index.uuid").write_text("2222")
+    cfg.dataset.path = str(folder)
+    with pytest.raises(CheckpointError, match=r"dataset.path: checkpoint .* \(energon index 1111\), this run .*2222"):
+        compare_run_settings(common, tmp_path, cfg, "energon")
+    # checkpoints without a recorded identity: compared by the resolved path
+    del common[DATASET_ID]
+    cfg.dataset.path = str(tmp_path / "link")
+    assert compare_run_settings(common, tmp_path, cfg, "energon").data_position
