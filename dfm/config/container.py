@@ -123,6 +123,9 @@ class TrainConfig:
     global_batch_size: int | None = None  # None: the trainer sets micro_batch_size * dp
     eval_interval: int | None = None
     eval_iters: int = 2  # validation packs per evaluation (per DP rank)
+    # Validation loss at this many fixed noise levels (pipeline.validation_levels): val_loss_t<k> per
+    # level, val_loss their mean; each level costs one forward pass over the eval_iters packs.
+    eval_noise_bins: int = 8
     eval_sampling_steps: int = 10  # sampler steps of the validation generation
     max_consecutive_nonfinite: int = 5
     exit_signal_handler: bool = True

@@ -97,6 +97,7 @@ RANGES: dict[str, Range] = {
     "train.global_batch_size": OPTIONAL_COUNT,
     "train.eval_interval": OPTIONAL_COUNT,
     "train.eval_iters": COUNT,
+    "train.eval_noise_bins": COUNT,
     "train.eval_sampling_steps": COUNT,
     "train.max_consecutive_nonfinite": COUNT,
     "train.collective_timeout_minutes": COUNT,

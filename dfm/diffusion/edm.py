@@ -94,6 +94,12 @@ class EDMPipeline(DiffusionPipeline):
     ) -> torch.Tensor:
         return (self.settings.P_mean + self.settings.P_std * draws[0]).exp()
 
+    def validation_levels(self, bins: int) -> list[float]:
+        """The training distribution's quantiles at the bins' centres: sigma = exp(P_mean + P_std z_k),
+        z_k = Phi^-1((k + 1/2) / bins)."""
+        z = torch.special.ndtri((torch.arange(bins, dtype=torch.float64) + 0.5) / bins)
+        return (self.settings.P_mean + self.settings.P_std * z).exp().tolist()
+
     def noisy(
         self, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor, sample_ids: torch.Tensor
     ) -> torch.Tensor:

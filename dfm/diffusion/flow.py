@@ -180,6 +180,11 @@ class FlowPipeline(DiffusionPipeline):
             return self.times_from_draws(draws, torch.tensor([shift_for_num_tokens(float(n)) for n in tokens]))
         return self.times_from_draws(draws, shift_for_num_tokens(tokens))
 
+    def validation_levels(self, bins: int) -> list[float]:
+        """t at the centres of ``bins`` equal bins of [t_min, t_max] (loss against t, as SD3 plots it)."""
+        s = self.settings
+        return [s.t_min + (s.t_max - s.t_min) * (k + 0.5) / bins for k in range(bins)]
+
     def model_input(
         self, x0: torch.Tensor, noise: torch.Tensor, level: torch.Tensor, sample_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -118,6 +118,11 @@ class DiffusionPipeline(ABC):
     def squared_error(self, raw_out: Tensor, x0: Tensor, noise: Tensor, level: Tensor, sample_ids: Tensor) -> Tensor:
         """Per token and feature, fp32 [S, *]: the squared error of the formulation's prediction."""
 
+    @abstractmethod
+    def validation_levels(self, bins: int) -> list[float]:
+        """One fixed noise level per bin, low noise to high: the levels validation's loss is measured
+        at (the same every evaluation, so evaluations compare)."""
+
     def loss_weight(self, level: Tensor) -> Tensor | None:
         """Per-sample loss weight [N] at ``level``; None: unit weight."""
         return None

@@ -62,9 +62,12 @@ class DiffusionForwardStep:
         self.cfg_dropout_prob = cfg_dropout_prob
         self.device = device
         self.iteration = 0
+        self.fixed_level: float | None = None  # validation: every sample at this level (noise still drawn)
 
     def prepare(self, batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
         noise, level, dropped = draw_pack_noise(self.pipeline, batch, self.seed, self.iteration, self.cfg_dropout_prob)
+        if self.fixed_level is not None:
+            level = torch.full_like(level, self.fixed_level)
         context = null_dropped_context(batch.context, batch.cu_seqlens_kv_padded, dropped)
         pooled = batch.pooled_text
         if pooled is not None:  # the pooled text vector (FLUX) is dropped with its sample's text

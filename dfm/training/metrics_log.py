@@ -75,16 +75,22 @@ class MetricsLog:
         logger.info(self.console_line(record))
 
     def write_validation(self, record: dict[str, Any]) -> None:
-        """One line of <log_dir>/validation.jsonl (val loss, where the generated sample went)."""
+        """One line of <log_dir>/validation.jsonl (val loss, per level ``val_loss_t<k>`` at ``val_levels``,
+        where the generated sample went); TensorBoard / W&B get ``validation/loss`` and ``validation/loss_t<k>``."""
         if not self.enabled:
             return
         with self.path.with_name("validation.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
-        self.scalars("validation", {"iteration": record["iteration"], "loss": record["val_loss"]})
+        losses = {k.removeprefix("val_"): v for k, v in record.items() if k.startswith("val_loss")}
+        self.scalars("validation", {"iteration": record["iteration"], **losses})
+        per_level = " ".join(
+            f"{level:.3g}:{_fmt(record[f'val_loss_t{k}'])}" for k, level in enumerate(record.get("val_levels", []))
+        )
         logger.info(
-            "validation at iter %d | val loss %s | sample %s",
+            "validation at iter %d | val loss %s | per level %s | sample %s",
             record["iteration"],
             _fmt(record["val_loss"]),
+            per_level or "n/a",
             record["generation"],
         )
 

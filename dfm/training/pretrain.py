@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -10,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -23,7 +23,7 @@ from dfm.checkpoint.weights_only import load_pretrained
 from dfm.config.container import ConfigContainer
 from dfm.config.loader import config_to_dict, format_config, save_config_yaml
 from dfm.diffusion.registry import pipeline_from_config
-from dfm.diffusion.timestep_experts import BOTH, EXPERTS
+from dfm.diffusion.timestep_experts import BOTH
 from dfm.models.flops import training_flops
 from dfm.parallel.layout import ParallelLayout, launched_world_size
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
@@ -34,11 +34,12 @@ from dfm.training.ema import build_ema
 from dfm.training.faults import NonFiniteGuard, PreemptionSignal, step_checks
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.full_weights import finish_param_gather
+from dfm.training.losses import reduce_expert_losses, reduce_loss_and_tokens
 from dfm.training.memory_plan import log_memory
 from dfm.training.metrics_log import MetricsLog
 from dfm.training.setup import build_model, build_optimizer, num_microbatches, schedule_model_and_data
 from dfm.training.throughput import device_peak_flops, mfu
-from dfm.training.validation import generate_validation_sample, validation_loss
+from dfm.training.validation import generate_validation_sample, level_record, losses_per_level
 
 logger = logging.getLogger("dfm.train")
 
@@ -75,22 +76,6 @@ class RecordingIterator:
         self.loader.load_state_dict(state)
 
 
-class FirstBatch:
-    """Iterator wrapper that keeps the first batch (the validation generation's prompt)."""
-
-    def __init__(self, iterator):
-        self.iterator, self.first = iterator, None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        batch = next(self.iterator)
-        if self.first is None:
-            self.first = batch
-        return batch
-
-
 @dataclass
 class LogWindow:
     """Work done since the last log line."""
@@ -104,40 +89,6 @@ def finalize_defaults(cfg: ConfigContainer, layout: ParallelLayout) -> None:
     """Fill settings that depend on the layout."""
     if cfg.train.global_batch_size is None:
         cfg.train.global_batch_size = cfg.train.micro_batch_size * layout.dp
-
-
-def is_loss_reporting_rank() -> bool:
-    return (
-        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_context_parallel_rank() == 0
-    )
-
-
-def reduce_loss_and_tokens(losses_reduced: list[dict], device: torch.device) -> tuple[float, float]:
-    """Mean loss over micro-batches and DP ranks, real tokens summed; valid on every rank."""
-    stats = torch.zeros(3, device=device)  # loss sum, micro-batch count, tokens
-    if is_loss_reporting_rank():
-        for item in losses_reduced:
-            loss, tokens = item["loss_and_tokens"]
-            stats += torch.stack([loss, torch.ones_like(loss), tokens])
-    torch.distributed.all_reduce(stats)
-    return (stats[0] / stats[1].clamp(min=1)).item(), stats[2].item()
-
-
-def reduce_expert_losses(losses_reduced: list[dict], device: torch.device) -> dict[str, float]:
-    """Both experts' runs: per expert its samples' mean loss over micro-batches and DP ranks and
-    their count (``loss_high_noise``, ``samples_high_noise``, ...); valid on every rank."""
-    stats = torch.zeros(2 * len(EXPERTS), device=device)  # per expert: loss sum, samples
-    if is_loss_reporting_rank():
-        for item in losses_reduced:
-            stats += item["expert_losses"]
-    torch.distributed.all_reduce(stats)
-    record = {}
-    for index, expert in enumerate(EXPERTS):
-        total, count = stats[2 * index].item(), stats[2 * index + 1].item()
-        record |= {f"loss_{expert}": total / count if count else None, f"samples_{expert}": int(count)}
-    return record
 
 
 def train_step(
@@ -338,15 +289,16 @@ class TrainLoop:
         return ema.swapped_in(self.model) if ema is not None else contextlib.nullcontext()
 
     def validate(self, iteration: int) -> None:
-        val_iter = FirstBatch(build_val_iterator(self.cfg, self.layout, self.context.mock))
-        losses = validation_loss(self.val_forward_step, val_iter, self.model, self.cfg.train.eval_iters)
-        loss, _ = reduce_loss_and_tokens(losses, self.device)
+        train = self.cfg.train
+        packs = list(itertools.islice(build_val_iterator(self.cfg, self.layout, self.context.mock), train.eval_iters))
+        levels = self.forward_step.pipeline.validation_levels(train.eval_noise_bins)
+        means = losses_per_level(self.val_forward_step, packs, self.model, levels, self.device)
         with self.generation_weights():
             path = generate_validation_sample(
-                self.cfg, self.model, self.forward_step.pipeline, val_iter.first, iteration, self.device
+                self.cfg, self.model, self.forward_step.pipeline, packs[0], iteration, self.device
             )
         self.metrics.write_validation(
-            {"iteration": iteration, "val_loss": loss, "generation": str(path) if path else None}
+            {"iteration": iteration, **level_record(levels, means), "generation": str(path) if path else None}
         )
 
     def save(self, iteration: int) -> None:

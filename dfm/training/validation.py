@@ -1,4 +1,5 @@
-"""Validation at ``train.eval_interval``: loss on held-out packs and one generated sample per DP rank.
+"""Validation at ``train.eval_interval``: loss on held-out packs at fixed noise levels (one per bin,
+``train.eval_noise_bins``) and one generated sample per DP rank.
 
 Generated latents go to ``<checkpoint.save>/validation_generation/iter_<N>_dp<R>.pt`` (no VAE is
 part of the training config, so latents are saved, not decoded; the inference script decodes).
@@ -18,9 +19,33 @@ from dfm.data.packed_batch import PackedBatch
 from dfm.diffusion.pipeline import DiffusionPipeline, SamplingOptions
 from dfm.inference.generation_batch import draw_noise, generation_batch
 from dfm.inference.sampling import sample_latent
+from dfm.training.losses import reduce_loss_and_tokens
 from dfm.training.setup import schedule_model_and_data
 
 logger = logging.getLogger("dfm.validation")
+
+
+def losses_per_level(forward_step, packs: list, model: list, levels: list[float], device) -> list[float]:
+    """Mean validation loss over ``packs`` (this rank's; averaged over DP ranks) at each fixed level:
+    every sample at that level, the noise of iteration 0. Valid on every rank."""
+    means = []
+    try:
+        for level in levels:
+            forward_step.fixed_level = level
+            losses = validation_loss(forward_step, iter(packs), model, len(packs))
+            means.append(reduce_loss_and_tokens(losses, device)[0])
+    finally:
+        forward_step.fixed_level = None
+    return means
+
+
+def level_record(levels: list[float], means: list[float]) -> dict:
+    """``val_loss`` (the mean over levels), ``val_loss_t<k>`` per level and the levels themselves."""
+    return {
+        "val_loss": sum(means) / len(means),
+        **{f"val_loss_t{k}": mean for k, mean in enumerate(means)},
+        "val_levels": levels,
+    }
 
 
 def validation_loss(forward_step, val_iter, model: list, num_packs: int) -> list[dict]:
