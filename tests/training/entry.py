@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -121,6 +122,15 @@ def kill_group(pgid: int) -> None:
 
 def read_metrics(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_loss_falls(losses: list[float], k: int, margin: float) -> None:
+    """The learning check on a smoothed loss: every loss finite, and the mean of the last ``k`` below
+    ``(1 - margin)`` x the mean of the first ``k``. One pack's loss swings with its drawn noise levels, so
+    one last loss against the first can pass or fail by chance."""
+    assert len(losses) >= 2 * k and all(math.isfinite(x) for x in losses), losses
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    assert last < (1 - margin) * first, f"mean of the last {k} {last:.4g} vs the first {k} {first:.4g}: {losses}"
 
 
 def prepare_shards(media: Path, out: Path, *flags) -> Path:

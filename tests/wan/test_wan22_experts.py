@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import io
 import json
-import math
 
 import diffusers
 import pytest
@@ -39,7 +38,7 @@ from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_direc
 from dfm.inference.generate import generate, parse_args
 from dfm.inference.sampling import sample_latent
 from dfm.models.build import build_model
-from tests.training.entry import RECIPE_DIR, read_metrics, run_entry
+from tests.training.entry import RECIPE_DIR, assert_loss_falls, read_metrics, run_entry
 from tests.wan._tiny import tiny_diffusers_wan, tiny_model_config
 from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, pipeline_latents, wan_pipeline
 
@@ -166,7 +165,9 @@ def test_finetune_one_expert_at_tp2_then_export_loads_in_wan_pipeline(imported, 
     result = run_entry(2, overrides, config=WAN_TINY, mock=True)
     assert result.returncode == 0, result.stderr[-4000:]
     losses = [m["loss"] for m in read_metrics(run / "logs")]
-    assert len(losses) == 5 and all(math.isfinite(x) for x in losses) and losses[-1] < 0.9 * losses[0], losses
+    # Two-step means fall >= 10% (~17% on 2 CPU cores: 2.75 -> 2.27). Mutation checked: optimizer.lr=1e-7.
+    assert len(losses) == 5, losses
+    assert_loss_falls(losses, k=2, margin=0.1)
     out = tmp_path / "export"
     run_cli(["export", "--checkpoint", run / "checkpoints", "--checkpoint_2", imported / "low_noise", "--output", out])
     absent = dict.fromkeys(("tokenizer", "text_encoder", "vae", "scheduler"))

@@ -5,7 +5,6 @@ gradients; the training step feeds the first frames clean and leaves them out of
 image-to-video generation (``--image``) gives WanImageToVideoPipeline's (expand_timesteps) latents."""
 
 import json
-import math
 
 import diffusers
 import pytest
@@ -27,7 +26,7 @@ from dfm.inference.generation_batch import generation_batch
 from dfm.inference.image_condition import image_latent
 from dfm.inference.sampling import sample_latent
 from dfm.training.forward_step import DiffusionForwardStep
-from tests.training.entry import prepare_shards, read_metrics, run_entry
+from tests.training.entry import assert_loss_falls, prepare_shards, read_metrics, run_entry
 from tests.wan._tiny import TINY_TI2V, diffusers_reference, parity_errors, tiny_wan_pair, write_tiny_videos
 from tests.wan.test_wan22_experts import WAN_TINY
 from tests.wan.test_wan_sampling import GUIDANCE, SHIFT, STEPS, TOLERANCE, pipeline_latents, wan_pipeline
@@ -159,7 +158,8 @@ def test_prepare_with_the_wan22_vae_marks_samples_for_image_to_video(ti2v_shards
 @pytest.mark.slow
 def test_entry_point_trains_ti2v_on_first_frame_clean_shards(ti2v_shards, tmp_path):
     """pretrain_dit_model.py (one process) on those shards: a TI2V-shaped tiny Wan (48 channels, 32-d
-    text) trains 6 iterations (lr 5e-3) with finite losses, the last below the first."""
+    text) trains 6 iterations (lr 5e-3) with finite losses, the last three's mean >= 3% below the first
+    three's (~6% on 2 CPU cores: 1.025 -> 0.966). Mutation checked: optimizer.lr=1e-7 fails it."""
     overrides = [f"dataset.path={ti2v_shards}", "dataset.num_workers=0", f"logger.log_dir={tmp_path / 'logs'}"]
     overrides += ["model.in_channels=48", "model.text_embed_dim=32", "model.max_text_len=16"]
     overrides += ["train.train_iters=6", "optimizer.lr=5e-3", "flow.training_mode=finetune"]
@@ -167,5 +167,5 @@ def test_entry_point_trains_ti2v_on_first_frame_clean_shards(ti2v_shards, tmp_pa
     assert result.returncode == 0, result.stderr[-4000:]
     losses = [m["loss"] for m in read_metrics(tmp_path / "logs")]
     print(f"TI2V entry-point losses: {losses}")
-    assert len(losses) == 6 and all(math.isfinite(x) for x in losses), losses
-    assert losses[-1] < losses[0], losses
+    assert len(losses) == 6, losses
+    assert_loss_falls(losses, k=3, margin=0.03)
