@@ -41,6 +41,10 @@ def describe_error(error: Exception) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+class DataSettingError(ValueError):
+    """A data setting that does not fit the data (not one sample's fault): stops the run, never skipped."""
+
+
 class BadSampleLog:
     def __init__(self, skip: bool) -> None:
         self.skip = skip
@@ -64,6 +68,8 @@ class BadSampleLog:
 
     def handle(self, error: Exception, sample: Any, sources: Any = None) -> None:
         """energon's ``global_error_handler``: returning skips the sample, raising stops the run."""
+        if isinstance(error, DataSettingError):
+            raise error  # the setting's fault, not a sample's: never skipped, never blamed on a shard
         if not isinstance(error, BadSampleError):
             bad = BadSampleError(describe_failed_sample(sample, sources), describe_error(error))
             bad.__cause__ = error

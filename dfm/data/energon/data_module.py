@@ -23,7 +23,7 @@ from megatron.energon import (
 from dfm.data.energon import loader_state
 from dfm.data.energon.bad_samples import BadSampleLog
 from dfm.data.energon.dataset_checks import check_energon_dataset
-from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings
+from dfm.data.energon.task_encoder import TOO_LONG_MAX_FRACTION, DiffusionTaskEncoder, PackingSettings
 from dfm.data.packed_batch import PackedBatch
 from dfm.safe_unpickle import array_globals, restricted_loads
 
@@ -75,7 +75,9 @@ def build_train_dataset(settings: EnergonDataSettings, dp_rank: int, dp_size: in
         packing_buffer_size=settings.packing_buffer_size,
         shuffle_buffer_size=settings.shuffle_buffer_size,
         max_samples_per_sequence=settings.max_samples_per_sequence,
-        task_encoder=DiffusionTaskEncoder(settings.packing, bad_samples, settings.allow_pickle),
+        task_encoder=DiffusionTaskEncoder(
+            settings.packing, bad_samples, settings.allow_pickle, max_too_long_fraction=TOO_LONG_MAX_FRACTION
+        ),
     )
 
 
@@ -153,7 +155,9 @@ def build_val_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int):
         batch_size=1,
         packing_buffer_size=settings.packing_buffer_size,
         limit=settings.val_limit,
-        task_encoder=DiffusionTaskEncoder(settings.packing, bad_samples, settings.allow_pickle),
+        task_encoder=DiffusionTaskEncoder(
+            settings.packing, bad_samples, settings.allow_pickle, max_too_long_fraction=TOO_LONG_MAX_FRACTION
+        ),
     )
     return get_loader(dataset, prefetch_factor=settings.prefetch_factor)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from megatron.energon import TaskEncoder, WorkerConfig, stateless
 
-from dfm.data.energon.bad_samples import BadSampleLog
+from dfm.data.energon.bad_samples import BadSampleLog, DataSettingError
 from dfm.data.energon.cooker import BadSampleError, CookedDiffusionSample, diffusion_cookers, source_description
 from dfm.data.energon.part_decoding import decode_parts
 from dfm.data.energon.sample_checks import check_cooked_sample
@@ -121,6 +121,16 @@ def encode_cooked_sample(
     return encoded, truncated
 
 
+# The loaders' limit: more than this fraction of the samples seen (at least TOO_LONG_MIN_SEEN of them)
+# longer than dataset.seq_length stops the run (a few longer samples are skipped with a warning).
+TOO_LONG_MAX_FRACTION = 0.5
+TOO_LONG_MIN_SEEN = 16
+
+
+class SeqLengthError(DataSettingError):
+    """``dataset.seq_length`` does not fit the data: most samples would be dropped."""
+
+
 class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, PackedBatch, PackedBatch]):
     cookers = diffusion_cookers()
     # Parts arrive as raw bytes and are decoded as data by dfm (part_decoding.py): webdataset's
@@ -128,13 +138,21 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
     decoder = None
 
     def __init__(
-        self, settings: PackingSettings, bad_samples: BadSampleLog | None = None, allow_pickle: bool = False
+        self,
+        settings: PackingSettings,
+        bad_samples: BadSampleLog | None = None,
+        allow_pickle: bool = False,
+        max_too_long_fraction: float | None = None,
     ) -> None:
         self.settings = settings
+        # None: samples longer than seq_length are skipped however many; a fraction: more stops the run
+        self.max_too_long_fraction = max_too_long_fraction
         self.allow_pickle = allow_pickle  # dataset.allow_pickle: full pickle for '.pickle' parts (trusted data)
         self.bad_samples = bad_samples if bad_samples is not None else BadSampleLog(skip=False)
         # Diagnostics, per worker process; not part of the loader state.
         self.skipped_too_long = 0
+        self.seen_for_packing = 0
+        self.longest_skipped = 0
         self.truncated_texts = 0
 
     @stateless
@@ -176,8 +194,10 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
         plan = select_packs(
             [s.seq_len_q for s in samples], self.settings.seq_length, self.settings.balance, self.settings.cost
         )
+        self.seen_for_packing += len(samples)
         for i in plan.too_long:
             self.skipped_too_long += 1
+            self.longest_skipped = max(self.longest_skipped, samples[i].seq_len_q)
             logger.warning(
                 "key %s: %d tokens exceed seq_length=%d: sample skipped (%d skipped so far)",
                 samples[i].metadata.get("key"),
@@ -185,7 +205,19 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
                 self.settings.seq_length,
                 self.skipped_too_long,
             )
+        self.check_too_long_fraction()
         return [[samples[i] for i in pack] for pack in plan.packs]
+
+    def check_too_long_fraction(self) -> None:
+        """Most samples longer than ``dataset.seq_length`` is a setting that does not fit the data, not a few
+        odd samples: stop naming it (energon would otherwise train on the rest, or on nothing, exit 0)."""
+        seen, skipped, limit = self.seen_for_packing, self.skipped_too_long, self.max_too_long_fraction
+        if limit is not None and seen >= TOO_LONG_MIN_SEEN and skipped > limit * seen:
+            raise SeqLengthError(
+                f"dataset.seq_length={self.settings.seq_length} is shorter than most samples: {skipped} of the "
+                f"first {seen} samples had more tokens (up to {self.longest_skipped}) and would be dropped. Raise "
+                f"dataset.seq_length to at least {self.longest_skipped}, or prepare the data at a smaller size"
+            )
 
     @stateless
     def pack_selected_samples(self, samples: list[DiffusionSample]) -> PackedBatch:
