@@ -22,6 +22,10 @@ DIGITS_VIDEO = [
     "dataset.num_workers=0",
 ]
 
+# The config's pack length restated, so the GPU ladder's CPU-size rehearsal shrinks it with the clips.
+X16 = ["train.global_batch_size=16", "dataset.seq_length=2048"]
+DIGITS_RUNGS = {"digits-video": [*DIGITS_VIDEO, "model.architecture=dit_cross"], "digits-video-moviegen": DIGITS_VIDEO}
+
 
 @dataclass
 class Rung:
@@ -77,10 +81,7 @@ def cpu_ladder() -> list[Rung]:
         Rung("tiny-256-image", ["dataset.mock_image_fraction=1.0"], config_file=TINY_YAML),
         Rung("tiny-1k-mix", ["dataset.seq_length=1024"], config_file=TINY_YAML),
     ]
-    digits = [
-        Rung("digits-video", DIGITS_VIDEO + ["model.architecture=dit_cross"], config_file=DIGITS_VIDEO_YAML),
-        Rung("digits-video-moviegen", DIGITS_VIDEO, config_file=DIGITS_VIDEO_YAML),
-    ]
+    digits = [Rung(name, overrides, config_file=DIGITS_VIDEO_YAML) for name, overrides in DIGITS_RUNGS.items()]
     small = model(256, 4, 4) + ["model.in_channels=4", "model.text_embed_dim=64"]
     # The mixed rung's samples come in four shapes; each also runs alone in 4k-token packs.
     fixed = [
@@ -177,6 +178,11 @@ def gpu_ladder() -> list[Rung]:
             "cross-16k-mix-sdpa",
             model(1152, 16, 28) + LATENT + BF16 + ["model.attention_backend=sdpa"] + mixed,
             reference=False,
+        ),
+        # The CI video config (the CPU ladder's digits rungs) with 16 packs a step: 1024 clips, a GPU's load.
+        *(
+            Rung(f"{name}-x16", [*overrides, *X16], config_file=DIGITS_VIDEO_YAML)
+            for name, overrides in DIGITS_RUNGS.items()
         ),
     ]
 

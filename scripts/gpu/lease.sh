@@ -89,6 +89,7 @@ part mix 150 bench mix 4 2 cross-1k-img-fixed,cross-256-img-fixed,cross-2k-video
 part backends 150 bench backends 3 2 h4096-8k-L6-flex,xl2-256-img-flex,cross-16k-mix-flex,xl2-256-img-sdpa
 part compiled 150 bench compiled 3 2 h4096-8k-L6-compiled,xl2-256-img-compiled
 part variants 150 bench variants 3 2 h4096-8k-L6-rows-index-add,xl2-256-img-rows-index-add,h4096-8k-L6-uniform-cudnn,xl2-256-img-uniform-cudnn
+part digits 90 bench digits 4 2 digits-video-x16,digits-video-moviegen-x16
 part recompiles 90 python3 -m benchmarks.recompiles --packs 50
 part profile 120 python3 -m benchmarks.profile_rung --ladder "$LADDER" --rung h4096-8k-L6 --out "$WORK/profile"
 echo "lease: done after $SECONDS s; $OUT: $(ls "$OUT" | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
