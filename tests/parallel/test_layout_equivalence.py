@@ -59,6 +59,10 @@ CASES = [
     # Wan: q/k RMSNorm across the heads that TP splits (all-reduced sum of squares), its affine norm2 under SP.
     ("wan_tiny", [TP2, SP], []),
     ("dit_tiny", [*NEMO_BLOCK, TP2, SP], NEMO_BLOCK),
+    # Once checked by hand, now here: FLUX's CP and PP in one run; PP x CP and EP x CP with MoE.
+    (FLUX_TINY, [PP2, CP2], []),
+    ("moviegen_tiny", [PP2, CP2], []),
+    ("moviegen_tiny", [EP2, CP2], []),
 ]
 
 
