@@ -59,7 +59,8 @@ CASES = [
     # Wan: q/k RMSNorm across the heads that TP splits (all-reduced sum of squares), its affine norm2 under SP.
     ("wan_tiny", [TP2, SP], []),
     ("dit_tiny", [*NEMO_BLOCK, TP2, SP], NEMO_BLOCK),
-    # Once checked by hand, now here: FLUX's CP and PP in one run; PP x CP and EP x CP with MoE.
+    # Once checked by hand, now here: FLUX's CP and PP in one run; PP x CP and EP x CP with MoE. Mutation
+    # checked: every CP rank taking rank 0's share (ParallelLayout.sequence_split) fails all three.
     (FLUX_TINY, [PP2, CP2], []),
     ("moviegen_tiny", [PP2, CP2], []),
     ("moviegen_tiny", [EP2, CP2], []),
