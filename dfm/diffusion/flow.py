@@ -34,7 +34,7 @@ TRAINING_MODES = {
     # Logit-normal draws concentrate on the middle and, shifted, high noise, where layout and motion
     # are learned (SD3; Wan): the noisier choice.
     "pretrain": {"timestep_sampling": "logit_normal", "logit_mean": 0.0, "logit_std": 1.0},
-    # Every level equally often: about 2.4x more draws below t = 0.2 than logit-normal(0, 1), the
+    # Every level equally often: more than twice the draws below t = 0.2 (2.3x at shift 1) than logit-normal(0, 1), the
     # low-noise end where a fine-tune's new detail lives.
     "finetune": {"timestep_sampling": "uniform"},
 }
