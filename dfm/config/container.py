@@ -130,6 +130,9 @@ class TrainConfig:
     max_consecutive_nonfinite: int = 5
     exit_signal_handler: bool = True
     collective_timeout_minutes: int = 30  # a stuck collective fails after this, naming the rank
+    # A step, validation or save without progress for this long dumps the rank's Python stacks and exits 3
+    # (dfm/platform/watchdog.py). null: 30 min on GPUs, off on CPUs; 0: off.
+    stall_timeout_s: float | None = None
     manual_gc_interval: int = 0  # 0: leave Python's GC automatic
 
 

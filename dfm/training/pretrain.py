@@ -29,6 +29,7 @@ from dfm.parallel.layout import ParallelLayout, launched_world_size
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.platform.parent_watch import checkpoint_writer_queue_dies_with_us, die_with_launcher
 from dfm.platform.process_exit import skip_final_gc_at_exit
+from dfm.platform.watchdog import StallWatchdog, stall_timeout
 from dfm.training.data import build_train_loader, build_val_iterator
 from dfm.training.ema import build_ema
 from dfm.training.faults import NonFiniteGuard, PreemptionSignal, step_checks
@@ -227,11 +228,15 @@ class TrainLoop:
         )
         self.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite)
         self.signal = preemption or PreemptionSignal(enabled=False)
+        self.watchdog = StallWatchdog(None)  # run() starts the real one (train.stall_timeout_s)
 
     def run(self, start: int) -> None:
         cfg, window = self.cfg, LogWindow()
+        timeout = stall_timeout(cfg.train.stall_timeout_s, self.device.type == "cuda")
+        self.watchdog = StallWatchdog(timeout, torch.distributed.get_rank())
         try:
             for iteration in range(start + 1, cfg.train.train_iters + 1):
+                self.watchdog.beat(f"iteration {iteration}")
                 self.forward_step.iteration = iteration
                 for chunk in self.model:
                     chunk.train()
@@ -253,13 +258,16 @@ class TrainLoop:
                     self.save_and_stop(iteration)
                     return
                 if cfg.train.eval_interval and (iteration % cfg.train.eval_interval == 0 or last):
+                    self.watchdog.beat(f"validation at iteration {iteration}")
                     self.validate(iteration)
                 interval = cfg.checkpoint.save_interval
                 if last or (interval and iteration % interval == 0):
                     self.save(iteration)
         finally:
             if self.async_saves is not None:
+                self.watchdog.beat("the last async save")
                 self.async_saves.close()  # waits for the last save and marks it `latest`
+            self.watchdog.stop()
             self.metrics.close()
 
     def save_and_stop(self, iteration: int) -> None:
@@ -304,6 +312,7 @@ class TrainLoop:
     def save(self, iteration: int) -> None:
         if not self.cfg.checkpoint.save:
             return
+        self.watchdog.beat(f"the save of iteration {iteration}")
         if self.async_saves is not None:
             self.async_saves.maybe_finalize_async_calls(blocking=True)  # one save in flight at a time
         checkpoint = self.cfg.checkpoint

@@ -1,0 +1,60 @@
+"""A stall watchdog: a step or a save that makes no progress for ``train.stall_timeout_s`` ends the rank.
+
+The training loop calls ``beat(what)`` as each iteration, validation and save begins. A thread checks the
+time since the last beat; past the timeout it writes every thread's Python stack of this rank to stderr
+(``faulthandler``: it works while the main thread is stuck in C code or a collective) with what was running,
+and exits with ``STALL_EXIT_CODE``, so a launcher (torchrun, Slurm) sees a failure and can requeue the job.
+The processes the rank started end with it (dfm/platform/parent_watch.py).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+
+STALL_EXIT_CODE = 3
+GPU_DEFAULT_S = 30 * 60.0  # train.stall_timeout_s=null on GPUs; on CPUs null is off (steps vary too much there)
+
+
+def stall_timeout(configured: float | None, on_gpu: bool) -> float | None:
+    """The timeout in effect: the configured one (0: off), else 30 min on GPUs and none on CPUs."""
+    if configured is None:
+        return GPU_DEFAULT_S if on_gpu else None
+    return configured or None
+
+
+class StallWatchdog:
+    """``beat(what)`` marks progress; no beat for ``timeout_s`` dumps the stacks and exits. None: a no-op."""
+
+    def __init__(self, timeout_s: float | None, rank: int = 0) -> None:
+        self.timeout_s, self.rank = timeout_s, rank
+        self.what, self.last = "start-up", time.monotonic()
+        self._stopped = threading.Event()
+        if timeout_s is not None:
+            threading.Thread(target=self._watch, name="dfm-stall-watchdog", daemon=True).start()
+
+    def beat(self, what: str) -> None:
+        self.what, self.last = what, time.monotonic()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(min(1.0, self.timeout_s / 10)):
+            idle = time.monotonic() - self.last
+            if idle > self.timeout_s:
+                self._fire(idle)
+
+    def _fire(self, idle: float) -> None:
+        sys.stderr.write(
+            f"dfm stall watchdog: rank {self.rank} made no progress for {idle:.0f} s during {self.what} "
+            f"(train.stall_timeout_s={self.timeout_s:g}); Python stacks of every thread of this rank follow, "
+            f"then it exits {STALL_EXIT_CODE}\n"
+        )
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(STALL_EXIT_CODE)
