@@ -55,6 +55,7 @@ CP2 = "model.context_parallel_size=2"
 EP2 = "model.expert_model_parallel_size=2"
 FSDP = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
 FLUX_TINY = "../../flux/conf/flux_tiny"  # conf paths are relative to the DiT recipe's conf/
+HUNYUAN_TINY = "../../hunyuan/conf/hunyuan_tiny"
 
 
 @dataclass

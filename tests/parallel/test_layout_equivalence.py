@@ -13,6 +13,7 @@ from tests.parallel.equivalence import (
     DP_DATA,
     EP2,
     FLUX_TINY,
+    HUNYUAN_TINY,
     PP2,
     SP,
     TP2,
@@ -64,6 +65,11 @@ CASES = [
     (FLUX_TINY, [PP2, CP2], []),
     ("moviegen_tiny", [PP2, CP2], []),
     ("moviegen_tiny", [EP2, CP2], []),
+    # HunyuanVideo 1.5 (dual-stream blocks, token refiner, mock text-to-video / image-to-video packs): its
+    # three dimensions on 2 processes, one launch.
+    (HUNYUAN_TINY, [TP2, SP], []),
+    (HUNYUAN_TINY, [CP2], []),
+    (HUNYUAN_TINY, [PP2], []),
 ]
 
 
