@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -232,3 +233,16 @@ def test_prepare_cli_runs_end_to_end(tmp_path, example_dataset, capsys):
     report = json.loads((tmp_path / "out" / "prepare_report.rank0.json").read_text())
     assert report["written"] == len(example_dataset.captions) and len(report["skipped"]) == 1
     assert script.main([*argv, "--resume", "--max_skip_fraction", "0.2"]) == 0  # accepted, nothing re-encoded
+
+
+def test_shard_members_carry_one_header_each(tmp_path):
+    """Whole-second mtimes: a fractional one makes tarfile write a pax header per member, which the
+    loader then reads and parses on every sample."""
+    parts = encode_sample_parts("k0", torch.zeros(4, 1, 2, 2), torch.zeros(3, 8), {"caption": "c"})
+    with AtomicShardWriter(tmp_path, "rank000", maxcount=4) as writer:
+        writer.write({**parts, "__key__": "k0"})
+    with tarfile.open(tmp_path / "rank000-000000.tar") as tar:
+        members = tar.getmembers()
+    assert len(members) == 3 and all(not m.pax_headers and isinstance(m.mtime, int) for m in members)
+    raw = (tmp_path / "rank000-000000.tar").read_bytes()
+    assert b"PaxHeader" not in raw

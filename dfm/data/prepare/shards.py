@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,8 +95,15 @@ class AtomicShardWriter:
     def write(self, sample: dict) -> None:
         if self.writer is None:
             # Opened lazily: ShardWriter opens a file on construction, which would leave an empty shard.
+            # A whole-second mtime: a fractional one gives every member a pax header, which the loader then
+            # parses on every read (two header blocks per part instead of one).
             self.writer = wds.ShardWriter(
-                self.pattern, maxcount=self.maxcount, post=self._publish, start_shard=self.start_shard, verbose=0
+                self.pattern,
+                maxcount=self.maxcount,
+                post=self._publish,
+                start_shard=self.start_shard,
+                verbose=0,
+                mtime=int(time.time()),
             )
         self.writer.write(sample)
 
