@@ -5,6 +5,8 @@ Tokens are ordered (t, h, w) row-major; each token's features are (pt, ph, pw, c
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from einops import rearrange
 
@@ -35,7 +37,13 @@ def patchify(latent: torch.Tensor, patch_temporal: int, patch_spatial: int) -> t
 
 
 def patch_grid(t: int, h: int, w: int) -> torch.Tensor:
-    """[t*h*w, 3] long coordinates (t, h, w) in token order."""
+    """[t*h*w, 3] long coordinates (t, h, w) in token order (a copy: callers may write to it)."""
+    return _patch_grid(t, h, w).clone()
+
+
+@functools.lru_cache(maxsize=256)
+def _patch_grid(t: int, h: int, w: int) -> torch.Tensor:
+    # One grid per latent size: the loaders ask for the same few sizes for every sample.
     grid = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
     return torch.stack(grid, dim=-1).reshape(-1, 3)
 

@@ -9,7 +9,8 @@ from dfm.data.prepare.shards import POOLED_PART
 
 
 def count_non_finite(tensor: torch.Tensor) -> int:
-    return int((~torch.isfinite(tensor)).sum())
+    finite = torch.isfinite(tensor)
+    return 0 if bool(finite.all()) else int((~finite).sum())
 
 
 def check_pooled_text(sample: CookedDiffusionSample, pooled_text_dim: int, where: str) -> None:
