@@ -1,21 +1,26 @@
 """What the per-family ``_layouts_worker.py`` scripts share on each rank (tests/_layouts.py launches
 them and checks what they write): megatron's parallel state per layout, a model's shard of the full
-weights, the gradient reductions megatron adds to backward, the pipeline's hand-over between two
-stages, and the per-rank results file."""
+weights, a backward through megatron's schedule, DDP and finalize_model_grads as the trainer runs one,
+the pipeline's hand-over between two stages, and the per-rank results file."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from dfm.config.container import DDPConfig
 from dfm.models.build import build_model_chunk
 from dfm.models.common.init import take_shard
 from dfm.parallel import ParallelLayout
 from dfm.platform.distributed import destroy_distributed
+from dfm.training.setup import megatron_ddp_config
 
 LAYOUTS = {
     "tp2_sp": ParallelLayout(world_size=2, tp=2, sp=True),
@@ -39,24 +44,48 @@ def sharded_model(model_cfg, layout: ParallelLayout, weights: dict):
     return model.eval()
 
 
-def finish_grads(model, layout: ParallelLayout, tp_summed: Callable[[str], bool] = lambda name: False) -> None:
-    """What megatron's DDP and finalize_model_grads add to backward: sums over CP ranks, and over TP
-    ranks for the parameters each SP rank sees only its tokens' share of and those ``tp_summed`` names
-    (a family's per-head q/k norms: each TP rank sees only its heads)."""
-    for name, param in model.named_parameters():
-        if layout.cp > 1:
-            torch.distributed.all_reduce(param.grad, group=parallel_state.get_context_parallel_group())
-        if layout.tp > 1 and (tp_summed(name) or (layout.sp and getattr(param, "sequence_parallel", False))):
-            torch.distributed.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
+def with_grad_buffers(model):
+    """``model`` under megatron's DDP as the trainer wraps it (dfm.training.setup: its DDP config from
+    the config defaults), so backward accumulates into the grad buffers ``forward_backward`` reduces."""
+    ddp_config = megatron_ddp_config(SimpleNamespace(ddp=DDPConfig()), torch.device("cpu"))
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def forward_backward(model, forward: Callable[[], torch.Tensor], objective: Callable[[torch.Tensor], torch.Tensor]):
+    """One micro-batch as dfm's trainer runs a step (dfm.training.pretrain.train_step): megatron's schedule
+    calls ``forward()`` (-> output), differentiates ``objective(output)`` with the scaling it applies (x CP
+    size, / micro-batches), then the config's finalize_model_grads (dfm.training.setup): grad sync over
+    DP x CP, the reductions over TP (sequence-parallel parameters, per-head q/k norms) and PP. No
+    reduction here is the test's own: one the trainer misses fails ``grad_error``. -> the output, detached."""
+    model.config.finalize_model_grads_func = finalize_model_grads
+    outputs = []
+
+    def forward_step(_data, _model):
+        output = forward()
+        outputs.append(output.detach())
+        return output, lambda out: (objective(out), {})
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter([None]),
+        model=[model],
+        num_microbatches=1,
+        seq_length=1,
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    return outputs[0]
 
 
 def grad_error(model, expected: dict, floor: float = 0.0) -> float:
     """max over parameters of |grad - expected (this rank's shard)| / max(floor, max |expected|);
-    ``expected``: {global name: full gradient}."""
+    ``expected``: {global name: full gradient}. Under DDP the gradient is the grad buffer's."""
+    module = getattr(model, "module", model)
     errors = []
-    for name, param in model.named_parameters():
-        reference = take_shard(expected[model.global_param_name(name)], param)
-        errors.append(((param.grad - reference).abs().max() / max(floor, float(reference.abs().max()))).item())
+    for name, param in module.named_parameters():
+        grad = param.main_grad if hasattr(param, "main_grad") else param.grad
+        reference = take_shard(expected[module.global_param_name(name)], param)
+        errors.append(((grad - reference).abs().max() / max(floor, float(reference.abs().max()))).item())
     return max(errors)
 
 

@@ -44,9 +44,8 @@ def references(reference, batch, c_noise, upstream: list):
     return outputs, {k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in reference.named_parameters()}
 
 
-def qk_norm(name: str) -> bool:
-    """HunyuanVideo's q/k norms are per head: each TP rank sees only its heads' share of their grads."""
-    return "q_layernorm" in name or "k_layernorm" in name
+def weighted_sum(weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return (out * weights).sum()
 
 
 def text_and_video_rows(batch) -> int:
@@ -76,10 +75,10 @@ def main(out_dir: Path) -> None:
             if out is not None:
                 results[name] = max(per_sample_max_abs_diff(out, expected_outputs, batch))
             continue
-        out = model(batch.latents, c_noise, batch)
-        results[name] = max(per_sample_max_abs_diff(out.detach(), expected_outputs, batch))
-        (out * packed(upstream, batch)).sum().backward()
-        ranks.finish_grads(model, layout, tp_summed=qk_norm)
+        model = ranks.with_grad_buffers(model)
+        forward = functools.partial(model, batch.latents, c_noise, batch)
+        out = ranks.forward_backward(model, forward, functools.partial(weighted_sum, packed(upstream, batch)))
+        results[name] = max(per_sample_max_abs_diff(out, expected_outputs, batch))
         results[f"{name}/grad"] = ranks.grad_error(model, expected_grads, floor=1.0)
     ranks.write_results(out_dir, results)
 

@@ -28,18 +28,21 @@ MIXED = (True, False, True)
 CASES = {"": (TINY, MIXED, tuple(ranks.LAYOUTS)), "i2v/": (TINY_I2V, (), ("tp2_sp", "cp2"))}
 
 
-def run_layout(layout, cfg, weights, samples, timesteps):
-    """(the model, the pack's output [S, D] where this rank has it (None on a non-last pipeline
-    stage), the pack); no autograd graph under PP."""
+def run_layout(layout, cfg, weights, samples, timesteps, upstream):
+    """(the pack's output [S, D] where this rank has it (None on a non-last pipeline stage), the pack,
+    the model). Without PP, one step's backward of sum(output_i * upstream_i) as the trainer runs it."""
     model = ranks.sharded_model(cfg, layout, weights)
     batch = pack_samples(samples, *layout.padding_multiples())
     if layout.pp == 1:
-        return model, model(batch.latents, timesteps, batch), batch
+        model = ranks.with_grad_buffers(model)
+        objective = lambda out: sum((o * g).sum() for o, g in zip(dfm_sample_outputs(out, batch, cfg), upstream))  # noqa: E731
+        out = ranks.forward_backward(model, lambda: model(batch.latents, timesteps, batch), objective)
+        return out, batch, model
     with torch.no_grad():
         out = ranks.pipelined_forward(
             model, lambda: model(batch.latents, timesteps, batch), (batch.seq_len, 1, cfg.hidden_size)
         )
-    return model, out, batch
+    return out, batch, model
 
 
 def case_results(config: dict, first_frame_clean, layouts) -> dict[str, float]:
@@ -54,16 +57,12 @@ def case_results(config: dict, first_frame_clean, layouts) -> dict[str, float]:
     for name in layouts:
         layout = ranks.LAYOUTS[name]
         ranks.enter_layout(layout)
-        model, out, batch = run_layout(
-            layout, tiny_model_config(config, **layout.config_values()), weights, samples, timesteps
-        )
+        layout_cfg = tiny_model_config(config, **layout.config_values())
+        out, batch, model = run_layout(layout, layout_cfg, weights, samples, timesteps, reference.upstream)
         if out is None:
             continue
-        outputs = dfm_sample_outputs(out, batch, cfg)
-        results[name] = max_abs_diff([o.detach() for o in outputs], reference.outputs)
+        results[name] = max_abs_diff(dfm_sample_outputs(out, batch, cfg), reference.outputs)
         if layout.pp == 1:
-            sum((o * g).sum() for o, g in zip(outputs, reference.upstream)).backward()
-            ranks.finish_grads(model, layout)
             results[f"{name}/grad"] = ranks.grad_error(model, expected_grads)
     return results
 
