@@ -84,8 +84,17 @@ def load_checkpoint(
     return int(loaded["iteration"])
 
 
-def check_same_model(common: dict, directory: Path, current: ModelConfig) -> None:
-    """Raise naming every architecture key whose value differs from the checkpoint's."""
+RESUME_HINT = (
+    "Set these keys to the checkpoint's values to resume it (parallel sizes may differ), "
+    "or start a new run with another checkpoint.save directory"
+)
+PRETRAINED_HINT = (
+    "Leave these keys unset (in the config file and the overrides) to take the checkpoint's, or set them to its values"
+)
+
+
+def check_same_model(common: dict, directory: Path, current: ModelConfig, hint: str = RESUME_HINT) -> None:
+    """Raise naming every architecture key whose value differs from the checkpoint's (then ``hint``)."""
     saved = (common.get("config") or {}).get("model")
     if saved is None:
         logger.warning("checkpoint %s holds no model config: its architecture is not compared", directory)
@@ -93,7 +102,5 @@ def check_same_model(common: dict, directory: Path, current: ModelConfig) -> Non
     differences = model_differences(saved, current)
     if differences:
         raise CheckpointError(
-            f"checkpoint {directory} holds a different model than this run: {'; '.join(differences)}. "
-            "Set these keys to the checkpoint's values to resume it (parallel sizes may differ), "
-            "or start a new run with another checkpoint.save directory"
+            f"checkpoint {directory} holds a different model than this run: {'; '.join(differences)}. {hint}"
         )

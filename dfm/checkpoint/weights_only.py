@@ -16,7 +16,7 @@ from megatron.core import dist_checkpointing
 from dfm.checkpoint.collective import barrier, rank
 from dfm.checkpoint.errors import CheckpointError
 from dfm.checkpoint.files import iteration_dir, remove_partial
-from dfm.checkpoint.load import check_same_model
+from dfm.checkpoint.load import PRETRAINED_HINT, check_same_model
 from dfm.checkpoint.save import failures_named, finalize_save
 from dfm.checkpoint.select import choose_checkpoint
 from dfm.checkpoint.state import WEIGHTS_ONLY, layout, model_sharded_state_dict
@@ -71,7 +71,7 @@ def load_weights(directory: Path | None, modules: list, model_config: ModelConfi
         raise CheckpointError(f"checkpoint.pretrained={path}: no complete checkpoint there")
     common = dist_checkpointing.load_common_state_dict(str(directory))
     if model_config is not None:
-        check_same_model(common, directory, model_config)
+        check_same_model(common, directory, model_config, PRETRAINED_HINT)
     request = {f"model{index}": base_weights(model_sharded_state_dict(module)) for index, module in enumerate(modules)}
     loaded = dist_checkpointing.load(request, str(directory))
     for index, module in enumerate(modules):

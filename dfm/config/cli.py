@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from dfm.config.container import ConfigContainer
 from dfm.config.errors import ConfigError
-from dfm.config.loader import build_config
+from dfm.config.loader import build_config, explicit_keys
 from dfm.config.recipes import recipe_names
 from dfm.parallel.layout import launched_world_size
 
@@ -26,6 +26,10 @@ class CliArgs:
     mock: bool = False
     recipe: str | None = None
     overrides: list[str] = field(default_factory=list)
+
+    def explicit_keys(self) -> frozenset[str]:
+        """The dotted keys the config file and overrides set (not the recipe's)."""
+        return explicit_keys(self.config_file, self.overrides)
 
 
 def parse_args(argv: Sequence[str]) -> CliArgs:

@@ -90,6 +90,23 @@ def save_config_yaml(cfg: ConfigContainer, path: str | Path) -> Path:
     return write_text_no_follow(path, header + format_config(cfg))  # a link there is replaced, not written through
 
 
+def explicit_keys(config_file: str | None, overrides: Sequence[str] = ()) -> frozenset[str]:
+    """The dotted keys a run's config file and overrides set themselves (a recipe's values are not
+    among them): what ``checkpoint.pretrained`` may not replace with the checkpoint's model section."""
+    keys = set(_dotted_keys(load_yaml_file(config_file))) if config_file else set()
+    keys.discard(RECIPE_KEY)
+    keys.update(text.split("=", 1)[0] for text in overrides)
+    return frozenset(keys)
+
+
+def _dotted_keys(values: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        keys.extend(_dotted_keys(value, f"{dotted}.") if isinstance(value, dict) else [dotted])
+    return keys
+
+
 def load_yaml_file(path: str | Path) -> dict:
     """The top-level mapping of a YAML config file (empty file -> {})."""
     path = Path(path)

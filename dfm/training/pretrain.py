@@ -16,12 +16,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from dfm.checkpoint.files import set_aside_partial_saves
 from dfm.checkpoint.load import load_checkpoint
+from dfm.checkpoint.pretrained_model import take_pretrained_model
 from dfm.checkpoint.root_lock import root_locked
 from dfm.checkpoint.save import save_checkpoint, warn_if_little_room
 from dfm.checkpoint.state import TrainingState
 from dfm.checkpoint.weights_only import load_pretrained
 from dfm.config.container import ConfigContainer
 from dfm.config.loader import config_to_dict, format_config, save_config_yaml
+from dfm.config.validate import validate_config
 from dfm.diffusion.registry import pipeline_from_config
 from dfm.diffusion.timestep_experts import BOTH
 from dfm.models.flops import training_flops
@@ -122,7 +124,9 @@ def train_step(
     return losses, update_ok, grad_norm, preempt
 
 
-def pretrain(cfg: ConfigContainer, mock: bool) -> None:
+def pretrain(cfg: ConfigContainer, mock: bool, explicit_keys: frozenset[str] | None = None) -> None:
+    """Train as ``cfg`` says (``mock``: generated data). ``explicit_keys``: the dotted keys the user set
+    (dfm.config.cli); given, ``checkpoint.pretrained`` supplies the other model keys (dfm/checkpoint/pretrained_model.py)."""
     skip_final_gc_at_exit()
     die_with_launcher()
     if cfg.checkpoint.save:
@@ -133,6 +137,9 @@ def pretrain(cfg: ConfigContainer, mock: bool) -> None:
     device = initialize_distributed(layout, seed=cfg.rng.seed, timeout_minutes=cfg.train.collective_timeout_minutes)
     try:
         with root_locked(cfg.checkpoint.save):  # one run per checkpoint root, taken before anything is written
+            if cfg.checkpoint.pretrained and explicit_keys is not None:
+                take_pretrained_model(cfg, explicit_keys)
+                validate_config(cfg, layout.world_size)
             run(RunContext(cfg, layout, device, mock), preemption)
     except Exception:
         logger.exception("rank %d failed", torch.distributed.get_rank())

@@ -19,7 +19,8 @@ def test_every_rung_builds_a_valid_config(ladder):
         data, model = cfg.dataset, cfg.model
         shapes = [[1, *size] for size in data.mock_image_sizes] + list(data.mock_video_sizes)
         tokens = max(
-            -(-t // model.patch_temporal) * (h // model.patch_spatial) * (w // model.patch_spatial) for t, h, w in shapes
+            -(-t // model.patch_temporal) * (h // model.patch_spatial) * (w // model.patch_spatial)
+            for t, h, w in shapes
         )
         assert data.seq_length >= tokens, (rung.name, data.seq_length, tokens)
 

@@ -339,3 +339,12 @@ def test_warm_up_longer_than_the_run_is_refused_naming_both_keys():
         ConfigError, match=r"scheduler\.lr_warmup_iters \(20\) must be less than train\.train_iters \(20\)"
     ):
         build_config("dit_tiny", None, ["train.train_iters=20", "scheduler.lr_warmup_iters=20"])
+
+
+def test_explicit_keys_are_the_file_and_override_keys_not_the_recipe(tmp_path):
+    """What checkpoint.pretrained may not replace: keys the config file or the overrides set."""
+    config = tmp_path / "run.yaml"
+    config.write_text("recipe: dit_tiny\nmodel:\n  hidden_size: 64\ntrain:\n  train_iters: 5\n")
+    args = parse_args(["--config-file", str(config), "model.num_layers=3", "optimizer.lr=0.1"])
+    assert args.explicit_keys() == {"model.hidden_size", "train.train_iters", "model.num_layers", "optimizer.lr"}
+    assert parse_args(["--recipe", "dit_tiny"]).explicit_keys() == frozenset()

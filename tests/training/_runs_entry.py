@@ -64,7 +64,7 @@ def main(runs_file: str) -> None:
         _weights_path["path"] = run.get("weights")
         try:
             cfg, args = config_or_exit(run["argv"])
-            pretrain(cfg, mock=args.mock)
+            pretrain(cfg, mock=args.mock, explicit_keys=args.explicit_keys())
         except BaseException:
             Path(run["status"]).write_text(f"rank {rank}:\n{traceback.format_exc()}")
             sys.stderr.flush()

@@ -16,7 +16,7 @@ def main(argv: list[str]) -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # it lists every parameter at INFO
     from dfm.training.pretrain import pretrain
 
-    pretrain(cfg, mock=args.mock)
+    pretrain(cfg, mock=args.mock, explicit_keys=args.explicit_keys())
 
 
 if __name__ == "__main__":  # dist_checkpointing starts worker processes: keep this guard
