@@ -90,17 +90,32 @@ def generate_digits(
 ) -> np.ndarray:
     """One sample per caption, all in one pack, at the trained latent size ``model.max_latent_thw``
     -> pixels [N, T, H, W] in 0..16. Unconditional: null text, no guidance."""
-    unique = sorted(set(captions))
-    embeddings = dict(zip(unique, encoders.text.encode(unique)))
-    shape = (cfg.model.in_channels, *cfg.model.max_latent_thw)
-    noises = [draw_noise(shape, sampling.seed * 100_003 + i) for i in range(len(captions))]
+    embeddings = caption_embeddings(encoders, captions)
+    noises = prompt_noises((cfg.model.in_channels, *cfg.model.max_latent_thw), len(captions), sampling)
     batch = generation_pack(noises, [embeddings[c] for c in captions], cfg.model)
     guidance = sampling.guidance_scale if conditional else 1.0
     if not conditional:
         batch = null_text_batch(batch)
     options = SamplingOptions(sampling.steps, guidance, sampling.sampler, sampling.seed)
     latents = sample_latents(model, pipeline_from_config(cfg), batch.to(device), cfg.model, options)
-    video = encoders.vae.decode(torch.stack(latents))  # [N, 3, T, H, W] in [-1, 1]
+    return latents_to_pixels(encoders, torch.stack(latents))
+
+
+def caption_embeddings(encoders: Encoders, captions: list[str]) -> dict[str, torch.Tensor]:
+    """Each distinct caption -> its T5 embedding [L, D] (unpadded, as the shards hold them)."""
+    unique = sorted(set(captions))
+    return dict(zip(unique, encoders.text.encode(unique)))
+
+
+def prompt_noises(shape: tuple[int, ...], count: int, sampling: DigitSampling) -> list[torch.Tensor]:
+    """The starting noise [C, T, H, W] of samples 0 .. count - 1 (sample i from seed ``seed * 100003 + i``),
+    so any model scored with the same ``sampling`` starts from the same noise."""
+    return [draw_noise(shape, sampling.seed * 100_003 + i) for i in range(count)]
+
+
+def latents_to_pixels(encoders: Encoders, latents: torch.Tensor) -> np.ndarray:
+    """Clean latents [N, C, T, H, W] -> pixels [N, T, H, W] in 0..16 through the VAE (channels averaged)."""
+    video = encoders.vae.decode(latents)  # [N, 3, T, H, W] in [-1, 1]
     return video_to_digit_pixels(video.mean(dim=1).cpu().numpy())
 
 
