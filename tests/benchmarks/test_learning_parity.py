@@ -1,0 +1,88 @@
+"""The learning-parity harness (benchmarks/learning_parity.py): the reference trains dfm's flow objective and
+samples as dfm's flow Euler does, and a tiny end-to-end run scores both sides."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks.learning_parity import SCORE_COLUMNS, main
+from benchmarks.learning_reference import (
+    euler_sample,
+    from_tokens,
+    noised,
+    read_clip_shards,
+    to_tokens,
+    training_times,
+    velocity_target,
+)
+from dfm.config.container import ConfigContainer
+from dfm.data.patchify import patchify
+from dfm.diffusion.flow import FlowPipeline, FlowSettings
+from dfm.diffusion.samplers import classifier_free_guidance, flow_euler, flow_timesteps
+from dfm.inference.encoders import EncoderSources, load_encoders
+
+
+def test_reference_objective_is_dfms():
+    """t, x_t and the target velocity from the reference's formulas equal dfm's flow pipeline's."""
+    settings = FlowSettings(logit_mean=0.3, logit_std=0.8, shift=3.0, sigma_min=0.05)
+    pipeline = FlowPipeline(settings)
+    batch, length, dim = 5, 6, 4
+    x0, noise = torch.randn(batch, length, dim), torch.randn(batch, length, dim)
+    t = training_times(batch, settings, torch.Generator().manual_seed(7))
+    assert torch.equal(t, pipeline.draw_t(batch, torch.Generator().manual_seed(7)))
+    sample_ids = torch.arange(batch).repeat_interleave(length)
+    packed = pipeline.interpolate(x0.flatten(0, 1), noise.flatten(0, 1), t, sample_ids)
+    assert torch.allclose(noised(x0, noise, t, settings.sigma_min), packed.view(batch, length, dim), atol=1e-6)
+    target = pipeline.target_velocity(x0, noise)
+    assert torch.allclose(velocity_target(x0, noise, settings.sigma_min), target, atol=1e-6)
+
+
+def test_reference_sampler_is_dfms_flow_euler():
+    """Guided Euler over the shifted schedule, as dfm's flow_euler with classifier_free_guidance runs it."""
+    cfg = ConfigContainer()
+    cfg.flow = FlowSettings(shift=2.0, c_noise_scale=1000.0)
+    x, text = torch.randn(3, 8, 4), torch.randn(3, 5, 4)
+    mask = torch.ones(3, 1, 1, 5, dtype=torch.bool)
+
+    def model(x, c_noise, pos_ids, text, mask):  # any smooth field of x, the level and the text
+        return torch.tanh(x) * c_noise[:, None, None] / 1000 + text.mean(dim=1, keepdim=True)
+
+    ours = euler_sample(model, x, None, (text, mask), cfg, steps=4, guidance=3.0)
+    c = lambda t: torch.full((3,), 1000.0 * t)  # noqa: E731
+    field = lambda x, t: classifier_free_guidance(  # noqa: E731
+        model(x, c(t), None, text, mask), model(x, c(t), None, torch.zeros_like(text), mask), 3.0
+    )
+    assert torch.allclose(ours, flow_euler(field, x, flow_timesteps(4, 2.0)), atol=1e-6)
+
+
+def test_tokens_are_dfms_patches():
+    """The reference's dense tokens and positions are dfm's patchify of each latent, and invert."""
+    latents = torch.randn(2, 1, 4, 16, 16)
+    tokens, pos_ids = to_tokens(latents, 2, 4)
+    for row, latent in enumerate(latents):
+        expected_tokens, expected_pos = patchify(latent, 2, 4)
+        assert torch.equal(tokens[row], expected_tokens) and torch.equal(pos_ids, expected_pos)
+    assert torch.equal(from_tokens(tokens, (1, 4, 16, 16), 2, 4), latents)
+
+
+@pytest.mark.slow
+def test_both_sides_score_on_the_same_clips(tmp_path, capsys):
+    """20 clips, 30 iterations, 2 sampling steps: both sides train and score (~75 s on 2 CPU cores; dfm's
+    share is mostly its two child processes starting), the table prints, and the shards' text is what
+    the sampler's T5 gives for the same caption."""
+    argv = ["--out_dir", str(tmp_path), "--clips", "20", "--iterations", "30", "--samples_per_caption", "1"]
+    summary = main([*argv, "--steps", "2"])
+    out = capsys.readouterr().out
+    assert "| dfm |" in out and "| reference |" in out
+    for row in summary["rows"].values():
+        assert all(0 <= row[key] <= 1 for key in SCORE_COLUMNS.values())
+    assert json.loads((tmp_path / "learning_parity.json").read_text())["rows"] == summary["rows"]
+    shards = read_clip_shards(tmp_path / "dataset")
+    assert len(shards.captions) == 20 and shards.latents.shape[1:] == (1, 4, 16, 16)
+    sources = EncoderSources(t5=str(tmp_path / "t5"), vae=str(tmp_path / "vae"), vae_subfolder=None)
+    encoded = load_encoders(sources, 40, torch.device("cpu")).text.encode(shards.captions[:3])
+    for shard_text, text in zip(shards.texts, encoded):
+        assert torch.allclose(shard_text, text.float().cpu(), atol=1e-5)
