@@ -252,6 +252,29 @@ class MixedPrecisionConfig:
 
 
 @dataclass
+class ValidationConfig:
+    """Decoded samples at ``train.eval_interval`` (dfm/training/validation_media.py, docs/training.md
+    "Validation"): one file per prompt under ``<logger.log_dir>/validation/iter_<N>/``, also to
+    TensorBoard and W&B when those are on."""
+
+    prompts: list[str] = field(default_factory=list)  # none: no decoded samples
+    seed: int = 0  # prompt k's noise is drawn from seed + k: the same at every evaluation
+    steps: int | None = None  # sampler steps; None: train.eval_sampling_steps
+    guidance_scale: float = 5.0  # classifier-free guidance (1: none)
+    # Pixel size; None: the first validation sample's size (frames > 1: an mp4, else a png).
+    num_frames: int | None = None
+    height: int | None = None
+    width: int | None = None
+    fps: int = 8
+    # The text encoder and VAE; None: the ones the dataset's samples record (dfm's preparation writes them).
+    t5: str | None = None
+    vae: str | None = None
+    vae_kind: str = "auto"
+    tiny_random_encoders: bool = False  # tiny random T5 and VAE of the model's sizes (tests, smoke runs)
+    use_ema: bool = True  # sample from the EMA weights when optimizer.ema_decay keeps them
+
+
+@dataclass
 class ConfigContainer:
     """The whole run configuration, one typed section per concern."""
 
@@ -270,3 +293,4 @@ class ConfigContainer:
     flow: FlowSettings = field(default_factory=FlowSettings)
     # LoRA adapters (dfm/peft, docs/lora.md); lora_rank=0: none.
     peft: PeftConfig = field(default_factory=PeftConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)

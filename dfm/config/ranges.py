@@ -123,6 +123,13 @@ RANGES: dict[str, Range] = {
     "checkpoint.save_interval": OPTIONAL_COUNT,
     "checkpoint.keep_last": OPTIONAL_COUNT,
     "logger.log_interval": COUNT,
+    "validation.seed": Range(0, 2**32 - 1),
+    "validation.steps": OPTIONAL_COUNT,
+    "validation.guidance_scale": NON_NEGATIVE,
+    "validation.num_frames": OPTIONAL_COUNT,
+    "validation.height": OPTIONAL_COUNT,
+    "validation.width": OPTIONAL_COUNT,
+    "validation.fps": COUNT,
     "rng.seed": Range(0, 2**32 - 1),  # numpy's seed range
     "edm.P_mean": ANY,
     "edm.P_std": POSITIVE,

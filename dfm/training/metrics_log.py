@@ -9,6 +9,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 logger = logging.getLogger("dfm.train")
 
 
@@ -93,6 +95,28 @@ class MetricsLog:
             per_level or "n/a",
             record["generation"],
         )
+
+    def media(self, iteration: int, samples: list) -> None:
+        """Decoded validation samples (``DecodedSample``: prompt, frames [T, H, W, 3] uint8, file) to
+        TensorBoard as ``validation/sample_<k>`` images (a video's frames side by side) and to W&B as
+        ``wandb.Image`` / ``wandb.Video`` of the written file, captioned with the prompt."""
+        if not self.enabled or not samples:
+            return
+        if self.tb is not None:
+            for k, sample in enumerate(samples):
+                strip = np.concatenate(list(sample.frames), axis=1)  # [H, T * W, 3]
+                self.tb.add_image(f"validation/sample_{k}", strip, iteration, dataformats="HWC")
+                self.tb.add_text(f"validation/prompt_{k}", sample.prompt, iteration)
+        if self.wandb is not None:
+            import wandb
+
+            logged = {
+                f"validation/sample_{k}": wandb.Video(str(s.path), caption=s.prompt)
+                if s.frames.shape[0] > 1
+                else wandb.Image(s.frames[0], caption=s.prompt)
+                for k, s in enumerate(samples)
+            }
+            self.wandb.log(logged, step=iteration)
 
     @staticmethod
     def console_line(r: dict[str, Any]) -> str:

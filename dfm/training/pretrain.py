@@ -42,7 +42,14 @@ from dfm.training.memory_plan import log_memory
 from dfm.training.metrics_log import MetricsLog
 from dfm.training.setup import build_model, build_optimizer, num_microbatches, schedule_model_and_data
 from dfm.training.throughput import device_peak_flops, mfu
-from dfm.training.validation import generate_validation_sample, level_record, losses_per_level
+from dfm.training.validation import (
+    can_generate,
+    first_sample_text,
+    generate_validation_sample,
+    level_record,
+    losses_per_level,
+)
+from dfm.training.validation_media import generate_samples, validation_encoders, write_samples
 
 logger = logging.getLogger("dfm.train")
 
@@ -236,6 +243,7 @@ class TrainLoop:
         self.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite)
         self.signal = preemption or PreemptionSignal(enabled=False)
         self.watchdog = StallWatchdog(None)  # run() starts the real one (train.stall_timeout_s)
+        self.validation_encoders = None  # validation.prompts' text encoder and VAE, loaded when first needed
 
     def run(self, start: int) -> None:
         cfg, window = self.cfg, LogWindow()
@@ -299,9 +307,10 @@ class TrainLoop:
         self.state.ema.update(self.model)
 
     def generation_weights(self):
-        """Sample from the EMA weights when the run keeps them (as DiT does)."""
+        """Sample from the EMA weights when the run keeps them (as DiT does) and validation.use_ema."""
         ema = self.state.ema
-        return ema.swapped_in(self.model) if ema is not None else contextlib.nullcontext()
+        use = ema is not None and self.cfg.validation.use_ema
+        return ema.swapped_in(self.model) if use else contextlib.nullcontext()
 
     def validate(self, iteration: int) -> None:
         train = self.cfg.train
@@ -312,9 +321,24 @@ class TrainLoop:
             path = generate_validation_sample(
                 self.cfg, self.model, self.forward_step.pipeline, packs[0], iteration, self.device
             )
-        self.metrics.write_validation(
-            {"iteration": iteration, **level_record(levels, means), "generation": str(path) if path else None}
+            samples = self.decoded_samples(iteration, first_sample_text(packs[0])[1])
+        record = {"iteration": iteration, **level_record(levels, means), "generation": str(path) if path else None}
+        self.metrics.write_validation(record | {"samples": [str(s.path) for s in samples]} if samples else record)
+        self.metrics.media(iteration, samples)
+
+    def decoded_samples(self, iteration: int, default_shape: tuple[int, ...]) -> list:
+        """``validation.prompts`` generated and decoded (the logging rank writes them), when the layout
+        holds the whole model in one group; [] otherwise or without prompts."""
+        if not self.cfg.validation.prompts or not can_generate() or self.cfg.model.sequence_parallel:
+            return []
+        if self.validation_encoders is None:  # loaded at the first evaluation, kept for the next
+            self.validation_encoders = validation_encoders(self.cfg, self.device)
+        samples = generate_samples(
+            self.cfg, self.model[0], self.forward_step.pipeline, self.validation_encoders, self.device, default_shape
         )
+        if not self.metrics.enabled:
+            return []
+        return write_samples(samples, self.cfg.logger.log_dir, iteration, self.cfg.validation.fps)
 
     def save(self, iteration: int) -> None:
         if not self.cfg.checkpoint.save:

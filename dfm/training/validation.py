@@ -1,8 +1,8 @@
 """Validation at ``train.eval_interval``: loss on held-out packs at fixed noise levels (one per bin,
 ``train.eval_noise_bins``) and one generated sample per DP rank.
 
-Generated latents go to ``<checkpoint.save>/validation_generation/iter_<N>_dp<R>.pt`` (no VAE is
-part of the training config, so latents are saved, not decoded; the inference script decodes).
+The generated latent goes to ``<checkpoint.save>/validation_generation/iter_<N>_dp<R>.pt``, undecoded;
+``validation.prompts`` are decoded and written for people to look at (validation_media.py).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ def test_the_walk_finds_every_section():
         "edm",
         "flow",
         "peft",
+        "validation",
     }
 
 

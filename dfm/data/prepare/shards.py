@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import tarfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -121,3 +122,18 @@ class AtomicShardWriter:
         self.writer.close()
         if partial is not None:
             Path(partial).unlink(missing_ok=True)
+
+
+def prepared_encoders(dataset_dir: str | Path) -> dict[str, Any] | None:
+    """The encoders a dfm-prepared dataset was made with, as its first sample's metadata records them:
+    ``{"t5": ..., "vae": ..., "vae_kind": ...}``; None for anything else (a metadataset yaml, no shards,
+    samples without the record)."""
+    shards = sorted(Path(dataset_dir).glob("*.tar")) if Path(dataset_dir).is_dir() else []
+    if not shards:
+        return None
+    with tarfile.open(shards[0]) as tar:
+        member = next((m for m in tar if m.isfile() and m.name.endswith(".json")), None)
+        metadata = json.loads(tar.extractfile(member).read()) if member is not None else {}
+    if "t5_encoder" not in metadata or "vae" not in metadata:
+        return None
+    return {"t5": metadata["t5_encoder"], "vae": metadata["vae"], "vae_kind": metadata.get("vae_kind", "auto")}

@@ -1,0 +1,93 @@
+"""Validation samples people look at, through the real entry point: ``validation.prompts`` generated at
+``train.eval_interval``, decoded by the VAE (tiny random encoders here), written under
+``<log_dir>/validation/iter_<N>/``, and the same pixels in TensorBoard and in a W&B offline run."""
+
+from __future__ import annotations
+
+import json
+
+import imageio.v2 as imageio
+import numpy as np
+import pytest
+import torch
+from entry import run_entry
+from test_experiment_loggers import wandb_offline_history
+
+from dfm.data.prepare.shards import AtomicShardWriter, encode_sample_parts, prepared_encoders
+from dfm.training.validation_media import slug
+
+PROMPTS = ["a red cat", "two dogs/../on a beach"]
+
+
+# image: the first validation sample's size (the tiny mock config's first sample is an image);
+# video: 5 frames of 32 x 32 pixels through the tiny Wan VAE (2 latent frames) -> mp4 files.
+SIZES = {"image": [], "video": ["validation.num_frames=5", "validation.height=32", "validation.width=32"]}
+
+
+@pytest.fixture(scope="module", params=sorted(SIZES))
+def run(tmp_path_factory, request):
+    tmp = tmp_path_factory.mktemp(f"validation_media_{request.param}")
+    log_dir, tb_dir = tmp / "logs", tmp / "tb"
+    overrides = [
+        *SIZES[request.param],
+        "train.train_iters=2",
+        "train.eval_interval=2",
+        "train.eval_iters=1",
+        "train.eval_noise_bins=2",
+        f"validation.prompts={json.dumps(PROMPTS)}",
+        "validation.tiny_random_encoders=true",
+        "validation.steps=2",
+        f"logger.log_dir={log_dir}",
+        f"logger.tensorboard_dir={tb_dir}",
+        "logger.wandb_project=dfm-test",
+        "logger.wandb_exp_name=media",
+    ]
+    result = run_entry(1, overrides, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    return log_dir, tb_dir, request.param
+
+
+def written_files(log_dir) -> list:
+    return sorted((log_dir / "validation" / "iter_0000002").glob("*.*"))
+
+
+@pytest.mark.slow
+def test_each_prompt_is_written_decoded_and_recorded(run):
+    log_dir, _, kind = run
+    files = written_files(log_dir)
+    assert {f.suffix for f in files} == {".mp4" if kind == "video" else ".png"}
+    assert [f.stem for f in files] == [f"{k:02d}_{slug(p)}" for k, p in enumerate(PROMPTS)]
+    assert "/" not in files[1].name and files[1].parent == files[0].parent  # the prompt never makes a path
+    for path in files:
+        frames = np.stack(list(imageio.mimread(path))) if path.suffix == ".mp4" else imageio.imread(path)[None]
+        assert frames.ndim == 4 and frames.shape[-1] == 3 and frames.std() > 0  # decoded noise, not a blank
+        assert kind == "image" or frames.shape[:3] == (5, 32, 32)
+    (record,) = [json.loads(line) for line in (log_dir / "validation.jsonl").read_text().splitlines()]
+    assert record["samples"] == [str(f) for f in files]
+
+
+@pytest.mark.slow
+def test_tensorboard_and_wandb_hold_the_samples(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir, tb_dir, kind = run
+    events = EventAccumulator(str(tb_dir), size_guidance={"images": 0})
+    events.Reload()
+    for k in range(len(PROMPTS)):
+        (image,) = events.Images(f"validation/sample_{k}")
+        assert image.step == 2 and image.width > 0 and image.height > 0
+    for k, prompt in enumerate(PROMPTS):  # W&B flattens a media item into <key>/<field> history entries
+        assert wandb_offline_history(log_dir, f"validation/sample_{k}/caption") == {2: prompt}
+        assert wandb_offline_history(log_dir, f"validation/sample_{k}/_type") == {2: f"{kind}-file"}
+    (run_dir,) = log_dir.glob("wandb/offline-run-*")
+    media = [p for p in (run_dir / "files" / "media").rglob("*") if p.is_file()]
+    assert len(media) == len(PROMPTS), media
+
+
+def test_prepared_datasets_record_their_encoders(tmp_path):
+    """The default encoders come from the dataset's first sample; other folders record none."""
+    meta = {"caption": "c", "t5_encoder": "/enc/t5", "vae": "/enc/vae", "vae_kind": "identity"}
+    with AtomicShardWriter(tmp_path, "rank000", maxcount=4) as writer:
+        writer.write({**encode_sample_parts("k0", torch.zeros(4, 1, 2, 2), torch.zeros(3, 8), meta), "__key__": "k0"})
+    assert prepared_encoders(tmp_path) == {"t5": "/enc/t5", "vae": "/enc/vae", "vae_kind": "identity"}
+    assert prepared_encoders(tmp_path / "missing") is None
