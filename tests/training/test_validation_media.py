@@ -14,6 +14,8 @@ from entry import run_entry
 from test_experiment_loggers import wandb_offline_history
 
 from dfm.data.prepare.shards import AtomicShardWriter, encode_sample_parts, prepared_encoders
+from dfm.training.plot import main as plot_main
+from dfm.training.plot import read_curves
 from dfm.training.validation_media import slug
 
 PROMPTS = ["a red cat", "two dogs/../on a beach"]
@@ -91,3 +93,18 @@ def test_prepared_datasets_record_their_encoders(tmp_path):
         writer.write({**encode_sample_parts("k0", torch.zeros(4, 1, 2, 2), torch.zeros(3, 8), meta), "__key__": "k0"})
     assert prepared_encoders(tmp_path) == {"t5": "/enc/t5", "vae": "/enc/vae", "vae_kind": "identity"}
     assert prepared_encoders(tmp_path / "missing") is None
+
+
+@pytest.mark.slow
+def test_plot_draws_the_runs_curves(run, tmp_path):
+    """python -m dfm.training.plot on the run's log folder: the curves it plots are the logged numbers."""
+    log_dir, _, _ = run
+    curves = read_curves(log_dir)
+    (record,) = [json.loads(line) for line in (log_dir / "validation.jsonl").read_text().splitlines()]
+    assert curves.loss[0] == [1, 2] and curves.val_loss == ([2], [record["val_loss"]])
+    assert {k: (level, values) for k, (level, _, values) in curves.levels.items()} == {
+        k: (record["val_levels"][k], [record[f"val_loss_t{k}"]]) for k in range(2)
+    }
+    out = plot_main([str(log_dir), "--out", str(tmp_path / "curves.png")])
+    image = imageio.imread(out)
+    assert image.shape[:2] == (400, 1000) and image.std() > 0  # two panels of 5 x 4 inches at 100 dpi
