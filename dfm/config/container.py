@@ -261,10 +261,9 @@ class ValidationConfig:
     seed: int = 0  # prompt k's noise is drawn from seed + k: the same at every evaluation
     steps: int | None = None  # sampler steps; None: train.eval_sampling_steps
     guidance_scale: float = 5.0  # classifier-free guidance (1: none)
-    # Pixel size; None: the first validation sample's size (frames > 1: an mp4, else a png).
-    num_frames: int | None = None
-    height: int | None = None
-    width: int | None = None
+    # [frames, height, width] in pixels per prompt (fewer than prompts: the last repeats); none: the first
+    # validation sample's size. frames > 1: an mp4, else a png.
+    sizes: list[list[int]] = field(default_factory=list)
     fps: int = 8
     # The text encoder and VAE; None: the ones the dataset's samples record (dfm's preparation writes them).
     t5: str | None = None

@@ -126,9 +126,6 @@ RANGES: dict[str, Range] = {
     "validation.seed": Range(0, 2**32 - 1),
     "validation.steps": OPTIONAL_COUNT,
     "validation.guidance_scale": NON_NEGATIVE,
-    "validation.num_frames": OPTIONAL_COUNT,
-    "validation.height": OPTIONAL_COUNT,
-    "validation.width": OPTIONAL_COUNT,
     "validation.fps": COUNT,
     "rng.seed": Range(0, 2**32 - 1),  # numpy's seed range
     "edm.P_mean": ANY,

@@ -28,6 +28,7 @@ def validate_config(cfg: ConfigContainer, world_size: int | None = None) -> None
     _check_schedule(cfg)
     _check_precision(cfg)
     _check_flow(cfg)
+    _check_validation_sizes(cfg)
 
 
 def _check_peft(cfg: ConfigContainer) -> None:
@@ -142,3 +143,10 @@ def _check_sizes(sizes: list[list[int]], length: int, key: str) -> None:
     for size in sizes:
         if len(size) != length or any(n < 1 for n in size):
             raise ConfigError(f"{key} entries must be {length} positive ints, got {size}")
+
+
+def _check_validation_sizes(cfg: ConfigContainer) -> None:
+    """Each ``validation.sizes`` entry is [frames, height, width], all >= 1."""
+    for k, size in enumerate(cfg.validation.sizes):
+        if len(size) != 3 or min(size) < 1:
+            raise ConfigError(f"validation.sizes[{k}]={size}: expected [frames, height, width] in pixels, each >= 1")

@@ -67,17 +67,14 @@ def validation_encoders(cfg: ConfigContainer, device: torch.device) -> Encoders:
     return encoders
 
 
-def latent_shape(cfg: ConfigContainer, encoders: Encoders, default: tuple[int, ...]) -> tuple[int, ...]:
-    """(C, T, H, W) of each sample: ``validation``'s pixel sizes through the VAE, the rest from ``default``
-    (the first validation sample's latent shape)."""
-    v = cfg.validation
-    if v.height is None and v.width is None and v.num_frames is None:
+def latent_shape(cfg: ConfigContainer, encoders: Encoders, k: int, default: tuple[int, ...]) -> tuple[int, ...]:
+    """(C, T, H, W) of prompt ``k``: its ``validation.sizes`` entry (the last one repeats) through the VAE,
+    or ``default`` (the first validation sample's latent shape) without sizes."""
+    sizes = cfg.validation.sizes
+    if not sizes:
         return tuple(default)
-    vae = encoders.vae
-    _, _, h, w = default
-    height = v.height or h * vae.spatial_compression
-    width = v.width or w * vae.spatial_compression
-    return latent_shape_for(vae, cfg.model, height, width, v.num_frames or 1)
+    frames, height, width = sizes[min(k, len(sizes) - 1)]
+    return latent_shape_for(encoders.vae, cfg.model, height, width, frames)
 
 
 def generate_samples(
@@ -90,12 +87,12 @@ def generate_samples(
 ) -> list[DecodedSample]:
     """Each of ``validation.prompts`` sampled from the noise of ``validation.seed + k`` and decoded."""
     v = cfg.validation
-    shape = latent_shape(cfg, encoders, default_shape)
     options = SamplingOptions(v.steps or cfg.train.eval_sampling_steps, v.guidance_scale, seed=v.seed)
     samples = []
     for k, prompt in enumerate(v.prompts):
         text = encoders.text.encode([prompt])[0]
-        batch = generation_batch(draw_noise(shape, v.seed + k), text, cfg.model).to(device)
+        noise = draw_noise(latent_shape(cfg, encoders, k, default_shape), v.seed + k)
+        batch = generation_batch(noise, text, cfg.model).to(device)
         latent = sample_latent(model, pipeline, batch, cfg.model, options)
         video = encoders.vae.decode(latent.unsqueeze(0).to(device))[0]  # [3, T, H, W] in [-1, 1]
         samples.append(DecodedSample(prompt, to_uint8_frames(video), None))

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import imageio.v2 as imageio
 import numpy as np
@@ -13,25 +14,28 @@ import torch
 from entry import run_entry
 from test_experiment_loggers import wandb_offline_history
 
+from dfm.config.errors import ConfigError
+from dfm.config.loader import build_config
 from dfm.data.prepare.shards import AtomicShardWriter, encode_sample_parts, prepared_encoders
 from dfm.training.plot import main as plot_main
 from dfm.training.plot import read_curves
-from dfm.training.validation_media import slug
+from dfm.training.validation_media import latent_shape, slug
 
 PROMPTS = ["a red cat", "two dogs/../on a beach"]
 
 
-# image: the first validation sample's size (the tiny mock config's first sample is an image);
-# video: 5 frames of 32 x 32 pixels through the tiny Wan VAE (2 latent frames) -> mp4 files.
-SIZES = {"image": [], "video": ["validation.num_frames=5", "validation.height=32", "validation.width=32"]}
+# Sizes per prompt: one run makes an image (1 x 32 x 32 pixels) and a video (5 frames of 32 x 32: 2
+# latent frames of the tiny Wan VAE, an mp4).
+SIZES = [[1, 32, 32], [5, 32, 32]]
+KINDS = ["image", "video"]
 
 
-@pytest.fixture(scope="module", params=sorted(SIZES))
-def run(tmp_path_factory, request):
-    tmp = tmp_path_factory.mktemp(f"validation_media_{request.param}")
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("validation_media")
     log_dir, tb_dir = tmp / "logs", tmp / "tb"
     overrides = [
-        *SIZES[request.param],
+        f"validation.sizes={json.dumps(SIZES)}",
         "train.train_iters=2",
         "train.eval_interval=2",
         "train.eval_iters=1",
@@ -46,7 +50,7 @@ def run(tmp_path_factory, request):
     ]
     result = run_entry(1, overrides, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert result.returncode == 0, result.stderr[-4000:]
-    return log_dir, tb_dir, request.param
+    return log_dir, tb_dir
 
 
 def written_files(log_dir) -> list:
@@ -55,15 +59,14 @@ def written_files(log_dir) -> list:
 
 @pytest.mark.slow
 def test_each_prompt_is_written_decoded_and_recorded(run):
-    log_dir, _, kind = run
+    log_dir, _ = run
     files = written_files(log_dir)
-    assert {f.suffix for f in files} == {".mp4" if kind == "video" else ".png"}
+    assert [f.suffix for f in files] == [".png", ".mp4"]
     assert [f.stem for f in files] == [f"{k:02d}_{slug(p)}" for k, p in enumerate(PROMPTS)]
     assert "/" not in files[1].name and files[1].parent == files[0].parent  # the prompt never makes a path
-    for path in files:
+    for path, (num_frames, height, width) in zip(files, SIZES):
         frames = np.stack(list(imageio.mimread(path))) if path.suffix == ".mp4" else imageio.imread(path)[None]
-        assert frames.ndim == 4 and frames.shape[-1] == 3 and frames.std() > 0  # decoded noise, not a blank
-        assert kind == "image" or frames.shape[:3] == (5, 32, 32)
+        assert frames.shape == (num_frames, height, width, 3) and frames.std() > 0  # decoded noise, not a blank
     (record,) = [json.loads(line) for line in (log_dir / "validation.jsonl").read_text().splitlines()]
     assert record["samples"] == [str(f) for f in files]
 
@@ -72,7 +75,7 @@ def test_each_prompt_is_written_decoded_and_recorded(run):
 def test_tensorboard_and_wandb_hold_the_samples(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    log_dir, tb_dir, kind = run
+    log_dir, tb_dir = run
     events = EventAccumulator(str(tb_dir), size_guidance={"images": 0})
     events.Reload()
     for k in range(len(PROMPTS)):
@@ -80,7 +83,7 @@ def test_tensorboard_and_wandb_hold_the_samples(run):
         assert image.step == 2 and image.width > 0 and image.height > 0
     for k, prompt in enumerate(PROMPTS):  # W&B flattens a media item into <key>/<field> history entries
         assert wandb_offline_history(log_dir, f"validation/sample_{k}/caption") == {2: prompt}
-        assert wandb_offline_history(log_dir, f"validation/sample_{k}/_type") == {2: f"{kind}-file"}
+        assert wandb_offline_history(log_dir, f"validation/sample_{k}/_type") == {2: f"{KINDS[k]}-file"}
     (run_dir,) = log_dir.glob("wandb/offline-run-*")
     media = [p for p in (run_dir / "files" / "media").rglob("*") if p.is_file()]
     assert len(media) == len(PROMPTS), media
@@ -98,7 +101,7 @@ def test_prepared_datasets_record_their_encoders(tmp_path):
 @pytest.mark.slow
 def test_plot_draws_the_runs_curves(run, tmp_path):
     """python -m dfm.training.plot on the run's log folder: the curves it plots are the logged numbers."""
-    log_dir, _, _ = run
+    log_dir, _ = run
     curves = read_curves(log_dir)
     (record,) = [json.loads(line) for line in (log_dir / "validation.jsonl").read_text().splitlines()]
     assert curves.loss[0] == [1, 2] and curves.val_loss == ([2], [record["val_loss"]])
@@ -108,3 +111,26 @@ def test_plot_draws_the_runs_curves(run, tmp_path):
     out = plot_main([str(log_dir), "--out", str(tmp_path / "curves.png")])
     image = imageio.imread(out)
     assert image.shape[:2] == (400, 1000) and image.std() > 0  # two panels of 5 x 4 inches at 100 dpi
+
+
+class _WanLikeVAE:
+    """What latent_shape_for reads of a VAE: 8x spatial, 4x temporal compression (Wan's)."""
+
+    spatial_compression, temporal_compression = 8, 4
+
+    def valid_num_frames(self, frames: int) -> bool:
+        return frames % 4 == 1
+
+    def latent_frames(self, frames: int) -> int:
+        return 1 + (frames - 1) // 4
+
+
+def test_sizes_per_prompt_the_last_repeats_and_none_take_the_validation_samples():
+    cfg = build_config("dit_tiny", None)
+    encoders = SimpleNamespace(vae=_WanLikeVAE())
+    assert latent_shape(cfg, encoders, 3, (4, 1, 8, 8)) == (4, 1, 8, 8)
+    cfg.validation.sizes = [[1, 32, 32], [9, 64, 32]]
+    shapes = [latent_shape(cfg, encoders, k, (4, 1, 8, 8)) for k in range(3)]
+    assert shapes == [(4, 1, 4, 4), (4, 3, 8, 4), (4, 3, 8, 4)]
+    with pytest.raises(ConfigError, match=r"validation.sizes\[0\]"):
+        build_config("dit_tiny", None, ["validation.sizes=[[1,32]]"])
