@@ -29,6 +29,7 @@ from dfm.diffusion.timestep_experts import BOTH
 from dfm.models.flops import training_flops
 from dfm.parallel.layout import ParallelLayout, launched_world_size
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
+from dfm.platform.fork_safety import forked_children_single_threaded
 from dfm.platform.parent_watch import checkpoint_writer_queue_dies_with_us, die_with_launcher
 from dfm.platform.process_exit import skip_final_gc_at_exit
 from dfm.platform.watchdog import StallWatchdog, stall_timeout
@@ -136,6 +137,7 @@ def pretrain(cfg: ConfigContainer, mock: bool, explicit_keys: frozenset[str] | N
     (dfm.config.cli); given, ``checkpoint.pretrained`` supplies the other model keys (dfm/checkpoint/pretrained_model.py)."""
     skip_final_gc_at_exit()
     die_with_launcher()
+    forked_children_single_threaded()  # async saves fork the rank: no OpenMP pool in the child (fork_safety.py)
     if cfg.checkpoint.save:
         checkpoint_writer_queue_dies_with_us()
     # From the start: a stop signal during start-up (or one a launcher left ignored) still saves after step one.

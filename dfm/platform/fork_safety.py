@@ -1,0 +1,30 @@
+"""Forked children of a training process run torch single-threaded.
+
+megatron's async checkpoint save forks the rank for every save (``TemporalAsyncCaller``: the child
+writes the staged tensors). A child forked after the parent ran OpenMP-parallel torch ops hangs for
+ever in its first parallel op of its own: GNU OpenMP's thread pool does not survive ``fork`` (the
+pool's threads are not in the child; tests/platform/test_fork_safety.py: a 4M-element elementwise op
+in such a child never returns). The likely cause of the async-save stall seen once in 22 runs on a
+loaded 2-core machine (reproduced in isolation, not caught in the act: 11 runs of that probe passed
+here). One thread in the child never enters the pool. Data loader workers already do this for
+themselves (torch's worker loop).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_state = {"hooked": False}
+
+
+def forked_children_single_threaded() -> None:
+    """Register (once per process) a fork hook that sets torch's CPU threads to 1 in every child."""
+    if not _state["hooked"]:
+        os.register_at_fork(after_in_child=_one_thread)
+        _state["hooked"] = True
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
