@@ -4,10 +4,11 @@ megatron's async checkpoint save forks the rank for every save (``TemporalAsyncC
 writes the staged tensors). A child forked after the parent ran OpenMP-parallel torch ops hangs for
 ever in its first parallel op of its own: GNU OpenMP's thread pool does not survive ``fork`` (the
 pool's threads are not in the child; tests/platform/test_fork_safety.py: a 4M-element elementwise op
-in such a child never returns). The likely cause of the async-save stall seen once in 22 runs on a
-loaded 2-core machine (reproduced in isolation, not caught in the act: 11 runs of that probe passed
-here). One thread in the child never enters the pool. Data loader workers already do this for
-themselves (torch's worker loop).
+in such a child never returns). One thread in the child never enters the pool. This was a candidate
+for the async-save stall seen once in 22 runs on a loaded 2-core machine, but not shown to be it: with
+this hook removed, a tiny run's six async saves at OMP_NUM_THREADS=2 all finished (the writer did not
+enter a parallel region), so that stall is still not root-caused. Data loader workers already run
+single-threaded (torch's worker loop).
 """
 
 from __future__ import annotations
