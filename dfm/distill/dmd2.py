@@ -8,10 +8,10 @@ student's samples) for their clean predictions, and push x0 along
     g = (fake - real) / mean |x0 - real|          (mean over the sample's real tokens and features)
 
 i.e. towards the teacher's prediction and away from the critic's. The division is DMD's weighting
-factor: it normalises the step per sample, whatever the noise level. Clean predictions come from the
-velocity through the pipeline's own relation (``FlowPipeline.denoise``); a clean prediction's score is
-affine in it at a fixed (x_t, t), so the difference of clean predictions is the score difference up
-to DMD's per-level factor, which this normalisation replaces.
+factor: it normalises the step per sample, whatever the noise level. The score at (x_t, t) is affine in
+the clean prediction, so the paper's weighted score difference is this form up to a factor of t alone;
+the released DMD/DMD2 code uses the form above. Clean predictions come from the velocity through the
+pipeline's own relation (``FlowPipeline.denoise``).
 
 The re-noising times are t ~ U[min_t, max_t], for the distribution-matching and the critic loss alike,
 not the pipeline's training law (logit-normal, shifted): DMD2 draws its levels uniformly, the KL it
