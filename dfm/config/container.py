@@ -270,6 +270,8 @@ class ValidationConfig:
     vae: str | None = None
     vae_kind: str = "auto"
     tiny_random_encoders: bool = False  # tiny random T5 and VAE of the model's sizes (tests, smoke runs)
+    # Numbers from the decoded samples, by registered name (dfm/training/sample_metrics.py), e.g. pixel_stats.
+    metrics: list[str] = field(default_factory=list)
     use_ema: bool = True  # sample from the EMA weights when optimizer.ema_decay keeps them
 
 

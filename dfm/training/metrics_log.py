@@ -84,16 +84,18 @@ class MetricsLog:
         with self.path.with_name("validation.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
         losses = {k.removeprefix("val_"): v for k, v in record.items() if k.startswith("val_loss")}
-        self.scalars("validation", {"iteration": record["iteration"], **losses})
+        measured = {k: v for k, v in record.items() if "/" in k}  # sample metrics: "<metric>/<name>"
+        self.scalars("validation", {"iteration": record["iteration"], **losses, **measured})
         per_level = " ".join(
             f"{level:.3g}:{_fmt(record[f'val_loss_t{k}'])}" for k, level in enumerate(record.get("val_levels", []))
         )
         logger.info(
-            "validation at iter %d | val loss %s | per level %s | sample %s",
+            "validation at iter %d | val loss %s | per level %s | sample %s%s",
             record["iteration"],
             _fmt(record["val_loss"]),
             per_level or "n/a",
             record["generation"],
+            "".join(f" | {k} {_fmt(v)}" for k, v in measured.items()),
         )
 
     def media(self, iteration: int, samples: list) -> None:

@@ -41,6 +41,7 @@ from dfm.training.full_weights import finish_param_gather
 from dfm.training.losses import reduce_expert_losses, reduce_loss_and_tokens
 from dfm.training.memory_plan import log_memory
 from dfm.training.metrics_log import MetricsLog
+from dfm.training.sample_metrics import check_metrics, measure
 from dfm.training.setup import build_model, build_optimizer, num_microbatches, schedule_model_and_data
 from dfm.training.throughput import device_peak_flops, mfu
 from dfm.training.validation import (
@@ -246,6 +247,7 @@ class TrainLoop:
         self.signal = preemption or PreemptionSignal(enabled=False)
         self.watchdog = StallWatchdog(None)  # run() starts the real one (train.stall_timeout_s)
         self.validation_encoders = None  # validation.prompts' text encoder and VAE, loaded when first needed
+        check_metrics(cfg.validation.metrics)  # an unknown name fails now, not at the first evaluation
 
     def run(self, start: int) -> None:
         cfg, window = self.cfg, LogWindow()
@@ -325,7 +327,9 @@ class TrainLoop:
             )
             samples = self.decoded_samples(iteration, first_sample_text(packs[0])[1])
         record = {"iteration": iteration, **level_record(levels, means), "generation": str(path) if path else None}
-        self.metrics.write_validation(record | {"samples": [str(s.path) for s in samples]} if samples else record)
+        if samples:
+            record |= {"samples": [str(s.path) for s in samples], **measure(self.cfg.validation.metrics, samples)}
+        self.metrics.write_validation(record)
         self.metrics.media(iteration, samples)
 
     def decoded_samples(self, iteration: int, default_shape: tuple[int, ...]) -> list:

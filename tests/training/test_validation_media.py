@@ -19,6 +19,7 @@ from dfm.config.loader import build_config
 from dfm.data.prepare.shards import AtomicShardWriter, encode_sample_parts, prepared_encoders
 from dfm.training.plot import main as plot_main
 from dfm.training.plot import read_curves
+from dfm.training.sample_metrics import measure
 from dfm.training.validation_media import latent_shape, slug
 
 PROMPTS = ["a red cat", "two dogs/../on a beach"]
@@ -42,6 +43,7 @@ def run(tmp_path_factory):
         "train.eval_noise_bins=2",
         f"validation.prompts={json.dumps(PROMPTS)}",
         "validation.tiny_random_encoders=true",
+        "validation.metrics=[pixel_stats]",
         "validation.steps=2",
         f"logger.log_dir={log_dir}",
         f"logger.tensorboard_dir={tb_dir}",
@@ -51,6 +53,11 @@ def run(tmp_path_factory):
     result = run_entry(1, overrides, env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     assert result.returncode == 0, result.stderr[-4000:]
     return log_dir, tb_dir
+
+
+def read_frames(path) -> np.ndarray:
+    """[T, H, W, 3] uint8 of a written png or mp4."""
+    return np.stack(list(imageio.mimread(path))) if path.suffix == ".mp4" else imageio.imread(path)[None]
 
 
 def written_files(log_dir) -> list:
@@ -65,10 +72,14 @@ def test_each_prompt_is_written_decoded_and_recorded(run):
     assert [f.stem for f in files] == [f"{k:02d}_{slug(p)}" for k, p in enumerate(PROMPTS)]
     assert "/" not in files[1].name and files[1].parent == files[0].parent  # the prompt never makes a path
     for path, (num_frames, height, width) in zip(files, SIZES):
-        frames = np.stack(list(imageio.mimread(path))) if path.suffix == ".mp4" else imageio.imread(path)[None]
+        frames = read_frames(path)
         assert frames.shape == (num_frames, height, width, 3) and frames.std() > 0  # decoded noise, not a blank
     (record,) = [json.loads(line) for line in (log_dir / "validation.jsonl").read_text().splitlines()]
     assert record["samples"] == [str(f) for f in files]
+    pixels = np.concatenate([read_frames(f).ravel() for f in files]).astype(np.float64)
+    # The files are lossless for the image only (mp4 is lossy): the metric saw the decoded pixels.
+    assert record["pixel_stats/mean"] == pytest.approx(pixels.mean(), abs=2.0)
+    assert record["pixel_stats/diversity"] == 0.0  # the two samples differ in size: no pair to compare
 
 
 @pytest.mark.slow
@@ -108,9 +119,10 @@ def test_plot_draws_the_runs_curves(run, tmp_path):
     assert {k: (level, values) for k, (level, _, values) in curves.levels.items()} == {
         k: (record["val_levels"][k], [record[f"val_loss_t{k}"]]) for k in range(2)
     }
+    assert curves.metrics["pixel_stats/std"] == ([2], [record["pixel_stats/std"]])
     out = plot_main([str(log_dir), "--out", str(tmp_path / "curves.png")])
     image = imageio.imread(out)
-    assert image.shape[:2] == (400, 1000) and image.std() > 0  # two panels of 5 x 4 inches at 100 dpi
+    assert image.shape[:2] == (400, 1500) and image.std() > 0  # 3 panels (losses, per level, metrics), 5 x 4 in
 
 
 class _WanLikeVAE:
@@ -134,3 +146,13 @@ def test_sizes_per_prompt_the_last_repeats_and_none_take_the_validation_samples(
     assert shapes == [(4, 1, 4, 4), (4, 3, 8, 4), (4, 3, 8, 4)]
     with pytest.raises(ConfigError, match=r"validation.sizes\[0\]"):
         build_config("dit_tiny", None, ["validation.sizes=[[1,32]]"])
+
+
+def test_pixel_stats_diversity_is_zero_for_copies_and_unknown_metrics_are_named():
+    frames = np.random.default_rng(0).integers(0, 255, (1, 4, 4, 3), dtype=np.uint8)
+    same = [SimpleNamespace(frames=frames), SimpleNamespace(frames=frames.copy())]
+    other = [SimpleNamespace(frames=frames), SimpleNamespace(frames=255 - frames)]
+    assert measure(["pixel_stats"], same)["pixel_stats/diversity"] == 0.0
+    assert measure(["pixel_stats"], other)["pixel_stats/diversity"] > 0.5
+    with pytest.raises(ValueError, match=r"\['fid'\], not registered"):
+        measure(["fid"], same)
