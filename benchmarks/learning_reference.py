@@ -185,6 +185,8 @@ def train_reference(shards: ClipShards, cfg, batch_size: int, seed: int) -> Refe
         optimizer.step()
         schedule.step()
         losses.append((iteration, loss.item()))
+        if iteration % 100 == 0:  # a long CPU run shows it is alive
+            print(f"reference iter {iteration}/{cfg.train.train_iters} | loss {loss.item():.4f}", flush=True)
     return ReferenceRun(model, losses, time.perf_counter() - start)
 
 
