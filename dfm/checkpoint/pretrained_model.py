@@ -49,13 +49,17 @@ def saved_model_section(path: str | Path) -> dict[str, Any] | None:
     """The model section of the config saved with the checkpoint ``path`` names (a root: its newest
     that verifies; a root of per-expert folders: the first expert's); None when it holds none."""
     directory = choose_checkpoint(path)
-    if directory is None:
-        experts = [Path(path) / name for name in EXPERT_FOLDERS if (Path(path) / name).is_dir()]
-        directory = choose_checkpoint(experts[0]) if experts else None
+    experts = [Path(path) / name for name in EXPERT_FOLDERS if (Path(path) / name).is_dir()]
+    if directory is None and experts:
+        directory = choose_checkpoint(experts[0])
     if directory is None:
         return None  # loading the weights names what is missing
     common = dist_checkpointing.load_common_state_dict(str(directory))
-    return (common.get("config") or {}).get("model")
+    model = (common.get("config") or {}).get("model")
+    if model is not None and directory.parent in experts:
+        # One expert's config: which expert it was is not the run's (a root of both trains both).
+        model = {key: value for key, value in model.items() if key != "wan_expert"}
+    return model
 
 
 def take_pretrained_model(cfg: ConfigContainer, explicit: frozenset[str]) -> list[str]:
