@@ -17,18 +17,13 @@ from megatron.core import dist_checkpointing
 
 from dfm.checkpoint.select import choose_checkpoint, log_rank0
 from dfm.config.container import ConfigContainer, ModelConfig
+from dfm.parallel.layout import CONFIG_FIELDS
 
 logger = logging.getLogger("dfm.checkpoint")
 
-# Model keys a run keeps its own of: how it runs here, not what the weights are.
-RUN_KEYS = frozenset(
+# Model keys a run keeps its own of: how it runs here (its layout, and the rest), not what the weights are.
+RUN_KEYS = frozenset(CONFIG_FIELDS.values()) | frozenset(
     {
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "virtual_pipeline_model_parallel_size",
-        "context_parallel_size",
-        "sequence_parallel",
-        "expert_model_parallel_size",
         "attention_backend",
         "recompute_granularity",
         "recompute_method",
