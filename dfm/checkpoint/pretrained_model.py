@@ -17,6 +17,7 @@ from megatron.core import dist_checkpointing
 
 from dfm.checkpoint.select import choose_checkpoint, log_rank0
 from dfm.config.container import ConfigContainer, ModelConfig
+from dfm.diffusion.timestep_experts import EXPERTS
 from dfm.parallel.layout import CONFIG_FIELDS
 
 logger = logging.getLogger("dfm.checkpoint")
@@ -36,17 +37,16 @@ RUN_KEYS = frozenset(CONFIG_FIELDS.values()) | frozenset(
         "moe_aux_loss_coeff",
     }
 )
-# A root of one checkpoint per Wan 2.2 expert (what importing a two-transformer pipeline writes).
-EXPERT_FOLDERS = ("high_noise", "low_noise")
 
 
 def saved_model_section(path: str | Path) -> dict[str, Any] | None:
     """The model section of the config saved with the checkpoint ``path`` names (a root: its newest
-    that verifies; a root of per-expert folders: the first expert's); None when it holds none."""
-    directory = choose_checkpoint(path)
-    experts = [Path(path) / name for name in EXPERT_FOLDERS if (Path(path) / name).is_dir()]
+    that is complete; a root of per-expert folders, as Wan 2.2's import writes: the first expert's); None
+    when it holds none. No checksums: only the config is read here, the weights' load verifies them."""
+    directory = choose_checkpoint(path, checksums=False)
+    experts = [Path(path) / name for name in EXPERTS if (Path(path) / name).is_dir()]
     if directory is None and experts:
-        directory = choose_checkpoint(experts[0])
+        directory = choose_checkpoint(experts[0], checksums=False)
     if directory is None:
         return None  # loading the weights names what is missing
     common = dist_checkpointing.load_common_state_dict(str(directory))
