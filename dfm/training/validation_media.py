@@ -28,7 +28,8 @@ from dfm.inference.encoders import (
     load_encoders,
     tiny_random_encoders,
 )
-from dfm.inference.generation_batch import draw_noise, generation_batch, latent_shape_for
+from dfm.inference.generate import prompt_batch
+from dfm.inference.generation_batch import draw_noise, latent_shape_for
 from dfm.inference.media import to_uint8_frames, write_media
 from dfm.inference.sampling import sample_latent
 
@@ -90,9 +91,8 @@ def generate_samples(
     options = SamplingOptions(v.steps or cfg.train.eval_sampling_steps, v.guidance_scale, seed=v.seed)
     samples = []
     for k, prompt in enumerate(v.prompts):
-        text = encoders.text.encode([prompt])[0]
         noise = draw_noise(latent_shape(cfg, encoders, k, default_shape), v.seed + k)
-        batch = generation_batch(noise, text, cfg.model).to(device)
+        batch = prompt_batch(prompt, noise, encoders, cfg.model, images={}).to(device)  # FLUX: + pooled text
         latent = sample_latent(model, pipeline, batch, cfg.model, options)
         video = encoders.vae.decode(latent.unsqueeze(0).to(device))[0]  # [3, T, H, W] in [-1, 1]
         samples.append(DecodedSample(prompt, to_uint8_frames(video), None))
