@@ -51,7 +51,6 @@ from dfm.training.validation import (
     level_record,
     losses_per_level,
 )
-from dfm.training.validation_media import generate_samples, validation_encoders, write_samples
 
 logger = logging.getLogger("dfm.train")
 
@@ -337,6 +336,10 @@ class TrainLoop:
         holds the whole model in one group; [] otherwise or without prompts."""
         if not self.cfg.validation.prompts or not can_generate() or self.cfg.model.sequence_parallel:
             return []
+        # Imported here: the encoders bring transformers and diffusers, ~4 CPU s in every rank process
+        # of a run that never generates.
+        from dfm.training.validation_media import generate_samples, validation_encoders, write_samples
+
         if self.validation_encoders is None:  # loaded at the first evaluation, kept for the next
             self.validation_encoders = validation_encoders(self.cfg, self.device)
         samples = generate_samples(
