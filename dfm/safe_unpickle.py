@@ -137,12 +137,16 @@ def load_checkpoint_metadata(file: IO[bytes]) -> Any:
     return restricted_load(file, metadata_globals(), getattr(file, "name", "checkpoint metadata"))
 
 
+@functools.cache
+def _numpy_types() -> tuple[Any, ...]:
+    return tuple(dict.fromkeys(_numpy_globals().values()))
+
+
 def load_rank_object(data: IO[bytes], source: str) -> Any:
     """A per-rank object (``torch.save`` bytes of RNG state, data position, ...) with torch's weights-only
     loader, numpy arrays admitted (numpy's RNG state is one); refused naming ``source``."""
-    numpy_types = list(dict.fromkeys(_numpy_globals().values()))
     try:
-        with torch.serialization.safe_globals(numpy_types):
+        with torch.serialization.safe_globals(list(_numpy_types())):
             return torch.load(data, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as error:
         reason = _reason(error)
