@@ -23,6 +23,7 @@ from dfm.checkpoint.state import (
 )
 from dfm.config.container import ConfigContainer, ModelConfig
 from dfm.platform.compat.checkpointing import ensure_adam_state, unshare_adam_steps
+from dfm.platform.optimizer_steps import step_parameters_together
 
 logger = logging.getLogger("dfm.checkpoint")
 
@@ -65,6 +66,7 @@ def load_checkpoint(
         restore_model_and_optimizer(checkpoint, model, optimizer, loaded)
         progress.advance()
         unshare_adam_steps(optimizer)
+        step_parameters_together(optimizer)
         restore_ema(ema, loaded if ema_saved is not None else None, model, directory, checkpoint)
         restore_schedule(scheduler, optimizer, loaded["scheduler"], resume)
         progress.advance()

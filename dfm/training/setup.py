@@ -17,6 +17,7 @@ from dfm.config.validate import micro_batches_per_step
 from dfm.models.build import build_meta_chunk, build_model_chunk
 from dfm.models.common.materialise import defer_to_fsdp, init_fsdp_shards
 from dfm.parallel.layout import ParallelLayout
+from dfm.platform.optimizer_steps import step_parameters_together
 
 
 @dataclass
@@ -170,6 +171,7 @@ def build_optimizer(cfg: ConfigContainer, model: list[Any], tconfig) -> tuple[An
         use_distributed_optimizer=uses_distributed_optimizer(cfg),
     )
     optimizer = get_megatron_optimizer(opt_config, model)
+    step_parameters_together(optimizer)
     s = cfg.scheduler
     scheduler = OptimizerParamScheduler(
         optimizer,

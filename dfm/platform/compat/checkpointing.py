@@ -14,6 +14,7 @@ import functools
 import torch
 
 from dfm.platform.compat.patch import MISSING, TargetChanged
+from dfm.platform.optimizer_steps import torch_optimizers
 
 
 def copying_given_keys_only(original):
@@ -38,7 +39,7 @@ def ensure_adam_state(optimizer) -> None:
     ``DistributedOptimizer.state_dict`` reads ``state["step"]`` of every parameter, and its
     ``init_state_fn`` for torch's Adam creates none: a never-stepped optimizer could not be loaded.
     """
-    for inner in _torch_optimizers(optimizer):
+    for inner in torch_optimizers(optimizer):
         if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
             continue
         for group in inner.param_groups:
@@ -53,16 +54,10 @@ def ensure_adam_state(optimizer) -> None:
 def unshare_adam_steps(optimizer) -> None:
     """After ``DistributedOptimizer.load_state_dict`` every parameter's ``step`` is one shared
     tensor; torch's Adam increments steps in place, so it would advance once per parameter."""
-    for inner in _torch_optimizers(optimizer):
+    for inner in torch_optimizers(optimizer):
         for state in getattr(inner, "state", {}).values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
-
-
-def _torch_optimizers(optimizer) -> list:
-    """The torch optimizers inside a megatron optimizer (chained or not)."""
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [inner for inner in (getattr(opt, "optimizer", None) for opt in chained) if inner is not None]
 
 
 def calling(private: str):
