@@ -1,6 +1,6 @@
 """Training processes die with their parent: workers with the torchrun agent, and every process a
-worker starts (dist_checkpointing's forked writers and its spawned result-queue server, data
-workers) with that worker.
+worker starts (dist_checkpointing's forked writers, their result-queue server, data workers) with
+that worker.
 
 Without this, ``kill -9`` of the agent (a job scheduler's last resort) leaves workers training,
 holding the accelerator and writing into the checkpoint directory. Two mechanisms: Linux's
@@ -41,6 +41,11 @@ def die_with_launcher() -> None:
     """
     if LAUNCHER_ENV in os.environ:
         die_with_parent(os.getppid(), kernel_signal=True)
+    forked_children_die_with_us()
+
+
+def forked_children_die_with_us() -> None:
+    """Every child this process forks from now on dies with it and ignores the stop signals."""
     if not _fork_state["hooked"]:
         os.register_at_fork(before=_remember_forking_thread, after_in_child=_child_dies_with_parent)
         _fork_state["hooked"] = True
@@ -79,24 +84,20 @@ def ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _helper_of(parent: int) -> None:
-    """Initializer of a spawned helper (no fork hook runs there): dies with ``parent``, ignores stop signals."""
-    die_with_parent(parent, kernel_signal=True)
-    ignore_stop_signals()
-
-
 def checkpoint_writer_queue_dies_with_us() -> None:
     """Start the queue server megatron's checkpoint writers report to, armed to die with this process.
 
-    megatron creates it lazily with a *spawned* ``Manager`` (fork hooks do not run there), which
-    outlives a killed rank and dies from a SIGTERM to the rank's process group (the next save then
-    fails with a broken pipe); creating it first, with the parent watch and the stop signals
-    ignored, closes both gaps. megatron gets it through the compat patch ``async-save-results-queue``.
+    megatron creates it lazily with a *spawned* ``Manager``, which outlives a killed rank, dies from a
+    SIGTERM to the rank's process group (the next save then fails with a broken pipe), and re-imports
+    the entry script and torch (~3.5 CPU s a rank). dfm's is *forked*, before the rank touches its
+    device: the fork hook arms it to die with the rank and to ignore the stop signals. megatron gets it
+    through the compat patch ``async-save-results-queue``.
     """
     if _writer_queue:
         return
-    manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=_helper_of, initargs=(os.getpid(),))
+    forked_children_die_with_us()
+    manager = multiprocessing.managers.SyncManager(ctx=multiprocessing.get_context("fork"))
+    manager.start()
     _writer_queue.update(manager=manager, queue=manager.Queue())
 
 
