@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.training.entry import assert_loss_falls, read_metrics, run_entry
+from tests.training.entry import assert_loss_falls, read_metrics, run_entry, run_in_one_launch
 
 
 @pytest.fixture
@@ -15,11 +15,18 @@ def dataset(example_dataset):
     return example_dataset
 
 
-def train(dataset_dir: Path, log_dir: Path, overrides: list[str], nproc: int = 1) -> dict[int, float]:
-    data = [f"dataset.path={dataset_dir}", "dataset.num_workers=0", "dataset.seq_length=512"]
-    result = run_entry(nproc, [*data, f"logger.log_dir={log_dir}", *overrides], mock=False)
-    assert result.returncode == 0, result.stderr[-4000:]
+def data_overrides(dataset_dir: Path) -> list[str]:
+    return [f"dataset.path={dataset_dir}", "dataset.num_workers=0", "dataset.seq_length=512"]
+
+
+def losses(log_dir: Path) -> dict[int, float]:
     return {r["iteration"]: r["loss"] for r in read_metrics(log_dir)}
+
+
+def train(dataset_dir: Path, log_dir: Path, overrides: list[str], nproc: int = 1) -> dict[int, float]:
+    result = run_entry(nproc, [*data_overrides(dataset_dir), f"logger.log_dir={log_dir}", *overrides], mock=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return losses(log_dir)
 
 
 @pytest.mark.slow
@@ -43,18 +50,11 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_exact_resume_on_energon_data(dataset, tmp_path, layout):
     nproc, overrides = LAYOUTS[layout]
-    save = tmp_path / "ckpt"
-    straight = train(
-        dataset.dataset_dir,
-        tmp_path / "a",
-        [*overrides, "train.train_iters=10", f"checkpoint.save={save}", "checkpoint.save_interval=5"],
-        nproc,
-    )
-    resumed = train(
-        dataset.dataset_dir,
-        tmp_path / "b",
-        [*overrides, "train.train_iters=10", f"checkpoint.load={save}/iter_0000005"],
-        nproc,
-    )
+    save, a, b = tmp_path / "ckpt", tmp_path / "a", tmp_path / "b"
+    first = [f"logger.log_dir={a}", f"checkpoint.save={save}", "checkpoint.save_interval=5"]
+    then = [f"logger.log_dir={b}", f"checkpoint.load={save}/iter_0000005"]
+    common = [*data_overrides(dataset.dataset_dir), *overrides, "train.train_iters=10"]
+    run_in_one_launch(nproc, [[*common, *first], [*common, *then]], tmp_path / "launch", mock=False)
+    straight, resumed = losses(a), losses(b)
     assert sorted(resumed) == [6, 7, 8, 9, 10]
     assert all(resumed[i] == straight[i] for i in resumed), (straight, resumed)  # bitwise on CPU

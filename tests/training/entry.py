@@ -113,6 +113,16 @@ def run_entries(
     return [Path(run["status"]).read_text() for run in runs]
 
 
+def run_in_one_launch(nproc: int, runs: list[list[str]], folder: Path, config: Path = TINY, mock: bool = True) -> None:
+    """Each of ``runs`` (the entry point's overrides) in turn in one launch of ``nproc`` processes
+    (``run_entries``): a straight run and its resumption pay the start-up of Python and megatron-core
+    (~8 CPU s a process) once. Fresh-process resumes are the fault tests' (tests/faults)."""
+    argv = ["--config-file", str(config), *(["--mock"] if mock else [])]
+    statuses = run_entries(nproc, [{"argv": [*argv, *overrides], "weights": None} for overrides in runs], folder)
+    for overrides, status in zip(runs, statuses):
+        assert status == "ok", f"{overrides}:\n{status[-6000:]}"
+
+
 def kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)

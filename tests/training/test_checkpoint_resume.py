@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from entry import FAULT_ENTRY, read_metrics, run_entry
+from entry import FAULT_ENTRY, read_metrics, run_entry, run_in_one_launch
 
 DP2 = ["ddp.use_distributed_optimizer=true", "dataset.mock_samples_per_pack=2"]
 TP2_PP2 = ["model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2"]
@@ -30,18 +30,11 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
 
 def straight_and_resumed(tmp: Path, nproc: int, layout: list[str]) -> tuple[dict, dict]:
     """10 iterations straight (saving at 5), then 5 more resumed from the iteration-5 checkpoint."""
-    save = tmp / "ckpt"
-    result, straight = train(
-        tmp,
-        "straight",
-        nproc,
-        [*layout, "train.train_iters=10", f"checkpoint.save={save}", "checkpoint.save_interval=5"],
-    )
-    assert_ok(result)
-    result, resumed = train(
-        tmp, "resumed", nproc, [*layout, "train.train_iters=10", f"checkpoint.load={save}/iter_0000005"]
-    )
-    assert_ok(result)
+    save, straight, resumed = tmp / "ckpt", tmp / "straight", tmp / "resumed"
+    first = [f"logger.log_dir={straight}", f"checkpoint.save={save}", "checkpoint.save_interval=5"]
+    then = [f"logger.log_dir={resumed}", f"checkpoint.load={save}/iter_0000005"]
+    iters = "train.train_iters=10"
+    run_in_one_launch(nproc, [[*layout, iters, *first], [*layout, iters, *then]], tmp / "launch")
     return losses(straight), losses(resumed)
 
 
@@ -66,26 +59,11 @@ def test_exact_resume_tp2_pp2(tmp_path):
 
 @pytest.mark.slow
 def test_tp2_checkpoint_loads_into_tp1_pp2(tmp_path):
-    save = tmp_path / "ckpt"
-    result, tp2 = train(
-        tmp_path,
-        "tp2",
-        2,
-        [
-            "model.tensor_model_parallel_size=2",
-            "train.train_iters=3",
-            f"checkpoint.save={save}",
-            "checkpoint.save_interval=2",
-        ],
-    )
-    assert_ok(result)
-    result, pp2 = train(
-        tmp_path,
-        "pp2",
-        2,
-        ["model.pipeline_model_parallel_size=2", "train.train_iters=3", f"checkpoint.load={save}/iter_0000002"],
-    )
-    assert_ok(result)
+    save, tp2, pp2 = tmp_path / "ckpt", tmp_path / "tp2", tmp_path / "pp2"
+    first = ["model.tensor_model_parallel_size=2", f"checkpoint.save={save}", "checkpoint.save_interval=2"]
+    then = ["model.pipeline_model_parallel_size=2", f"checkpoint.load={save}/iter_0000002"]
+    runs = [[*first, f"logger.log_dir={tp2}"], [*then, f"logger.log_dir={pp2}"]]
+    run_in_one_launch(2, [[*run, "train.train_iters=3"] for run in runs], tmp_path / "launch")
     assert losses(pp2)[3] == pytest.approx(losses(tp2)[3], rel=1e-5)
 
 

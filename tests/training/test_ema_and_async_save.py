@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from entry import read_metrics, run_entry
+from entry import read_metrics, run_entry, run_in_one_launch
 
 from dfm.inference.checkpoint_loading import checkpoint_config, load_model, single_process_config
 from dfm.models.build import build_model_chunk
@@ -65,25 +65,16 @@ def ema_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_async_save_resume_is_exact_with_ema(tmp_path):
-    save = tmp_path / "ckpt"
-    async_save = ["checkpoint.async_save=true", f"checkpoint.save={save}", "checkpoint.save_interval=3"]
-    straight = train(tmp_path, "straight", 2, [*DP2, "train.train_iters=6", *async_save])
+    save, resumed_save, straight, resumed = (
+        tmp_path / name for name in ("ckpt", "resumed_ckpt", "straight", "resumed")
+    )
+    async_save = ["checkpoint.async_save=true", "checkpoint.save_interval=3"]
+    first = [f"logger.log_dir={straight}", f"checkpoint.save={save}"]
+    then = [f"logger.log_dir={resumed}", f"checkpoint.load={save}/iter_0000003", f"checkpoint.save={resumed_save}"]
+    common = [*DP2, "train.train_iters=6", *async_save]
+    run_in_one_launch(2, [[*common, *first], [*common, *then]], tmp_path / "launch")
     assert (save / "latest").read_text().strip() == "6"
     assert (save / "iter_0000003" / "metadata.json").exists()
-
-    resumed_save = tmp_path / "resumed_ckpt"
-    resumed = train(
-        tmp_path,
-        "resumed",
-        2,
-        [
-            *DP2,
-            "train.train_iters=6",
-            f"checkpoint.load={save}/iter_0000003",
-            "checkpoint.async_save=true",
-            f"checkpoint.save={resumed_save}",
-        ],
-    )
     straight_losses = losses(straight)
     assert losses(resumed) == {i: straight_losses[i] for i in (4, 5, 6)}  # bitwise on CPU
     expected, got = ema_weights(save / "iter_0000006"), ema_weights(resumed_save / "iter_0000006")
