@@ -19,7 +19,7 @@ import torch
 from dfm.convert.pretrained import read_full_weights
 from dfm.convert.rules import to_dfm
 from dfm.convert.wan import rules
-from tests.training.entry import read_metrics, run_entry
+from tests.training.entry import read_metrics, run_entry, run_in_one_launch
 from tests.wan.test_wan22_experts import BOUNDARY, TINY_TEXT, WAN_TINY, experts, run_cli
 
 ITERS = 8
@@ -37,8 +37,8 @@ def imported(tmp_path_factory):
     return folder.parent / "ckpt"
 
 
-def finetune(nproc: int, run, pretrained, expert: str, extra=()) -> list[dict]:
-    overrides = [
+def finetune_overrides(run, pretrained, expert: str, extra=()) -> list[str]:
+    return [
         f"checkpoint.pretrained={pretrained}",
         f"model.wan_expert={expert}",
         f"model.wan_boundary_ratio={BOUNDARY}",
@@ -48,7 +48,10 @@ def finetune(nproc: int, run, pretrained, expert: str, extra=()) -> list[dict]:
         *TINY_TEXT,
         *extra,
     ]
-    result = run_entry(nproc, overrides, config=WAN_TINY, mock=True)
+
+
+def finetune(nproc: int, run, pretrained, expert: str, extra=()) -> list[dict]:
+    result = run_entry(nproc, finetune_overrides(run, pretrained, expert, extra), config=WAN_TINY, mock=True)
     assert result.returncode == 0, result.stderr[-4000:]
     return read_metrics(run / "logs")
 
@@ -76,10 +79,12 @@ def test_both_experts_finetune_at_tp2_and_dp2_like_one_process_and_export_to_wan
     save = [f"checkpoint.save={run / 'checkpoints'}", f"checkpoint.save_interval={ITERS}"]
     shift = ["flow.shift=5"]  # Wan's: about a third of the samples are the high-noise expert's (t >= 0.875)
     layout = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
-    tp2 = finetune(2, run, imported, "both", layout + save + shift)
     # DP=2, the distributed optimizer, overlapped reduction: the ranks' packs route differently.
     sharded = ["ddp.use_distributed_optimizer=true", "ddp.overlap_grad_reduce=true"]
-    dp2 = finetune(2, tmp_path / "dp2", imported, "both", sharded + shift)
+    runs = [finetune_overrides(run, imported, "both", layout + save + shift)]
+    runs.append(finetune_overrides(tmp_path / "dp2", imported, "both", sharded + shift))
+    run_in_one_launch(2, runs, tmp_path / "launch", config=WAN_TINY)  # the two 2-rank runs
+    tp2, dp2 = read_metrics(run / "logs"), read_metrics(tmp_path / "dp2" / "logs")
     one = finetune(1, tmp_path / "tp1", imported, "both", shift)
     losses = [m["loss"] for m in tp2]
     assert len(losses) == ITERS and falling(losses), losses
