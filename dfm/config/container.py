@@ -182,6 +182,9 @@ class DatasetConfig:
     # __module__ other than megatron.energon): trusted data only. False: such metadata is refused.
     allow_code: bool = False
     num_workers: int = 2
+    # MiB of decoded, checked samples each loader worker keeps (0: none): small datasets trained for many
+    # epochs skip decoding their parts again (dfm/data/energon/cooked_cache.py).
+    cooked_cache_mib: int = 0
     mock_image_fraction: float = 0.5
     # Latent sizes: images [H, W], videos [T, H, W].
     mock_image_sizes: list[list[int]] = field(default_factory=lambda: [[16, 16], [32, 32], [16, 32]])

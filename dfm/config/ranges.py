@@ -116,6 +116,7 @@ RANGES: dict[str, Range] = {
     "dataset.seq_length": COUNT,
     "dataset.packing_buffer_size": OPTIONAL_COUNT,
     "dataset.num_workers": NON_NEGATIVE,
+    "dataset.cooked_cache_mib": NON_NEGATIVE,
     "dataset.mock_image_fraction": PROBABILITY,
     "dataset.mock_samples_per_pack": OPTIONAL_COUNT,
     "dataset.cfg_dropout_prob": PROBABILITY,

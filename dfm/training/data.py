@@ -80,6 +80,7 @@ def energon_settings(cfg: ConfigContainer, layout: ParallelLayout):
         skip_bad_samples=d.skip_bad_samples,
         allow_pickle=d.allow_pickle,
         allow_code=d.allow_code,
+        cooked_cache_mib=d.cooked_cache_mib,
     )
 
 

@@ -46,6 +46,7 @@ class EnergonDataSettings:
     allow_pickle: bool = False  # True: '.pickle' parts through full pickle (trusted data only)
     allow_code: bool = False  # True: the metadata may name Python for energon to run (trusted data only)
     prefetch_factor: int = 2
+    cooked_cache_mib: int = 0  # decoded samples kept per worker (cooked_cache.py); 0: none
     extra_worker_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -75,9 +76,17 @@ def build_train_dataset(settings: EnergonDataSettings, dp_rank: int, dp_size: in
         packing_buffer_size=settings.packing_buffer_size,
         shuffle_buffer_size=settings.shuffle_buffer_size,
         max_samples_per_sequence=settings.max_samples_per_sequence,
-        task_encoder=DiffusionTaskEncoder(
-            settings.packing, bad_samples, settings.allow_pickle, max_too_long_fraction=TOO_LONG_MAX_FRACTION
-        ),
+        task_encoder=task_encoder(settings, bad_samples),
+    )
+
+
+def task_encoder(settings: EnergonDataSettings, bad_samples: BadSampleLog) -> DiffusionTaskEncoder:
+    return DiffusionTaskEncoder(
+        settings.packing,
+        bad_samples,
+        settings.allow_pickle,
+        max_too_long_fraction=TOO_LONG_MAX_FRACTION,
+        cooked_cache_bytes=settings.cooked_cache_mib << 20,
     )
 
 
@@ -155,9 +164,7 @@ def build_val_loader(settings: EnergonDataSettings, dp_rank: int, dp_size: int):
         batch_size=1,
         packing_buffer_size=settings.packing_buffer_size,
         limit=settings.val_limit,
-        task_encoder=DiffusionTaskEncoder(
-            settings.packing, bad_samples, settings.allow_pickle, max_too_long_fraction=TOO_LONG_MAX_FRACTION
-        ),
+        task_encoder=task_encoder(settings, bad_samples),
     )
     return get_loader(dataset, prefetch_factor=settings.prefetch_factor)
 

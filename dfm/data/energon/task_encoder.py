@@ -19,6 +19,7 @@ from typing import Any
 from megatron.energon import TaskEncoder, WorkerConfig, stateless
 
 from dfm.data.energon.bad_samples import BadSampleLog, DataSettingError
+from dfm.data.energon.cooked_cache import CookedSampleCache
 from dfm.data.energon.cooker import BadSampleError, CookedDiffusionSample, diffusion_cookers, source_description
 from dfm.data.energon.part_decoding import decode_parts
 from dfm.data.energon.sample_checks import check_cooked_sample
@@ -143,8 +144,10 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
         bad_samples: BadSampleLog | None = None,
         allow_pickle: bool = False,
         max_too_long_fraction: float | None = None,
+        cooked_cache_bytes: int = 0,
     ) -> None:
         self.settings = settings
+        self.cooked = CookedSampleCache(cooked_cache_bytes)  # per worker process (cooked_cache.py)
         # None: samples longer than seq_length are skipped however many; a fraction: more stops the run
         self.max_too_long_fraction = max_too_long_fraction
         self.allow_pickle = allow_pickle  # dataset.allow_pickle: full pickle for '.pickle' parts (trusted data)
@@ -157,13 +160,17 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
 
     @stateless
     def cook_crude_sample(self, sample, cooker, aux) -> CookedDiffusionSample:
+        cooked = self.cooked.get(sample)
+        if cooked is not None:
+            return cooked
         try:
-            sample = decode_parts(sample, self.allow_pickle)
-            cooked = super().cook_crude_sample(sample, cooker, aux)
+            decoded = decode_parts(sample, self.allow_pickle)
+            cooked = super().cook_crude_sample(decoded, cooker, aux)
             s = self.settings
             check_cooked_sample(cooked, s.in_channels, s.text_embed_dim, s.pooled_text_dim)
         except BadSampleError as error:
             self.bad_samples.reject(error)
+        self.cooked.put(sample, cooked)
         return cooked
 
     def global_sample_index(self) -> int:
