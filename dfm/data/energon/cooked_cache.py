@@ -42,8 +42,10 @@ class CookedSampleCache:
         return dataclasses.replace(hit, __restore_key__=crude.get("__restore_key__"))
 
     def put(self, crude: dict[str, Any], cooked: CookedDiffusionSample) -> None:
+        if not self.limit_bytes:  # off (the default): nothing to size on the loader's hot path
+            return
         size = tensor_bytes(cooked)
-        if self.limit_bytes and self.held_bytes + size <= self.limit_bytes:
+        if self.held_bytes + size <= self.limit_bytes:
             # A copy of the fields: energon rewrites the restore key of the sample it is handed.
             self.samples[describe_source(crude)] = dataclasses.replace(cooked)
             self.held_bytes += size
