@@ -1,5 +1,5 @@
 """dfm: diffusion transformers on megatron-core, from one CPU to many GPUs."""
 
-from dfm.platform.import_cost import defer_megatron_compile
+from dfm.platform.import_cost import defer_start_up_imports
 
-defer_megatron_compile()  # before anything imports megatron-core: see dfm/platform/import_cost.py
+defer_start_up_imports()  # before anything imports megatron-core: see dfm/platform/import_cost.py

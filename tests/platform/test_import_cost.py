@@ -1,14 +1,24 @@
-"""Importing dfm's trainer does not import torch.compile's machinery: megatron-core's fusions are
-compiled on their first call instead of at import (dfm/platform/import_cost.py)."""
+"""Importing dfm's trainer does not import torch.compile's machinery nor run wandb's code: megatron-core's
+fusions are compiled on their first call, wandb runs on its first use (dfm/platform/import_cost.py)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from dfm.platform.import_cost import compile_on_first_call
+
+WANDB_PROBE = """
+import sys
+import dfm.training.pretrain
+import megatron.core.timers
+print('wandb.sdk' in sys.modules, type(sys.modules['wandb']).__name__)
+{first_use}
+print('wandb.sdk' in sys.modules, type(sys.modules['wandb']).__name__, megatron.core.timers.wandb.Image.__name__)
+"""
 
 PROBE = """
 import sys
@@ -20,8 +30,20 @@ print('torch._dynamo' in sys.modules, megatron.core.jit.jit_fuser.__name__, bias
 
 
 def test_the_trainer_imports_without_dynamo_and_megatron_fusions_compile_later():
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, check=True)
-    assert done.stdout.split() == ["False", "compile_on_first_call", "bias_geglu"]
+    assert probe(PROBE) == ["False", "compile_on_first_call", "bias_geglu"]
+
+
+def probe(code: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return done.stdout.split()
+
+
+@pytest.mark.parametrize("first_use", ["import wandb; wandb.init", "import wandb.sdk"])
+def test_wandb_runs_on_first_use_whichever_way_it_comes(first_use):
+    """megatron-core's ``import wandb`` leaves wandb's code unrun; its first attribute, or a submodule
+    imported first, runs it, and megatron's own reference to wandb is then the loaded module."""
+    before_and_after = probe(WANDB_PROBE.format(first_use=first_use))
+    assert before_and_after == ["False", "_RunsOnFirstUse", "True", "module", "Image"]
 
 
 def test_the_deferred_decorator_compiles_once_on_the_first_call(monkeypatch):
