@@ -1,12 +1,18 @@
-"""Freed host memory goes back to the system at once (glibc): CPU runs' peak RSS is their live tensors.
+"""Host memory on CPU runs: large tensors go back to the system when freed, small ones are reused.
 
 glibc's malloc serves a request from its heap unless it is at least ``M_MMAP_THRESHOLD`` bytes, and
 it raises that threshold to the size of every mmapped block freed (up to 32 MiB). After the first
 large tensor is freed, tensors of up to 32 MiB (a transformer block's weights or gradients) come from
 the heap, where freed ones stay mapped and fragment it: measured 0.2-0.35 GiB kept per rank of a
-0.11B-parameter run, more than a block's weights. A fixed threshold of 128 KiB (glibc's starting
-value) keeps every tensor from 128 KiB on in its own mapping, unmapped when freed. CUDA memory is
-torch's caching allocator's and unaffected; small host objects stay on the heap as before.
+0.11B-parameter run, more than a block's weights. So the threshold is fixed: a tensor from 4 MiB on
+is its own mapping, unmapped when freed.
+
+Below that size a mapping per tensor costs more than it saves: every new mapping is zero pages that
+fault in on first touch, and a step of a small model allocates thousands of activations of 0.1-4 MiB
+(fixed at 128 KiB, the digits-video rung's steps were 1.6-1.9x slower, 2026-11-28). Those come from
+the heap, and ``M_TRIM_THRESHOLD`` keeps up to 64 MiB of freed heap mapped for the next step instead
+of handing it back after every free (glibc's default once the threshold is fixed: 128 KiB). CUDA
+memory is torch's caching allocator's and unaffected.
 """
 
 from __future__ import annotations
@@ -18,23 +24,26 @@ import os
 
 logger = logging.getLogger(__name__)
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-MMAP_THRESHOLD_BYTES = 128 << 10
-USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (malloc.h)
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 4 << 20
+TRIM_THRESHOLD_BYTES = 64 << 20
+USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
 
 
-def return_freed_memory_promptly(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Fix glibc's mmap threshold at ``threshold`` bytes for this process; True if it was set.
+def return_freed_memory_promptly(threshold: int = MMAP_THRESHOLD_BYTES, kept: int = TRIM_THRESHOLD_BYTES) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes and its trim threshold at ``kept`` bytes for
+    this process; True if they were set.
 
-    A no-op (False) without glibc, or when the user set the threshold (``MALLOC_MMAP_THRESHOLD_``,
-    ``GLIBC_TUNABLES``) themselves.
+    A no-op (False) without glibc, or when the user set malloc's thresholds (``MALLOC_MMAP_THRESHOLD_``,
+    ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``) themselves.
     """
     if any(os.environ.get(name) for name in USER_SETTINGS):
         return False
     libc = _glibc()
     if libc is None:
         return False
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, kept))
 
 
 def _glibc():
