@@ -8,8 +8,9 @@ that, right after ``megatron.core.jit`` runs, swaps ``jit_fuser`` for a decorato
 ``torch.compile`` on the function's first call: the same compiled function, later.
 
 megatron-core also imports wandb (its timers and inference context, ~1 s of CPU) whether or not a
-run logs to W&B. The same hook gives ``import wandb`` a module whose code runs on its first attribute
-access (``wandb.init`` when ``logger.wandb_project`` is set). ``importlib.util.LazyLoader`` cannot
+run logs to W&B, and multistorageclient (~0.4 s) for object-store checkpoints. The same hook gives
+``import wandb`` a module whose code runs on its first attribute access (``wandb.init`` when
+``logger.wandb_project`` is set); likewise multistorageclient (energon's paths use it at once). ``importlib.util.LazyLoader`` cannot
 serve: on Python 3.11 a second ``import wandb`` reads the module's ``__spec__``, which loads it.
 
 Nothing changes for a module imported before dfm (the hook never sees it).
@@ -27,7 +28,7 @@ from types import ModuleType
 from typing import Any
 
 JIT_MODULE = "megatron.core.jit"
-RUN_ON_FIRST_USE = ("wandb",)
+RUN_ON_FIRST_USE = ("wandb", "multistorageclient")
 
 
 def compile_on_first_call(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -16,6 +16,7 @@ import sys
 import dfm.training.pretrain
 import megatron.core.timers
 print('wandb.sdk' in sys.modules, type(sys.modules['wandb']).__name__)
+assert type(sys.modules['multistorageclient']).__name__ == '_RunsOnFirstUse'
 {first_use}
 print('wandb.sdk' in sys.modules, type(sys.modules['wandb']).__name__, megatron.core.timers.wandb.Image.__name__)
 """
