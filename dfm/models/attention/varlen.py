@@ -103,12 +103,16 @@ def torch_varlen_attn(query: Tensor, key: Tensor, value: Tensor, segments: Varle
 
 
 def varlen_available(device: torch.device | str) -> bool:
-    """Whether this torch has the variable-length flash kernel and ``device`` is a CUDA device to run it."""
+    """Whether this torch has the variable-length flash kernel and ``device`` is a CUDA device to run it.
+
+    The device first: torch's varlen module imports dynamo (~2 s of CPU), which a CPU rank never needs."""
+    if torch.device(device).type != "cuda":
+        return False
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
     except ImportError:
         return False
-    return torch.device(device).type == "cuda"
+    return True
 
 
 def varlen_document_attention(
