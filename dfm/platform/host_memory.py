@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import os
-
-logger = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3

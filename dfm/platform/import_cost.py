@@ -10,8 +10,9 @@ that, right after ``megatron.core.jit`` runs, swaps ``jit_fuser`` for a decorato
 megatron-core also imports wandb (its timers and inference context, ~1 s of CPU) whether or not a
 run logs to W&B, and multistorageclient (~0.4 s) for object-store checkpoints. The same hook gives
 ``import wandb`` a module whose code runs on its first attribute access (``wandb.init`` when
-``logger.wandb_project`` is set); likewise multistorageclient (energon's paths use it at once). ``importlib.util.LazyLoader`` cannot
-serve: on Python 3.11 a second ``import wandb`` reads the module's ``__spec__``, which loads it.
+``logger.wandb_project`` is set); likewise multistorageclient (energon's paths use it at once).
+``importlib.util.LazyLoader`` cannot serve: on Python 3.11 a second ``import wandb`` reads the
+module's ``__spec__``, which loads it.
 
 Nothing changes for a module imported before dfm (the hook never sees it).
 """

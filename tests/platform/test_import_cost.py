@@ -30,13 +30,13 @@ print('torch._dynamo' in sys.modules, megatron.core.jit.jit_fuser.__name__, bias
 """
 
 
-def test_the_trainer_imports_without_dynamo_and_megatron_fusions_compile_later():
-    assert probe(PROBE) == ["False", "compile_on_first_call", "bias_geglu"]
-
-
 def probe(code: str) -> list[str]:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     return done.stdout.split()
+
+
+def test_the_trainer_imports_without_dynamo_and_megatron_fusions_compile_later():
+    assert probe(PROBE) == ["False", "compile_on_first_call", "bias_geglu"]
 
 
 @pytest.mark.parametrize("first_use", ["import wandb; wandb.init", "import wandb.sdk"])
@@ -56,10 +56,10 @@ def test_the_deferred_decorator_compiles_once_on_the_first_call(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", fake_compile)
 
-    def double_plus_one(x):
+    def plus_one(x):
         return x + 1
 
-    deferred = compile_on_first_call(double_plus_one)
-    assert compiled == [] and deferred.__wrapped__ is double_plus_one
+    deferred = compile_on_first_call(plus_one)
+    assert compiled == [] and deferred.__wrapped__ is plus_one
     assert deferred(1) == 4 and deferred(2) == 6
-    assert compiled == [double_plus_one]
+    assert compiled == [plus_one]
