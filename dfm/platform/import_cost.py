@@ -14,6 +14,9 @@ run logs to W&B, and multistorageclient (~0.4 s) for object-store checkpoints. T
 ``importlib.util.LazyLoader`` cannot serve: on Python 3.11 a second ``import wandb`` reads the
 module's ``__spec__``, which loads it.
 
+boto3 comes the same way: megatron's timers import TensorBoard, whose file layer imports boto3 for
+``s3://`` paths (~0.35 s: s3transfer, urllib3); it runs when an S3 path is first opened.
+
 Nothing changes for a module imported before dfm (the hook never sees it).
 """
 
@@ -29,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 JIT_MODULE = "megatron.core.jit"
-RUN_ON_FIRST_USE = ("wandb", "multistorageclient")
+RUN_ON_FIRST_USE = ("wandb", "multistorageclient", "boto3")
 
 
 def compile_on_first_call(function: Callable[..., Any]) -> Callable[..., Any]:

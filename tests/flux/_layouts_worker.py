@@ -7,6 +7,9 @@ builds its shard of the model, runs the pack and saves {layout: max abs diff} to
 OUT_DIR/rank<R>.json (None: no output on this rank).
 """
 
+import dfm  # noqa: F401  before megatron: dfm defers megatron-core's start-up imports (import_cost.py)
+
+# isort: split
 import json
 import sys
 from pathlib import Path

@@ -8,6 +8,9 @@ starts sharding and the sizes the bound is made of to OUT_DIR/rank<R>.pt; the FS
 how far its gathered rows are from the same model built in one piece (0: bit-identical).
 """
 
+import dfm  # noqa: F401  before megatron: dfm defers megatron-core's start-up imports (import_cost.py)
+
+# isort: split
 import sys
 import weakref
 from pathlib import Path

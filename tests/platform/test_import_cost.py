@@ -1,10 +1,13 @@
-"""Importing dfm's trainer does not import torch.compile's machinery nor run wandb's code: megatron-core's
-fusions are compiled on their first call, wandb runs on its first use (dfm/platform/import_cost.py)."""
+"""Importing dfm's trainer does not import torch.compile's machinery nor run wandb's or boto3's code:
+megatron-core's fusions are compiled on their first call, wandb and boto3 run on their first use
+(dfm/platform/import_cost.py)."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +48,47 @@ def test_wandb_runs_on_first_use_whichever_way_it_comes(first_use):
     imported first, runs it, and megatron's own reference to wandb is then the loaded module."""
     before_and_after = probe(WANDB_PROBE.format(first_use=first_use))
     assert before_and_after == ["False", "_RunsOnFirstUse", "True", "module", "Image"]
+
+
+BOTO3_PROBE = """
+import sys
+import dfm.training.pretrain
+from tensorboard.compat.tensorflow_stub.io import gfile
+print(type(sys.modules['boto3']).__name__, 's3transfer' in sys.modules, gfile.S3_ENABLED)
+print(gfile.boto3.client.__name__, 's3transfer' in sys.modules)
+"""
+
+
+def test_boto3_runs_when_tensorboard_first_opens_an_s3_path():
+    """TensorBoard (imported by megatron's timers) still sees S3 support; boto3's code runs on first use."""
+    assert probe(BOTO3_PROBE) == ["_RunsOnFirstUse", "False", "True", "client", "True"]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def top_level_imports(path: Path) -> list[str]:
+    """The top-level packages a script imports, in order."""
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names += [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module.split(".")[0])
+    return names
+
+
+def test_every_script_imports_dfm_before_megatron():
+    """A script (a worker, an entry point) that imports megatron before dfm pays megatron's start-up
+    imports in every process it runs as (~2 s each: the hook is installed by ``import dfm``)."""
+    late = []
+    for path in sorted(ROOT.glob("[!.]*/**/*.py")):
+        if "__main__" not in path.read_text() or path.parts[len(ROOT.parts)] == "dfm":
+            continue
+        names = top_level_imports(path)
+        if "megatron" in names and names.index("megatron") < (names.index("dfm") if "dfm" in names else len(names)):
+            late.append(str(path.relative_to(ROOT)))
+    assert late == []
 
 
 def test_the_deferred_decorator_compiles_once_on_the_first_call(monkeypatch):
