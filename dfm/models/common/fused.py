@@ -46,9 +46,16 @@ def swiglu(y: Tensor) -> Tensor:
 
 def swiglu_grad(grad: Tensor, y: Tensor) -> Tensor:
     """d swiglu(y) given grad [..., f] of its output -> [..., 2f]; silu recomputed from y. SiLU's own
-    backward kernel for the gate half: five passes over [..., f] in all, not eleven."""
+    backward kernel for the gate half, both halves written in place into one output: four passes over
+    [..., f], no temporary and no concatenation (a copy of [..., 2f])."""
     y1, y2 = y.chunk(2, dim=-1)
-    return torch.cat((torch.ops.aten.silu_backward(grad * y2, y1), grad * F.silu(y1)), dim=-1)
+    d_y = torch.empty_like(y, memory_format=torch.contiguous_format)
+    d_gate, d_up = d_y.chunk(2, dim=-1)
+    torch.mul(grad, y2, out=d_up)  # scratch: the gate's incoming grad, overwritten below
+    torch.ops.aten.silu_backward.grad_input(d_up, y1, grad_input=d_gate)
+    torch.ops.aten.silu.out(y1, out=d_up)
+    d_up.mul_(grad)
+    return d_y
 
 
 @dataclass(frozen=True)
