@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 from dfm.data.encoders import T5TextEncoder, VideoVAE, build_tiny_random_encoders, is_tiny_random
 from dfm.data.prepare.buckets import RESOLUTION_PRESETS, ResolutionPolicy, budget_bucket, resize_center_crop
 from dfm.data.prepare.captions import CaptionLookup
-from dfm.data.prepare.media import usable_frame_count
+from dfm.data.prepare.media import read_video, usable_frame_count
 from dfm.data.prepare.shards import AtomicShardWriter, encode_sample_parts
 
 RECIPES = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recipes" / "dit"
@@ -49,6 +51,24 @@ def test_resize_center_crop_shape_and_range():
 
 def test_usable_frame_count_matches_wan_compression():
     assert [usable_frame_count(n, 17, 4) for n in (1, 4, 5, 12, 40)] == [1, 1, 5, 9, 17]
+
+
+def test_read_video_takes_every_stride_th_frame_and_names_an_undecodable_file(tmp_path):
+    from imageio_ffmpeg import get_ffmpeg_exe
+
+    levels = np.arange(9, dtype=np.uint8) * 25  # frame i is grey level 25 i
+    grey = np.repeat(levels, 12 * 20).reshape(9, 12, 20)
+    path = tmp_path / "steps.mp4"
+    command = [get_ffmpeg_exe(), "-v", "error", "-f", "rawvideo", "-pix_fmt", "gray", "-s", "20x12", "-r", "10"]
+    subprocess.run([*command, "-i", "-", "-c:v", "libx264", "-qp", "0", str(path)], input=grey.tobytes(), check=True)
+    item = read_video(path, num_frames=4, frame_stride=2, temporal_compression=1)
+    assert item.frames.shape == (4, 12, 20, 3) and item.frames.dtype == np.uint8
+    assert np.abs(item.frames.astype(int) - levels[[0, 2, 4, 6], None, None, None]).max() <= 1  # lossless in YUV
+    assert (item.fps, item.source_frames) == (5.0, -1)
+    assert read_video(path, num_frames=8, frame_stride=1, temporal_compression=4).frames.shape[0] == 5  # 1 + 4k
+    (tmp_path / "broken.mp4").write_bytes(b"not a video" * 20)
+    with pytest.raises(ValueError, match="broken.mp4: no decodable frames .*Invalid data"):
+        read_video(tmp_path / "broken.mp4", 4, 1, 1)
 
 
 def test_caption_formats_and_fallback(tmp_path):

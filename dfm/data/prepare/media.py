@@ -1,12 +1,17 @@
-"""Finding and reading local media: images (Pillow) and videos (imageio-ffmpeg)."""
+"""Finding and reading local media: images (Pillow) and videos (imageio-ffmpeg's ffmpeg binary)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
-import imageio.v2 as imageio
 import numpy as np
+from imageio_ffmpeg import get_ffmpeg_exe
 from PIL import Image
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp"})
@@ -18,7 +23,7 @@ class MediaItem:
     path: Path
     frames: np.ndarray  # [T, H, W, 3] uint8; images have T=1
     fps: float | None  # None for images; frames per second after the stride
-    source_frames: int  # frames in the source file (1 for images; -1 if the container does not say)
+    source_frames: int  # frames in the source file: 1 for images, -1 for videos (counting them means decoding all)
 
     @property
     def is_video(self) -> bool:
@@ -61,28 +66,46 @@ def usable_frame_count(available: int, wanted: int, temporal_compression: int) -
     return n - (n - 1) % temporal_compression if n >= 1 else 0
 
 
+def ffmpeg_fps(log: str) -> float:
+    """The first video stream's frame rate in ffmpeg's log ("Stream #0:0...: Video: ..., 8 fps, ..."), read as
+    imageio reads it; 0 when that line gives none."""
+    line = next((line for line in log.splitlines() if line.lstrip().startswith("Stream ") and " Video: " in line), "")
+    match = re.search(r" ([0-9]+\.?[0-9]*) fps", line)
+    return float(match[1]) if match else 0.0
+
+
+def ppm_frames(stream: BinaryIO) -> Iterator[np.ndarray]:
+    """Frames [H, W, 3] uint8 of ffmpeg's ``-c:v ppm -f image2pipe`` output, each "P6\\n<W> <H>\\n255\\n" + pixels."""
+    while stream.readline() == b"P6\n":
+        width, height = map(int, stream.readline().split())
+        stream.readline()  # the maximum value: 255 for rgb24
+        pixels = stream.read(width * height * 3)
+        if len(pixels) < width * height * 3:
+            return  # cut short: ffmpeg failed, its log says why
+        yield np.frombuffer(pixels, np.uint8).reshape(height, width, 3)
+
+
 def read_video(path: Path, num_frames: int, frame_stride: int, temporal_compression: int) -> MediaItem:
-    """Up to ``num_frames`` frames taken every ``frame_stride``; the count is cut to 1 + k * temporal_compression."""
-    with imageio.get_reader(path, format="ffmpeg") as reader:
-        meta = reader.get_meta_data()
-        frames = []
-        for i, frame in enumerate(reader):
-            if i % frame_stride == 0:
-                frames.append(np.asarray(frame)[..., :3])
-                if len(frames) == num_frames:
-                    break
+    """Frames [T, H, W, 3] uint8 RGB: up to ``num_frames`` taken every ``frame_stride``, T cut to 1 + k *
+    temporal_compression; ``fps`` is the file's divided by the stride. One ffmpeg run, started directly
+    (imageio's reader forks this whole process first, which costs more CPU than decoding a short clip)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    decoded = (num_frames - 1) * frame_stride + 1  # the frames ffmpeg decodes, the last one kept
+    command = [get_ffmpeg_exe(), "-nostdin", "-hide_banner", "-nostats", "-i", str(path), "-frames:v", str(decoded)]
+    command += ["-pix_fmt", "rgb24", "-c:v", "ppm", "-f", "image2pipe", "-"]
+    with tempfile.TemporaryFile() as log:  # a file, not a pipe: a long log cannot stall ffmpeg
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log) as ffmpeg:
+            frames = [frame for i, frame in enumerate(ppm_frames(ffmpeg.stdout)) if i % frame_stride == 0]
+        log.seek(0)
+        text = log.read().decode(errors="replace").strip()
     count = usable_frame_count(len(frames), num_frames, temporal_compression)
     if count == 0:
-        raise ValueError(f"{path}: no decodable frames")
-    fps = meta.get("fps")
-    source_frames = meta.get("nframes")
+        reason = text.splitlines()[-1] if text else f"ffmpeg exit status {ffmpeg.returncode}"
+        raise ValueError(f"{path}: no decodable frames ({reason})")
+    fps = ffmpeg_fps(text)
     return MediaItem(
-        path=path,
-        frames=np.stack(frames[:count]),
-        fps=float(fps) / frame_stride if fps else None,
-        source_frames=int(source_frames)
-        if isinstance(source_frames, (int, float)) and np.isfinite(source_frames)
-        else -1,
+        path=path, frames=np.stack(frames[:count]), fps=fps / frame_stride if fps else None, source_frames=-1
     )
 
 
