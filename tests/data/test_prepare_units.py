@@ -18,6 +18,7 @@ from dfm.data.encoders import T5TextEncoder, VideoVAE, build_tiny_random_encoder
 from dfm.data.prepare.buckets import RESOLUTION_PRESETS, ResolutionPolicy, budget_bucket, resize_center_crop
 from dfm.data.prepare.captions import CaptionLookup
 from dfm.data.prepare.media import read_video, usable_frame_count
+from dfm.data.prepare.pipeline import CaptionEncodings, Encoders
 from dfm.data.prepare.shards import AtomicShardWriter, encode_sample_parts
 
 RECIPES = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recipes" / "dit"
@@ -168,6 +169,23 @@ def test_tiny_t5_encodes_unpadded_truncated_embeddings(tiny_encoders):
     short, long = encoder.encode(["cat", "a caption much longer than twelve bytes"])
     assert short.shape == (4, encoder.embed_dim) and long.shape == (12, encoder.embed_dim)  # ByT5: bytes + </s>
     assert is_tiny_random(tiny_encoders.t5_dir)
+
+
+def test_repeated_captions_are_encoded_once_while_they_fit(tiny_encoders):
+    encoder = T5TextEncoder.from_pretrained_or_cache(tiny_encoders.t5_dir, max_length=12)
+    encode, encoded = encoder.encode, []
+
+    def counting_encode(texts: list[str]) -> list[torch.Tensor]:
+        encoded.extend(texts)
+        return encode(texts)
+
+    encoder.encode = counting_encode
+    two_captions = 2 * encode(["cat"])[0].nbytes  # every 3-letter caption is 4 ByT5 tokens
+    encodings = CaptionEncodings(Encoders(text=encoder, vae=None, tiny_random=True), max_bytes=two_captions)
+    texts = {caption: encodings(caption)[0] for caption in ("cat", "dog", "cat", "eel", "dog")}
+    assert encoded == ["cat", "dog", "eel", "dog"]  # "cat" reused; "eel" pushed out "dog", the least recent
+    assert all(torch.equal(text, encode([caption])[0]) for caption, text in texts.items())
+    assert encodings("eel")[1] is None and encodings.nbytes == two_captions  # no pooled encoder
 
 
 @pytest.mark.parametrize("which, temporal", [("wan_vae_dir", 4), ("kl_vae_dir", 1)])

@@ -1,13 +1,14 @@
 """Preparation core: media folder -> encoded shards (+ optionally ``energon prepare``).
 
-Every file is read, bucketed, VAE-encoded and caption-encoded once. Files that cannot be read
-(decoded, captioned, bucketed) are skipped, counted, logged as warnings and listed in the report (and in
-``prepare_report.rank<R>.json``); more than ``max_skip_fraction`` of a rank's files skipped fails the run
-after the report. An encoder or device error (out of memory, an encoder bug) is no property of the file:
-it stops the run naming the file, which stays not done, so ``--resume`` retries it. Under torchrun each rank takes every WORLD_SIZE-th file and
-writes its own shards (``rank<R>-NNNNNN.tar``); sample keys are global file indices, unique across ranks.
-The output folder must be fresh, or cleared (``overwrite``), or hold an interrupted preparation
-to continue (``resume``); a record per rank tells which files are done (``record.py``).
+Every file is read, bucketed, VAE-encoded and caption-encoded once (a caption seen shortly before reuses its
+encoding: CaptionEncodings). Files that cannot be read (decoded, captioned, bucketed) are skipped, counted,
+logged as warnings and listed in the report (and in ``prepare_report.rank<R>.json``); more than
+``max_skip_fraction`` of a rank's files skipped fails the run after the report. An encoder or device error
+(out of memory, an encoder bug) is no property of the file: it stops the run naming the file, which stays not
+done, so ``--resume`` retries it. Under torchrun each rank takes every WORLD_SIZE-th file and writes its own
+shards (``rank<R>-NNNNNN.tar``); sample keys are global file indices, unique across ranks. The output folder
+must be fresh, or cleared (``overwrite``), or hold an interrupted preparation to continue (``resume``); a
+record per rank tells which files are done (``record.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -122,6 +124,40 @@ class Encoders:
     tiny_random: bool
     pooled: CLIPPooledEncoder | None = None  # FLUX: CLIP's pooled caption vector per sample
     hunyuan: HunyuanEncoders | None = None  # HunyuanVideo 1.5: ByT5, first-frame latent and SigLIP parts too
+
+
+# Text encodings kept for captions seen again (CaptionEncodings): class-labelled or templated datasets repeat a
+# few captions many times; 64 MiB holds ~40 captions of 100 T5-xxl tokens, or thousands of short tiny-T5 ones.
+CAPTION_CACHE_BYTES = 64 * 2**20
+
+
+class CaptionEncodings:
+    """A caption's text embeddings [L, D] and FLUX's pooled vector [D_pool] (None for other encoder sets),
+    computed once while the caption stays among the most recently used ones whose tensors fit in
+    ``max_bytes``. Every caption is encoded alone, so a repeated one gets the tensors encoding it again
+    would give."""
+
+    def __init__(self, encoders: Encoders, max_bytes: int = CAPTION_CACHE_BYTES) -> None:
+        self.encoders, self.max_bytes, self.nbytes = encoders, max_bytes, 0
+        self.cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor | None]] = OrderedDict()
+
+    def __call__(self, caption: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if caption in self.cache:
+            self.cache.move_to_end(caption)
+            return self.cache[caption]
+        pooled_encoder = self.encoders.pooled
+        # Cloned: the encoders return views into their padded batch.
+        text = self.encoders.text.encode([caption])[0].clone()
+        pooled = pooled_encoder.encode([caption])[0].clone() if pooled_encoder is not None else None
+        self.cache[caption] = (text, pooled)
+        self.nbytes += tensors_nbytes(text, pooled)
+        while self.nbytes > self.max_bytes:
+            self.nbytes -= tensors_nbytes(*self.cache.popitem(last=False)[1])
+        return text, pooled
+
+
+def tensors_nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.nbytes for t in tensors if t is not None)
 
 
 def settings_from_env(settings: PrepareSettings) -> PrepareSettings:
@@ -253,6 +289,7 @@ def encode_file(
     encoders: Encoders,
     captions: CaptionLookup,
     policy: ResolutionPolicy,
+    caption_encodings: CaptionEncodings,
 ) -> dict:
     """One media file -> the shard parts of its sample. Raises UnreadableInput (skip the file) or
     PreparationError (an encoder failed: stop, the file is not done)."""
@@ -260,8 +297,7 @@ def encode_file(
     try:
         video = resize_center_crop(item.frames, *bucket).unsqueeze(0)
         latent = encoders.vae.encode(video)[0].float().cpu()
-        text = encoders.text.encode([caption.text])[0]
-        pooled = encoders.pooled.encode([caption.text])[0] if encoders.pooled is not None else None
+        text, pooled = caption_encodings(caption.text)
         extra = hunyuan_parts(encoders.hunyuan, video[0], caption.text) if encoders.hunyuan is not None else None
         if settings.wan_image_condition:
             extra = {**(extra or {}), IMAGE_CONDITION_PART: image_condition_of(encoders.vae, video)}
@@ -311,6 +347,7 @@ def encode_files(
     encoders = load_encoders(settings)
     policy = settings.resolution_policy(settings.patch_spatial * encoders.vae.spatial_compression)
     captions = CaptionLookup(settings.input_dir, settings.caption_format)
+    caption_encodings = CaptionEncodings(encoders)
     in_open_shard: list[int] = []
 
     def publish(shard_name: str) -> None:
@@ -322,7 +359,8 @@ def encode_files(
     with AtomicShardWriter(out, prefix, settings.shard_maxcount, start, before_publish=publish) as writer:
         for index, path in tqdm(todo, desc=f"prepare rank {settings.rank}", position=settings.rank):
             try:
-                parts = encode_file(path, f"{index:0{key_width}d}", settings, encoders, captions, policy)
+                key = f"{index:0{key_width}d}"
+                parts = encode_file(path, key, settings, encoders, captions, policy, caption_encodings)
             except UnreadableInput as error:
                 record.skipped.append((index, str(path), str(error)))
                 record.save(out)
