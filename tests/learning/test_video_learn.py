@@ -23,7 +23,7 @@ from dfm.config.loader import build_config
 from dfm.data.prepare.media import read_video
 
 FAMILY = "moviegen"
-CI_CLIPS = 500  # 10 per (digit, motion) caption: ffmpeg runs twice per clip, the cost of preparation
+CI_CLIPS = 500  # 10 per (digit, motion) caption: an ffmpeg run reads each clip, most of the preparation's cost
 CONTENT_THRESHOLD = MOTION_THRESHOLD = 0.6  # the bar for the CI-sized run; figures in docs/learning.md
 UNCONDITIONAL_CONTENT_CEILING = 0.3  # chance 0.1, with room for 100 clips' noise
 UNCONDITIONAL_MOTION_CEILING = 0.45  # chance 0.2
