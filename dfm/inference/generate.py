@@ -148,10 +148,13 @@ def sampling_shift(cfg: ConfigContainer, num_tokens: int) -> float | None:
     return None
 
 
-def prompt_batch(prompt: str, noise: torch.Tensor, encoders, model_cfg, images: dict) -> PackedBatch:
+def prompt_batch(
+    prompt: str, noise: torch.Tensor, encoders, model_cfg, images: dict, multiples: tuple[int, int] = (1, 1)
+) -> PackedBatch:
     """noise [C, T', H', W'] + prompt -> a one-sample pack: the prompt's T5 text and, for FLUX, CLIP's
-    pooled vector [1, D_pool]; ``images``: the image inputs (``image_inputs``: TI2V's first frame, I2V's condition)."""
-    batch = generation_batch(noise, encoders.text.encode([prompt])[0], model_cfg, **images)
+    pooled vector [1, D_pool]; ``images``: the image inputs (``image_inputs``: TI2V's first frame, I2V's condition);
+    ``multiples``: the layout's padding (``generation_batch``)."""
+    batch = generation_batch(noise, encoders.text.encode([prompt])[0], model_cfg, **images, multiples=multiples)
     if encoders.pooled is not None:
         batch.pooled_text = encoders.pooled.encode([prompt])
     return batch

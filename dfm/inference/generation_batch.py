@@ -48,23 +48,31 @@ def generation_batch(
     model_cfg,
     first_frame: torch.Tensor | None = None,
     image_condition: torch.Tensor | None = None,
+    multiples: tuple[int, int] = (1, 1),
 ) -> PackedBatch:
     """noise [C, T', H', W'], text [L, D_text] -> a one-sample PackedBatch (latents = patchified noise).
     ``first_frame`` [C, 1, H', W']: an image's latent, the clean first frame of image-to-video (Wan 2.2
     TI2V); the sampler keeps it at every step (dfm/diffusion/first_frame.py). ``image_condition``
-    [C, T', H', W']: Wan 2.2 I2V's image-condition latent (dfm/data/video_condition.py)."""
+    [C, T', H', W']: Wan 2.2 I2V's image-condition latent (dfm/data/video_condition.py). ``multiples``:
+    the layout's padding (``ParallelLayout.padding_multiples``), for sampling under SP or CP."""
     if image_condition is not None:
+        if multiples != (1, 1):
+            raise ValueError(f"image-conditioned generation runs unpadded, not with padding multiples {multiples}")
         batch = generation_pack([noise], [text], model_cfg)
         tokens = wan_image_condition(image_condition.to(noise.dtype), model_cfg.patch_temporal, model_cfg.patch_spatial)
         return dataclasses.replace(batch, image_condition=tokens)
     if first_frame is None:
-        return generation_pack([noise], [text], model_cfg)
-    batch = generation_pack([torch.cat([first_frame.to(noise.dtype), noise[:, 1:]], dim=1)], [text], model_cfg)
+        return generation_pack([noise], [text], model_cfg, multiples)
+    start = torch.cat([first_frame.to(noise.dtype), noise[:, 1:]], dim=1)
+    batch = generation_pack([start], [text], model_cfg, multiples)
     return dataclasses.replace(batch, first_frame_clean=torch.tensor([True]))
 
 
-def generation_pack(noises: list[torch.Tensor], texts: list[torch.Tensor], model_cfg) -> PackedBatch:
-    """N samples in one pack (one model call per step for all): noises [C, T', H', W'] and texts [L, D_text]."""
+def generation_pack(
+    noises: list[torch.Tensor], texts: list[torch.Tensor], model_cfg, multiples: tuple[int, int] = (1, 1)
+) -> PackedBatch:
+    """N samples in one pack (one model call per step for all): noises [C, T', H', W'] and texts [L, D_text];
+    ``multiples`` (segment, total): the layout's padding, as training packs are padded."""
     samples = []
     for index, (noise, text) in enumerate(zip(noises, texts, strict=True)):
         tokens, pos_ids = patchify(noise, model_cfg.patch_temporal, model_cfg.patch_spatial)
@@ -73,7 +81,7 @@ def generation_pack(noises: list[torch.Tensor], texts: list[torch.Tensor], model
                 tokens=tokens, pos_ids=pos_ids, text=text, latent_shape=tuple(noise.shape), sample_index=index
             )
         )
-    return pack_samples(samples)
+    return pack_samples(samples, *multiples)
 
 
 def null_text_batch(batch: PackedBatch) -> PackedBatch:

@@ -43,9 +43,9 @@ from dfm.training.memory_plan import log_memory
 from dfm.training.metrics_log import MetricsLog
 from dfm.training.sample_metrics import check_metrics, measure
 from dfm.training.setup import build_model, build_optimizer, num_microbatches, schedule_model_and_data
+from dfm.training.staged_model import sampling_model
 from dfm.training.throughput import device_peak_flops, mfu
 from dfm.training.validation import (
-    can_generate,
     first_sample_text,
     generate_validation_sample,
     level_record,
@@ -321,8 +321,9 @@ class TrainLoop:
         levels = self.forward_step.pipeline.validation_levels(train.eval_noise_bins)
         means = losses_per_level(self.val_forward_step, packs, self.model, levels, self.device)
         with self.generation_weights():
+            multiples = self.layout.padding_multiples()
             path = generate_validation_sample(
-                self.cfg, self.model, self.forward_step.pipeline, packs[0], iteration, self.device
+                self.cfg, self.model, self.forward_step.pipeline, packs[0], iteration, self.device, multiples
             )
             samples = self.decoded_samples(iteration, first_sample_text(packs[0])[1])
         record = {"iteration": iteration, **level_record(levels, means), "generation": str(path) if path else None}
@@ -332,9 +333,9 @@ class TrainLoop:
         self.metrics.media(iteration, samples)
 
     def decoded_samples(self, iteration: int, default_shape: tuple[int, ...]) -> list:
-        """``validation.prompts`` generated and decoded (the logging rank writes them), when the layout
-        holds the whole model in one group; [] otherwise or without prompts."""
-        if not self.cfg.validation.prompts or not can_generate() or self.cfg.model.sequence_parallel:
+        """``validation.prompts`` generated (by every rank, at any layout) and decoded (the logging rank
+        writes them); [] without prompts."""
+        if not self.cfg.validation.prompts:
             return []
         # Imported here: the encoders bring transformers and diffusers, ~4 CPU s in every rank process
         # of a run that never generates.
@@ -342,9 +343,9 @@ class TrainLoop:
 
         if self.validation_encoders is None:  # loaded at the first evaluation, kept for the next
             self.validation_encoders = validation_encoders(self.cfg, self.device)
-        samples = generate_samples(
-            self.cfg, self.model[0], self.forward_step.pipeline, self.validation_encoders, self.device, default_shape
-        )
+        model, pipeline, encoders = sampling_model(self.model), self.forward_step.pipeline, self.validation_encoders
+        multiples = self.layout.padding_multiples()
+        samples = generate_samples(self.cfg, model, pipeline, encoders, self.device, default_shape, multiples)
         if not self.metrics.enabled:
             return []
         return write_samples(samples, self.cfg.logger.log_dir, iteration, self.cfg.validation.fps)

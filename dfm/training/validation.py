@@ -1,5 +1,6 @@
 """Validation at ``train.eval_interval``: loss on held-out packs at fixed noise levels (one per bin,
-``train.eval_noise_bins``) and one generated sample per DP rank.
+``train.eval_noise_bins``) and one generated sample per DP rank, at any layout (the pipeline stages
+sample as one model: staged_model.py).
 
 The generated latent goes to ``<checkpoint.save>/validation_generation/iter_<N>_dp<R>.pt``, undecoded;
 ``validation.prompts`` are decoded and written for people to look at (validation_media.py).
@@ -21,6 +22,7 @@ from dfm.inference.generation_batch import draw_noise, generation_batch
 from dfm.inference.sampling import sample_latent
 from dfm.training.losses import reduce_loss_and_tokens
 from dfm.training.setup import schedule_model_and_data
+from dfm.training.staged_model import sampling_model
 
 logger = logging.getLogger("dfm.validation")
 
@@ -69,27 +71,36 @@ def first_sample_text(batch: PackedBatch) -> tuple[torch.Tensor, tuple[int, ...]
     return batch.context[start : start + length], tuple(int(v) for v in batch.latent_shape[0])
 
 
-def can_generate() -> bool:
-    """Generation runs the whole model in one process group: no pipeline / context split."""
+def writes_samples() -> bool:
+    """Whether this rank writes its data-parallel replica's sample: every rank of the replica's tensor,
+    context and pipeline groups holds the same one (``sampling_model``)."""
     return (
-        parallel_state.get_pipeline_model_parallel_world_size() == 1
-        and parallel_state.get_context_parallel_world_size() == 1
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_context_parallel_rank() == 0
+        and parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     )
 
 
 def generate_validation_sample(
-    cfg: ConfigContainer, model: list, pipeline: DiffusionPipeline, batch: PackedBatch, iteration: int, device
+    cfg: ConfigContainer,
+    model: list,
+    pipeline: DiffusionPipeline,
+    batch: PackedBatch,
+    iteration: int,
+    device,
+    multiples: tuple[int, int] = (1, 1),
 ) -> Path | None:
-    """Sample one latent from the first validation sample's text; -> where it was saved (or None)."""
-    if not cfg.checkpoint.save or not can_generate() or cfg.model.sequence_parallel:
+    """Sample one latent from the first validation sample's text, at any layout (``multiples``: its
+    padding); -> where it was saved (or None)."""
+    if not cfg.checkpoint.save:
         return None
     dp_rank = parallel_state.get_data_parallel_rank()
     text, shape = first_sample_text(batch)
     noise = draw_noise(shape, seed=cfg.rng.seed + dp_rank)
-    gen_batch = generation_batch(noise, text, cfg.model).to(device)
+    gen_batch = generation_batch(noise, text, cfg.model, multiples=multiples).to(device)
     options = SamplingOptions(steps=cfg.train.eval_sampling_steps)
-    latent = sample_latent(model[0], pipeline, gen_batch, cfg.model, options)
-    if parallel_state.get_tensor_model_parallel_rank() != 0:
+    latent = sample_latent(sampling_model(model), pipeline, gen_batch, cfg.model, options)
+    if not writes_samples():
         return None
     path = Path(cfg.checkpoint.save) / "validation_generation" / f"iter_{iteration:07d}_dp{dp_rank}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -85,14 +85,16 @@ def generate_samples(
     encoders: Encoders,
     device: torch.device,
     default_shape: tuple[int, ...],
+    multiples: tuple[int, int] = (1, 1),
 ) -> list[DecodedSample]:
-    """Each of ``validation.prompts`` sampled from the noise of ``validation.seed + k`` and decoded."""
+    """Each of ``validation.prompts`` sampled from the noise of ``validation.seed + k`` and decoded;
+    ``model``: ``sampling_model``'s, ``multiples``: the layout's padding."""
     v = cfg.validation
     options = SamplingOptions(v.steps or cfg.train.eval_sampling_steps, v.guidance_scale, seed=v.seed)
     samples = []
     for k, prompt in enumerate(v.prompts):
         noise = draw_noise(latent_shape(cfg, encoders, k, default_shape), v.seed + k)
-        batch = prompt_batch(prompt, noise, encoders, cfg.model, images={}).to(device)  # FLUX: + pooled text
+        batch = prompt_batch(prompt, noise, encoders, cfg.model, {}, multiples).to(device)  # FLUX: + pooled text
         latent = sample_latent(model, pipeline, batch, cfg.model, options)
         video = encoders.vae.decode(latent.unsqueeze(0).to(device))[0]  # [3, T, H, W] in [-1, 1]
         samples.append(DecodedSample(prompt, to_uint8_frames(video), None))

@@ -1,6 +1,7 @@
 """Layout equivalence through the real entry point: train 3 optimizer steps in a parallel layout
 and in one process from the same seed and data, and compare losses, gradient norms and updated
-weights (the cases: test_layout_equivalence.py, test_fsdp_layouts.py).
+weights (the cases: test_layout_equivalence.py, test_fsdp_layouts.py); the DiT runs then generate
+their validation sample at their layout, compared with the one-process sample.
 
 Each run dumps every parameter gathered to its full tensor under its global name
 (``_weights_entry.py``: TP shards concatenated, pipeline stages and expert-parallel ranks
@@ -14,6 +15,10 @@ Tolerances:
 * weights atol 1e-6 (lr 1e-3, 3 Adam steps: updates ~3e-3 on weights up to ~0.3). Dense layouts
   agree far inside it (TP=2+SP: max |diff| 7e-9); a layout bug moves weights by ~lr (a missing
   SP gradient reduction in adaLN was found this way: 1.5e-3).
+* validation sample: every element within 1e-5 of the sample's largest magnitude. 2 Heun steps of
+  EDM from sigma 80 leave values up to ~124, whose fp32 rounding is ~1e-5 absolute; the layouts measured
+  0 to 7.6e-5 absolute (at most 6e-7 of the largest magnitude; FSDP with TP=2+SP the largest). A
+  layout bug (a stage's output not broadcast, a CP rank sampling another share) is off by O(1).
 * Adam's eps is 1e-4 in these runs (ADAM_EPS), not 1e-8: an update is lr g / (|g| + eps), so an element
   whose gradient sums to ~eps from larger terms turns the layouts' ~1e-8 gradient rounding into
   lr 1e-8 / eps of weight. At eps 1e-8 that is up to ~lr: FLUX at CP=2 under FSDP moved 55 elements by
@@ -38,6 +43,10 @@ from tests.training.entry import RECIPE_DIR, read_metrics, run_entries, run_entr
 WEIGHTS_ENTRY = Path(__file__).resolve().parent / "_weights_entry.py"
 
 WEIGHT_ATOL = 1e-6
+SAMPLE_TOL = 1e-5  # the validation sample after training, relative to its largest magnitude (docstring)
+# Sampled after training (tests/training/_runs_entry.py save_validation_sample) at each of its layouts:
+# TP=2+SP, PP=2 (and virtual), CP=2, their combinations, the distributed optimizer and Megatron-FSDP.
+SAMPLED_CONFIGS = {"dit_tiny"}
 ADAM_EPS = "optimizer.adam_eps=1e-4"  # see the docstring: rounding, not Adam, is what is compared
 DP_DATA = ["dataset.mock_samples_per_pack=2", "train.global_batch_size=2"]  # same samples for DP=1 and DP=2
 # Gradient accumulation: 2 micro-batches per DP rank and step (4 on the single process).
@@ -62,6 +71,7 @@ HUNYUAN_TINY = "../../hunyuan/conf/hunyuan_tiny"
 class Run:
     metrics: list[dict]
     weights: dict[str, torch.Tensor]
+    sample: torch.Tensor | None = None  # the validation sample after training (DP rank 0's latent)
 
 
 def world_size(layout: list[str]) -> int:
@@ -91,13 +101,17 @@ def train_many(tmp: Path, nproc: int, cases: list[tuple[str, list[str]]]) -> lis
         conf = RECIPE_DIR / "conf" / f"{config}.yaml"
         argv = ["--config-file", str(conf), "--mock", "train.train_iters=3", ADAM_EPS, f"logger.log_dir={log_dir}"]
         argv += overrides
-        runs.append({"argv": argv, "weights": str(log_dir / "full_weights.pt")})
+        sample = str(log_dir / "sample") if config in SAMPLED_CONFIGS else None
+        runs.append({"argv": argv, "weights": str(log_dir / "full_weights.pt"), "sample": sample})
         log_dirs.append(log_dir)
     statuses = run_entries(nproc, runs, tmp / f"launch-{nproc}")
-    return [
-        Run(read_metrics(log_dir), torch.load(log_dir / "full_weights.pt")) if status == "ok" else status
-        for status, log_dir in zip(statuses, log_dirs)
-    ]
+    return [finished_run(log_dir) if status == "ok" else status for status, log_dir in zip(statuses, log_dirs)]
+
+
+def finished_run(log_dir: Path) -> Run:
+    sample = log_dir / "sample" / "validation_generation" / "iter_0000000_dp0.pt"
+    latent = torch.load(sample)["latent"] if sample.exists() else None
+    return Run(read_metrics(log_dir), torch.load(log_dir / "full_weights.pt"), latent)
 
 
 Case = tuple[str, int, tuple[str, ...]]  # (config, processes, overrides)
@@ -143,6 +157,16 @@ def assert_same_metrics(expected: list[dict], actual: list[dict]) -> None:
             ref["grad_norm"],
             got["grad_norm"],
         )
+
+
+def assert_same_sample(expected: torch.Tensor | None, actual: torch.Tensor | None) -> None:
+    """The validation sample generated at the layout equals the one-process one: every element within
+    ``SAMPLE_TOL`` of the sample's largest magnitude (fp32); runs of ``SAMPLED_CONFIGS`` only (None: not sampled)."""
+    assert (actual is None) == (expected is None)
+    if expected is None:
+        return
+    assert actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, rtol=0, atol=SAMPLE_TOL * expected.abs().max().item())
 
 
 def assert_same_weights(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:

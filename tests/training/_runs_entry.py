@@ -6,7 +6,8 @@ per launch instead of once per run.
 or null}``: each run parses ``argv`` like ``pretrain_dit_model.py`` and calls ``pretrain`` as that script
 does; between runs only megatron's parallel groups are torn down (the next run builds its own layout's),
 the default process group stays. ``weights``: after the last step every parameter is saved gathered to its
-full tensor (as ``tests/parallel/_weights_entry.py`` does). Rank 0 writes "ok" to ``status`` after a run;
+full tensor (as ``tests/parallel/_weights_entry.py`` does); ``sample`` (optional): a folder for the run's
+validation sample, generated at its layout after the last step. Rank 0 writes "ok" to ``status`` after a run;
 a run that fails writes its traceback there and ends the launch (the ranks may disagree on what comes
 next), so the caller relaunches the runs that have no status (``tests/training/entry.py: run_entries``).
 """
@@ -18,19 +19,42 @@ import sys
 import traceback
 from pathlib import Path
 
-_weights_path: dict[str, str | None] = {"path": None}
+_after_training: dict[str, str | None] = {"weights": None, "sample": None}
+SAMPLE_STEPS = 2  # EDM's Heun: 3 model calls, each through every stage of the layout
 
 
-def _save_full_weights_after_training() -> None:
+def save_validation_sample(loop, folder: str) -> None:
+    """The run's validation sample, as its evaluations draw it (the first validation pack's first caption
+    and size, noise seed rng.seed + DP rank, ``SAMPLE_STEPS`` sampler steps), generated at the run's layout
+    by ``generate_validation_sample``: ``folder/validation_generation/iter_0000000_dp<R>.pt``."""
+    import dataclasses
+
+    from dfm.training.data import build_val_iterator
+    from dfm.training.validation import generate_validation_sample
+
+    cfg = loop.cfg
+    cfg = dataclasses.replace(
+        cfg,
+        checkpoint=dataclasses.replace(cfg.checkpoint, save=folder),
+        train=dataclasses.replace(cfg.train, eval_sampling_steps=SAMPLE_STEPS),
+    )
+    pack = next(iter(build_val_iterator(cfg, loop.layout, loop.context.mock)))
+    pipeline, multiples = loop.forward_step.pipeline, loop.layout.padding_multiples()
+    generate_validation_sample(cfg, loop.model, pipeline, pack, 0, loop.device, multiples)
+
+
+def _save_after_training() -> None:
     from dfm.training.full_weights import save_full_weights
     from dfm.training.pretrain import TrainLoop
 
     train = TrainLoop.run
 
     def run(self, start: int) -> None:
-        train(self, start)
-        if _weights_path["path"]:
-            save_full_weights(self.model, _weights_path["path"])  # process groups are still up
+        train(self, start)  # process groups are still up afterwards
+        if _after_training["weights"]:
+            save_full_weights(self.model, _after_training["weights"])
+        if _after_training["sample"]:
+            save_validation_sample(self, _after_training["sample"])
 
     TrainLoop.run = run
 
@@ -53,7 +77,7 @@ def main(runs_file: str) -> None:
     from dfm.platform.distributed import destroy_distributed
     from dfm.training.pretrain import pretrain
 
-    _save_full_weights_after_training()
+    _save_after_training()
     _keep_default_process_group()
     rank = int(os.environ.get("RANK", "0"))
     for run in json.loads(Path(runs_file).read_text()):
@@ -61,7 +85,7 @@ def main(runs_file: str) -> None:
             continue  # done by an earlier launch
         print(f"=== run {run['status']}: {' '.join(run['argv'])}", flush=True)
         print(f"=== run {run['status']}", file=sys.stderr, flush=True)
-        _weights_path["path"] = run.get("weights")
+        _after_training.update(weights=run.get("weights"), sample=run.get("sample"))
         try:
             cfg, args = config_or_exit(run["argv"])
             pretrain(cfg, mock=args.mock, explicit_keys=args.explicit_keys())
