@@ -8,10 +8,15 @@ CI-sized (conf/digits_tiny.yaml); the longer run and the measured figures are in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import pytest
 from digits.classifier import train_digit_classifier
+from digits.data import digit_caption, load_digits, to_uint8
 from digits.evaluate import DigitSampling
 from digits.run import CI_CONFIG, prepare_digits, train_and_score_pipelines
+from digits.validation_metric import digit_accuracy
 
 from dfm.config.loader import build_config
 
@@ -31,6 +36,24 @@ def runs(tmp_path_factory):
 
 def test_classifier_recognises_real_digits():
     assert train_digit_classifier().held_out_accuracy >= 0.95
+
+
+@dataclass
+class Sample:  # what validation hands a metric (dfm.training.validation_media.DecodedSample)
+    prompt: str
+    frames: np.ndarray  # [T, H, W, 3] uint8
+
+
+def test_digit_accuracy_metric_reads_decoded_samples_and_their_prompts():
+    """Real digits as decoded frames: accuracy near 1 under their own captions, near 0 under the next digit's."""
+    images, labels = load_digits()
+    frames = np.repeat(to_uint8(images[:200])[:, None, :, :, None], 3, axis=-1)  # [N, 1, 8, 8, 3]
+    right = [Sample(digit_caption(int(d)), f) for d, f in zip(labels[:200], frames)]
+    wrong = [Sample(digit_caption((int(d) + 1) % 10), f) for d, f in zip(labels[:200], frames)]
+    assert digit_accuracy(right)["accuracy"] >= 0.95
+    assert digit_accuracy(wrong)["accuracy"] <= 0.05
+    with pytest.raises(ValueError, match="names no digit"):
+        digit_accuracy([Sample("a cat", frames[0])])
 
 
 @pytest.mark.slow
