@@ -1,7 +1,8 @@
 """Layout equivalence through the real entry point: train 3 optimizer steps in a parallel layout
 and in one process from the same seed and data, and compare losses, gradient norms and updated
-weights (the cases: test_layout_equivalence.py, test_fsdp_layouts.py); the DiT runs then generate
-their validation sample at their layout, compared with the one-process sample.
+weights (the cases: test_layout_equivalence.py, test_fsdp_layouts.py); the DiT runs then compute
+their validation losses per level and their validation sample at their layout, compared with the
+one-process ones.
 
 Each run dumps every parameter gathered to its full tensor under its global name
 (``_weights_entry.py``: TP shards concatenated, pipeline stages and expert-parallel ranks
@@ -15,6 +16,7 @@ Tolerances:
 * weights atol 1e-6 (lr 1e-3, 3 Adam steps: updates ~3e-3 on weights up to ~0.3). Dense layouts
   agree far inside it (TP=2+SP: max |diff| 7e-9); a layout bug moves weights by ~lr (a missing
   SP gradient reduction in adaLN was found this way: 1.5e-3).
+* validation loss per level (2 levels, the same 2 held-out packs): rel 1e-5.
 * validation sample: every element within 1e-5 of the sample's largest magnitude. 2 Heun steps of
   EDM from sigma 80 leave values up to ~124, whose fp32 rounding is ~1e-5 absolute; the layouts measured
   0 to 7.6e-5 absolute (at most 6e-7 of the largest magnitude; FSDP with TP=2+SP the largest). A
@@ -31,6 +33,7 @@ Tolerances:
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +47,7 @@ WEIGHTS_ENTRY = Path(__file__).resolve().parent / "_weights_entry.py"
 
 WEIGHT_ATOL = 1e-6
 SAMPLE_TOL = 1e-5  # the validation sample after training, relative to its largest magnitude (docstring)
+VAL_LOSS_RTOL = 1e-5  # the validation loss per level after training
 # Sampled after training (tests/training/_runs_entry.py save_validation_sample) at each of its layouts:
 # TP=2+SP, PP=2 (and virtual), CP=2, their combinations, the distributed optimizer and Megatron-FSDP.
 SAMPLED_CONFIGS = {"dit_tiny"}
@@ -72,6 +76,7 @@ class Run:
     metrics: list[dict]
     weights: dict[str, torch.Tensor]
     sample: torch.Tensor | None = None  # the validation sample after training (DP rank 0's latent)
+    val_losses: list[float] | None = None  # the validation loss per level after training
 
 
 def world_size(layout: list[str]) -> int:
@@ -109,9 +114,13 @@ def train_many(tmp: Path, nproc: int, cases: list[tuple[str, list[str]]]) -> lis
 
 
 def finished_run(log_dir: Path) -> Run:
-    sample = log_dir / "sample" / "validation_generation" / "iter_0000000_dp0.pt"
+    sample, levels = (
+        log_dir / "sample" / "validation_generation" / "iter_0000000_dp0.pt",
+        log_dir / "sample" / "levels.json",
+    )
     latent = torch.load(sample)["latent"] if sample.exists() else None
-    return Run(read_metrics(log_dir), torch.load(log_dir / "full_weights.pt"), latent)
+    losses = json.loads(levels.read_text())["losses"] if levels.exists() else None
+    return Run(read_metrics(log_dir), torch.load(log_dir / "full_weights.pt"), latent, losses)
 
 
 Case = tuple[str, int, tuple[str, ...]]  # (config, processes, overrides)
@@ -159,14 +168,17 @@ def assert_same_metrics(expected: list[dict], actual: list[dict]) -> None:
         )
 
 
-def assert_same_sample(expected: torch.Tensor | None, actual: torch.Tensor | None) -> None:
-    """The validation sample generated at the layout equals the one-process one: every element within
-    ``SAMPLE_TOL`` of the sample's largest magnitude (fp32); runs of ``SAMPLED_CONFIGS`` only (None: not sampled)."""
-    assert (actual is None) == (expected is None)
-    if expected is None:
+def assert_same_validation(expected: Run, actual: Run) -> None:
+    """The validation loss per level at the layout equals the one-process one (rel ``VAL_LOSS_RTOL``), and
+    so does its sample: every element within ``SAMPLE_TOL`` of the sample's largest magnitude (fp32); runs
+    of ``SAMPLED_CONFIGS`` only (None: not validated)."""
+    assert (actual.sample is None) == (expected.sample is None)
+    if expected.sample is None:
         return
-    assert actual.shape == expected.shape
-    torch.testing.assert_close(actual, expected, rtol=0, atol=SAMPLE_TOL * expected.abs().max().item())
+    assert actual.val_losses == pytest.approx(expected.val_losses, rel=VAL_LOSS_RTOL)
+    assert actual.sample.shape == expected.sample.shape
+    atol = SAMPLE_TOL * expected.sample.abs().max().item()
+    torch.testing.assert_close(actual.sample, expected.sample, rtol=0, atol=atol)
 
 
 def assert_same_weights(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:

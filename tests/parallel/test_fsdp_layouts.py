@@ -17,7 +17,7 @@ from tests.parallel.equivalence import (
     SP,
     TP2,
     assert_same_metrics,
-    assert_same_sample,
+    assert_same_validation,
     assert_same_weights,
     selected_params,
 )
@@ -52,4 +52,4 @@ def test_fsdp_layout_matches_single_process(request, layout_runs, config, nproc,
     actual = layout_runs.get(config, nproc, layout, [(c["config"], c["nproc"], tuple(c["layout"])) for c in cases])
     assert_same_metrics(expected.metrics, actual.metrics)
     assert_same_weights(expected.weights, actual.weights)
-    assert_same_sample(expected.sample, actual.sample)
+    assert_same_validation(expected, actual)

@@ -19,7 +19,7 @@ from tests.parallel.equivalence import (
     TP2,
     VPP,
     assert_same_metrics,
-    assert_same_sample,
+    assert_same_validation,
     assert_same_weights,
     selected_params,
     world_size,
@@ -84,4 +84,4 @@ def test_layout_matches_single_process(request, layout_runs, config, layout, ref
     actual = layout_runs.get(config, world_size(layout), layout, layouts)
     assert_same_metrics(expected.metrics, actual.metrics)
     assert_same_weights(expected.weights, actual.weights)
-    assert_same_sample(expected.sample, actual.sample)
+    assert_same_validation(expected, actual)

@@ -7,7 +7,7 @@ or null}``: each run parses ``argv`` like ``pretrain_dit_model.py`` and calls ``
 does; between runs only megatron's parallel groups are torn down (the next run builds its own layout's),
 the default process group stays. ``weights``: after the last step every parameter is saved gathered to its
 full tensor (as ``tests/parallel/_weights_entry.py`` does); ``sample`` (optional): a folder for the run's
-validation sample, generated at its layout after the last step. Rank 0 writes "ok" to ``status`` after a run;
+validation losses and sample, computed at its layout after the last step (``save_validation``). Rank 0 writes "ok" to ``status`` after a run;
 a run that fails writes its traceback there and ends the launch (the ranks may disagree on what comes
 next), so the caller relaunches the runs that have no status (``tests/training/entry.py: run_entries``).
 """
@@ -21,16 +21,23 @@ from pathlib import Path
 
 _after_training: dict[str, str | None] = {"weights": None, "sample": None}
 SAMPLE_STEPS = 2  # EDM's Heun: 3 model calls, each through every stage of the layout
+LEVELS = 2  # validation loss levels (train.eval_noise_bins' role)
 
 
-def save_validation_sample(loop, folder: str) -> None:
-    """The run's validation sample, as its evaluations draw it (the first validation pack's first caption
-    and size, noise seed rng.seed + DP rank, ``SAMPLE_STEPS`` sampler steps), generated at the run's layout
-    by ``generate_validation_sample``: ``folder/validation_generation/iter_0000000_dp<R>.pt``."""
+def save_validation(loop, folder: str) -> None:
+    """The run's validation at its layout after the last step, as its evaluations compute it: the loss
+    at ``LEVELS`` fixed noise levels over the first 2 validation packs of the global stream (2 / DP per
+    rank) -> ``folder/levels.json`` (rank 0), and the sample of the first pack's first caption and size
+    (noise seed rng.seed + DP rank, ``SAMPLE_STEPS`` sampler steps, ``generate_validation_sample``)
+    -> ``folder/validation_generation/iter_0000000_dp<R>.pt``."""
     import dataclasses
+    import itertools
+    import json
+
+    import torch
 
     from dfm.training.data import build_val_iterator
-    from dfm.training.validation import generate_validation_sample
+    from dfm.training.validation import generate_validation_sample, losses_per_level
 
     cfg = loop.cfg
     cfg = dataclasses.replace(
@@ -38,9 +45,13 @@ def save_validation_sample(loop, folder: str) -> None:
         checkpoint=dataclasses.replace(cfg.checkpoint, save=folder),
         train=dataclasses.replace(cfg.train, eval_sampling_steps=SAMPLE_STEPS),
     )
-    pack = next(iter(build_val_iterator(cfg, loop.layout, loop.context.mock)))
+    packs = list(itertools.islice(build_val_iterator(cfg, loop.layout, loop.context.mock), 2 // loop.layout.dp))
     pipeline, multiples = loop.forward_step.pipeline, loop.layout.padding_multiples()
-    generate_validation_sample(cfg, loop.model, pipeline, pack, 0, loop.device, multiples)
+    levels = pipeline.validation_levels(LEVELS)
+    means = losses_per_level(loop.val_forward_step, packs, loop.model, levels, loop.device)
+    generate_validation_sample(cfg, loop.model, pipeline, packs[0], 0, loop.device, multiples)
+    if torch.distributed.get_rank() == 0:
+        (Path(folder) / "levels.json").write_text(json.dumps({"levels": levels, "losses": means}))
 
 
 def _save_after_training() -> None:
@@ -54,7 +65,7 @@ def _save_after_training() -> None:
         if _after_training["weights"]:
             save_full_weights(self.model, _after_training["weights"])
         if _after_training["sample"]:
-            save_validation_sample(self, _after_training["sample"])
+            save_validation(self, _after_training["sample"])
 
     TrainLoop.run = run
 
