@@ -114,12 +114,14 @@ def train_many(tmp: Path, nproc: int, cases: list[tuple[str, list[str]]]) -> lis
 
 
 def finished_run(log_dir: Path) -> Run:
-    sample, levels = (
-        log_dir / "sample" / "validation_generation" / "iter_0000000_dp0.pt",
-        log_dir / "sample" / "levels.json",
-    )
-    latent = torch.load(sample)["latent"] if sample.exists() else None
-    losses = json.loads(levels.read_text())["losses"] if levels.exists() else None
+    """The run's metrics and full weights, and for a validated run (``SAMPLED_CONFIGS``) its validation
+    loss per level (the last line of validation.jsonl) and DP rank 0's sample."""
+    sample = log_dir / "sample" / "validation_generation" / "iter_0000000_dp0.pt"
+    latent, losses = None, None
+    if sample.exists():
+        latent = torch.load(sample)["latent"]
+        record = json.loads((log_dir / "validation.jsonl").read_text().splitlines()[-1])
+        losses = [record[f"val_loss_t{k}"] for k in range(len(record["val_levels"]))]
     return Run(read_metrics(log_dir), torch.load(log_dir / "full_weights.pt"), latent, losses)
 
 

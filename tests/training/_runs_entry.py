@@ -25,33 +25,21 @@ LEVELS = 2  # validation loss levels (train.eval_noise_bins' role)
 
 
 def save_validation(loop, folder: str) -> None:
-    """The run's validation at its layout after the last step, as its evaluations compute it: the loss
-    at ``LEVELS`` fixed noise levels over the first 2 validation packs of the global stream (2 / DP per
-    rank) -> ``folder/levels.json`` (rank 0), and the sample of the first pack's first caption and size
-    (noise seed rng.seed + DP rank, ``SAMPLE_STEPS`` sampler steps, ``generate_validation_sample``)
-    -> ``folder/validation_generation/iter_0000000_dp<R>.pt``."""
+    """One evaluation at the run's layout after the last step, the trainer's own (``TrainLoop.validate``)
+    with ``LEVELS`` levels over the first 2 validation packs of the global stream (2 / DP per rank) and a
+    ``SAMPLE_STEPS``-step sample: the losses go to ``<log_dir>/validation.jsonl``, the sample to
+    ``folder/validation_generation/iter_0000000_dp<R>.pt``."""
     import dataclasses
-    import itertools
-    import json
-
-    import torch
-
-    from dfm.training.data import build_val_iterator
-    from dfm.training.validation import generate_validation_sample, losses_per_level
 
     cfg = loop.cfg
-    cfg = dataclasses.replace(
-        cfg,
-        checkpoint=dataclasses.replace(cfg.checkpoint, save=folder),
-        train=dataclasses.replace(cfg.train, eval_sampling_steps=SAMPLE_STEPS),
+    train = dataclasses.replace(
+        cfg.train, eval_iters=2 // loop.layout.dp, eval_noise_bins=LEVELS, eval_sampling_steps=SAMPLE_STEPS
     )
-    packs = list(itertools.islice(build_val_iterator(cfg, loop.layout, loop.context.mock), 2 // loop.layout.dp))
-    pipeline, multiples = loop.forward_step.pipeline, loop.layout.padding_multiples()
-    levels = pipeline.validation_levels(LEVELS)
-    means = losses_per_level(loop.val_forward_step, packs, loop.model, levels, loop.device)
-    generate_validation_sample(cfg, loop.model, pipeline, packs[0], 0, loop.device, multiples)
-    if torch.distributed.get_rank() == 0:
-        (Path(folder) / "levels.json").write_text(json.dumps({"levels": levels, "losses": means}))
+    loop.cfg = dataclasses.replace(cfg, train=train, checkpoint=dataclasses.replace(cfg.checkpoint, save=folder))
+    try:
+        loop.validate(0)
+    finally:
+        loop.cfg = cfg
 
 
 def _save_after_training() -> None:
