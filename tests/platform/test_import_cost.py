@@ -59,6 +59,64 @@ print(gfile.boto3.client.__name__, 's3transfer' in sys.modules)
 """
 
 
+OPTIMIZER_PROBE = """
+import sys
+import torch
+import dfm.training.pretrain
+from dfm.platform import compat
+
+if {patched}:
+    compat.install()
+torch.manual_seed(0)
+weight = torch.nn.Parameter(torch.randn(8))
+optimizer = torch.optim.AdamW([weight], lr=0.1)
+for _ in range(2):
+    weight.grad = torch.randn(8)
+    with torch.enable_grad():
+        optimizer.step()  # in place on a leaf that requires grad: only legal under the step's no_grad
+    optimizer.zero_grad()
+optimizer.load_state_dict(optimizer.state_dict())
+print('torch._dynamo' in sys.modules, *weight.tolist())
+"""
+
+
+def test_torch_optimizers_build_and_step_without_importing_dynamo():
+    """A training rank's optimizer (built, stepped, zeroed, saved and loaded) leaves dynamo unimported
+    under dfm's patches, with torch's own update to the bit; torch's own methods import it."""
+    patched, unpatched = (probe(OPTIMIZER_PROBE.format(patched=flag)) for flag in (True, False))
+    assert patched[0] == "False" and unpatched[0] == "True"
+    assert patched[1:] == unpatched[1:]
+
+
+@pytest.mark.parametrize("imported", [False, True])
+def test_optimizer_methods_call_torchs_decorated_method_once_dynamo_is_imported(monkeypatch, imported):
+    """Before dynamo is imported the undecorated method runs; after, the one torch decorated."""
+    from dfm.platform.compat.dynamo_on_demand import step_until_dynamo, undecorated_until_dynamo
+
+    if imported:
+        monkeypatch.setitem(sys.modules, "torch._dynamo", sys.modules.get("torch._dynamo", object()))
+    else:
+        monkeypatch.delitem(sys.modules, "torch._dynamo", raising=False)
+    calls = []
+
+    def method(self):
+        calls.append(("method", torch.is_grad_enabled()))
+
+    def inner(self):  # torch._disable_dynamo's wrapper is named inner, _use_grad_for_differentiable's _use_grad
+        calls.append("decorated")
+
+    def _use_grad(self):
+        if self is None:  # never: the names the check looks for in torch's wrapper
+            torch.set_grad_enabled(torch._dynamo.graph_break())
+        calls.append("decorated")
+
+    inner.__wrapped__ = _use_grad.__wrapped__ = method
+    owner = type("Owner", (), {"defaults": {"differentiable": False}})()
+    undecorated_until_dynamo(inner)(owner)
+    step_until_dynamo(_use_grad)(owner)
+    assert calls == ["decorated"] * 2 if imported else [("method", True), ("method", False)]
+
+
 def test_boto3_runs_when_tensorboard_first_opens_an_s3_path():
     """TensorBoard (imported by megatron's timers) still sees S3 support; boto3's code runs on first use."""
     assert probe(BOTO3_PROBE) == ["_RunsOnFirstUse", "False", "True", "client", "True"]
@@ -107,3 +165,24 @@ def test_the_deferred_decorator_compiles_once_on_the_first_call(monkeypatch):
     assert compiled == [] and deferred.__wrapped__ is plus_one
     assert deferred(1) == 4 and deferred(2) == 6
     assert compiled == [plus_one]
+
+
+def test_a_step_torch_already_hooked_keeps_its_step_hooks():
+    """Once an optimizer of a class was built, torch wraps its step with the step hooks; the
+    replacement keeps them (and the update)."""
+    from dfm.platform.compat.dynamo_on_demand import step_until_dynamo
+
+    class Plain(torch.optim.SGD):  # its own class attribute, so torch.optim.SGD is left alone
+        step = (
+            torch.optim.SGD.step.__wrapped__ if getattr(torch.optim.SGD.step, "hooked", False) else torch.optim.SGD.step
+        )
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = Plain([weight], lr=0.5)
+    assert Plain.step.hooked
+    seen = []
+    optimizer.register_step_pre_hook(lambda *_: seen.append("pre"))
+    Plain.step = step_until_dynamo(Plain.step)
+    weight.grad = torch.ones(2)
+    optimizer.step()
+    assert Plain.step.hooked and seen == ["pre"] and weight.tolist() == [0.5, 0.5]

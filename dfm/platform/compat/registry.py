@@ -6,7 +6,18 @@ docs/device_layer.md ("Adding a patch"). All module paths are megatron-core 0.16
 
 from __future__ import annotations
 
-from dfm.platform.compat import async_save, checkpointing, fsdp, gloo_reduce, moe, optimizer, p2p, rng, safe_loading
+from dfm.platform.compat import (
+    async_save,
+    checkpointing,
+    dynamo_on_demand,
+    fsdp,
+    gloo_reduce,
+    moe,
+    optimizer,
+    p2p,
+    rng,
+    safe_loading,
+)
 from dfm.platform.compat.devices import cpu_torch_view
 from dfm.platform.compat.patch import Patch
 
@@ -499,6 +510,39 @@ SAFE_LOADING = (
     ),
 )
 
+
+# Not about the device: start-up cost. torch's optimizers import dynamo on their first call (~1 s of
+# CPU in every training rank) to keep it out of methods it cannot be tracing until it is imported.
+def _until_dynamo(attribute: str) -> Patch:
+    return Patch(
+        name=f"no-dynamo-import:{attribute}",
+        module="torch.optim.optimizer",
+        attribute=f"Optimizer.{attribute}",
+        why="imports torch._dynamo on its first call, only to disable it around the method",
+        relies_on=("@torch._disable_dynamo",),
+        replace=dynamo_on_demand.undecorated_until_dynamo,
+        cpu_only=False,
+    )
+
+
+def _step_until_dynamo(module: str, cls: str) -> Patch:
+    return Patch(
+        name=f"no-dynamo-import:{cls}.step",
+        module=module,
+        attribute=f"{cls}.step",
+        why="imports torch._dynamo on every call for graph breaks that do nothing outside a trace",
+        relies_on=("@_use_grad_for_differentiable",),
+        replace=dynamo_on_demand.step_until_dynamo,
+        cpu_only=False,
+    )
+
+
+DYNAMO_ON_DEMAND = (
+    *(_until_dynamo(name) for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict")),
+    _step_until_dynamo("torch.optim.adam", "Adam"),
+    _step_until_dynamo("torch.optim.sgd", "SGD"),
+)
+
 PATCHES = (
     *TORCH_VIEWS,
     *RNG,
@@ -509,4 +553,5 @@ PATCHES = (
     *MEGATRON_FSDP,
     *CHECKPOINTING,
     *SAFE_LOADING,
+    *DYNAMO_ON_DEMAND,
 )
