@@ -1,23 +1,24 @@
-"""Run a test's worker script under torchrun on CPU, writing its results into a folder."""
+"""Run a test's worker script as several ranks on CPU (tests/rank_launcher.py), writing its results into a folder."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.rank_launcher import launcher_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_worker(worker: Path, nproc: int, out: Path, timeout: int = 300, args: tuple = ()) -> None:
-    """``torchrun --nproc-per-node nproc worker *args out`` importing this checkout; fails with its stderr."""
+    """``nproc`` ranks of ``worker *args out`` importing this checkout; fails with its stderr."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    command = launcher_command(nproc)
     proc = subprocess.run(
         [*command, str(worker), *map(str, args), str(out)], env=env, capture_output=True, text=True, timeout=timeout
     )

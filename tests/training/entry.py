@@ -1,4 +1,4 @@
-"""Run the real pretrain entry point (optionally under torchrun) from tests."""
+"""Run the real pretrain entry point from tests: one process, or several ranks (tests/rank_launcher.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.rank_launcher import launcher_command
+
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recipes" / "dit"
 ENTRY = RECIPE_DIR / "pretrain_dit_model.py"
 FAULT_ENTRY = Path(__file__).resolve().parent / "_fault_entry.py"
@@ -22,9 +24,7 @@ TINY = RECIPE_DIR / "conf" / "dit_tiny.yaml"
 def entry_command(
     nproc: int, overrides: list[str], entry: Path = ENTRY, config: Path = TINY, mock: bool = True
 ) -> list[str]:
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    launcher = launcher_command(nproc) if nproc > 1 else [sys.executable]
     return [*launcher, str(entry), "--config-file", str(config), *(["--mock"] if mock else []), *overrides]
 
 
@@ -77,9 +77,7 @@ def run_entries(
     runs_file.write_text(json.dumps(runs))
     pending = list(runs)
     while pending:
-        launcher = [sys.executable]
-        if nproc > 1:
-            launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        launcher = launcher_command(nproc) if nproc > 1 else [sys.executable]
         with tempfile.TemporaryFile("w+") as out:
             proc = subprocess.Popen(
                 [*launcher, str(RUNS_ENTRY), str(runs_file)],
