@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dfm.config.distill import DistillConfig
 from dfm.config.peft import PeftConfig
 from dfm.diffusion.edm import EDMSettings
 from dfm.diffusion.flow import FlowSettings
@@ -298,3 +299,5 @@ class ConfigContainer:
     # LoRA adapters (dfm/peft, docs/lora.md); lora_rank=0: none.
     peft: PeftConfig = field(default_factory=PeftConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    # DMD2 distillation of checkpoint.pretrained into a few-step student (docs/distillation.md); off by default.
+    distill: DistillConfig = field(default_factory=DistillConfig)

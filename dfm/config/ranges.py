@@ -150,6 +150,11 @@ RANGES: dict[str, Range] = {
     "peft.lora_dropout": DROPOUT,
     "flow.t_min": Range(0.0, 1.0),
     "flow.t_max": Range(0.0, 1.0),
+    "distill.guidance_scale": NON_NEGATIVE,
+    "distill.critic_steps": COUNT,
+    "distill.min_t": Range(0.0, 1.0, low_open=True),
+    "distill.max_t": Range(0.0, 1.0, low_open=True),
+    "distill.regression_weight": NON_NEGATIVE,
 }
 
 

@@ -29,6 +29,7 @@ def validate_config(cfg: ConfigContainer, world_size: int | None = None) -> None
     _check_precision(cfg)
     _check_flow(cfg)
     _check_validation_sizes(cfg)
+    _check_distill(cfg)
 
 
 def _check_peft(cfg: ConfigContainer) -> None:
@@ -150,3 +151,37 @@ def _check_validation_sizes(cfg: ConfigContainer) -> None:
     for k, size in enumerate(cfg.validation.sizes):
         if len(size) != 3 or min(size) < 1:
             raise ConfigError(f"validation.sizes[{k}]={size}: expected [frames, height, width] in pixels, each >= 1")
+
+
+def _check_distill(cfg: ConfigContainer) -> None:
+    """The DMD2 settings' own rules; with ``distill.enabled``, what the distillation run needs and what it
+    does not run yet (docs/distillation.md, "Not built yet"), each refused naming the key to change."""
+    try:
+        cfg.distill.settings()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if not cfg.distill.enabled:
+        return
+    layout = ParallelLayout.from_config(cfg.model, None)
+    refused = {
+        "model.pipeline": (
+            cfg.model.pipeline != "flow",
+            "needs model.pipeline=flow (DMD2 is built on the flow pipeline)",
+        ),
+        "checkpoint.pretrained": (not cfg.checkpoint.pretrained, "needs checkpoint.pretrained=DIR, the teacher"),
+        # The student's sample must pass through the whole teacher and critic: not the stage split of a loss.
+        layout.key("pp"): (layout.pp > 1, f"does not support {layout.key('pp')} > 1 yet"),
+        "optimizer.ema_decay": (cfg.optimizer.ema_decay is not None, "keeps no EMA of the student yet"),
+        "train.eval_interval": (cfg.train.eval_interval is not None, "has no validation yet"),
+        "distill.regression_weight": (cfg.distill.regression_weight > 0, "makes no teacher samples to regress on yet"),
+        "model.wan_expert": (cfg.model.wan_expert == "both", "trains one model, not both Wan 2.2 experts"),
+        "peft.lora_rank": (cfg.peft.enabled, "trains full models, not LoRA adapters, yet"),
+    }
+    for key, (refuse, why) in refused.items():
+        if refuse:
+            raise ConfigError(f"distill.enabled=true {why}: {key}={_value(cfg, key)} is refused")
+
+
+def _value(cfg: ConfigContainer, key: str):
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)

@@ -47,6 +47,7 @@ def test_the_walk_finds_every_section():
         "flow",
         "peft",
         "validation",
+        "distill",
     }
 
 
