@@ -13,7 +13,10 @@ from dfm.checkpoint.progress import StageProgress
 from dfm.checkpoint.run_settings import compare_run_settings, data_kind, restore_schedule
 from dfm.checkpoint.select import choose_checkpoint
 from dfm.checkpoint.state import (
+    COMPANIONS,
     WEIGHTS_ONLY,
+    CheckpointState,
+    Companion,
     TrainingState,
     full_sharded_state_dict,
     layout,
@@ -60,6 +63,8 @@ def load_checkpoint(
         checkpoint = full_sharded_state_dict(
             model, optimizer, loader, is_loading=True, with_rng=same_layout, with_data=keep_data, ema=ema_saved
         )
+        companions = companion_requests(run.companions, common, directory)
+        checkpoint.state.update({name: part.state for name, part in companions.items()})
         progress.advance()
         loaded = dist_checkpointing.load(checkpoint.state, str(directory))
         progress.advance()
@@ -69,6 +74,8 @@ def load_checkpoint(
         step_parameters_together(optimizer)
         restore_ema(ema, loaded if ema_saved is not None else None, model, directory, checkpoint)
         restore_schedule(scheduler, optimizer, loaded["scheduler"], resume)
+        for name, part in companions.items():
+            restore_companion(run.companions[name], part, loaded[name], resume)
         progress.advance()
         if same_layout:
             set_rng_state(loaded["rng"])
@@ -84,6 +91,28 @@ def load_checkpoint(
         progress.advance()
     logger.info("loaded checkpoint %s (iteration %d)", directory, loaded["iteration"])
     return int(loaded["iteration"])
+
+
+def companion_requests(companions: dict[str, Companion], common: dict, directory: Path) -> dict[str, CheckpointState]:
+    """What to read of each companion (a distillation's critic); one the checkpoint lacks is refused by name."""
+    missing = [name for name in companions if name not in common.get(COMPANIONS, [])]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {directory} holds no {', '.join(missing)}: this run trains it beside the model "
+            "(distill.enabled=true), so it resumes only a checkpoint of such a run; "
+            "checkpoint.pretrained starts one from a model's weights"
+        )
+    for companion in companions.values():
+        ensure_adam_state(companion.optimizer)
+    return {name: companion.sharded_state(name, is_loading=True) for name, companion in companions.items()}
+
+
+def restore_companion(companion: Companion, part: CheckpointState, loaded: dict, resume) -> None:
+    """A companion's model, optimizer and schedule from what ``companion_requests`` asked for."""
+    restore_model_and_optimizer(part, companion.model, companion.optimizer, loaded)
+    unshare_adam_steps(companion.optimizer)
+    step_parameters_together(companion.optimizer)
+    restore_schedule(companion.scheduler, companion.optimizer, loaded["scheduler"], resume)
 
 
 RESUME_HINT = (

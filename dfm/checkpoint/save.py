@@ -31,7 +31,7 @@ from dfm.checkpoint.files import (
 )
 from dfm.checkpoint.manifest import FileEntry, checkpoint_files, describe_files, verify, write_manifest
 from dfm.checkpoint.run_settings import data_kind, dataset_identity
-from dfm.checkpoint.state import TrainingState, full_sharded_state_dict, layout
+from dfm.checkpoint.state import COMPANIONS, TrainingState, full_sharded_state_dict, layout
 from dfm.parallel.fsdp_shards import inner_model
 
 logger = logging.getLogger("dfm.checkpoint")
@@ -61,6 +61,13 @@ def save_checkpoint(
         target.mkdir(parents=True)
     barrier()
     state = full_sharded_state_dict(run.model, run.optimizer, run.loader, is_loading=False, ema=run.ema).state
+    for name, companion in run.companions.items():
+        state[name] = {
+            **companion.sharded_state(name, is_loading=False).state,
+            "scheduler": companion.scheduler.state_dict(),
+        }
+    if run.companions:
+        state[COMPANIONS] = sorted(run.companions)
     state.update(
         iteration=iteration,
         scheduler=run.scheduler.state_dict(),

@@ -30,6 +30,8 @@ logger = logging.getLogger("dfm.checkpoint")
 
 # Common-state flag of a checkpoint holding model weights only (``dfm.checkpoint.weights_only``).
 WEIGHTS_ONLY = "weights_only"
+# Common-state key: the names of the further trained models a checkpoint holds (``TrainingState.companions``).
+COMPANIONS = "companions"
 
 
 def _bump_replica_for_stage(sharded: dict[str, Any]) -> None:
@@ -112,6 +114,26 @@ class TrainingState:
     scheduler: Any
     loader: Any
     ema: Any = None
+    # Further trained models of the run, saved in the same checkpoint under their names (a distillation's critic).
+    companions: dict[str, Companion] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Companion:
+    """A further trained model of a run: its (DDP-wrapped) chunks, megatron optimizer and LR schedule. Its
+    sharded keys carry its name as prefix; the run's RNG and data position are saved once, with the run's."""
+
+    model: list
+    optimizer: Any
+    scheduler: Any
+
+    def sharded_state(self, name: str, is_loading: bool) -> CheckpointState:
+        """Model and optimizer as ``full_sharded_state_dict`` gives them, every sharded key prefixed ``<name>.``."""
+        checkpoint = full_sharded_state_dict(
+            self.model, self.optimizer, None, is_loading, with_rng=False, with_data=False
+        )
+        add_prefix_for_sharding(checkpoint.state, f"{name}.")
+        return checkpoint
 
 
 def layout(model) -> dict[str, int]:
