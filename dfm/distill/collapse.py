@@ -70,3 +70,17 @@ def per_step_collapse_statistics(
 ) -> list[CollapseStatistics]:
     """``collapse_statistics`` of each step's clean prediction (``student_trajectory``'s list)."""
     return [collapse_statistics(x0, packing, reference) for x0 in trajectory]
+
+
+def same_shape_samples(packing: Packing, shapes: list[tuple[int, ...]]) -> tuple[Tensor, Packing] | None:
+    """The samples of a pack's most common shape (``shapes``: one per sample, e.g. its latent's (C, T, H, W)),
+    as (their tokens' indices [S'], their own Packing); None when no two samples share a shape. Pairwise
+    distances compare samples element by element, so a pack of mixed sizes is measured on one size."""
+    counts = {shape: shapes.count(shape) for shape in shapes}
+    shape = max(counts, key=counts.get)
+    if counts[shape] < 2:
+        return None
+    chosen = torch.tensor([i for i, s in enumerate(shapes) if s == shape], device=packing.sample_ids.device)
+    tokens = torch.isin(packing.sample_ids, chosen).nonzero().squeeze(1)
+    renumbered = torch.searchsorted(chosen, packing.sample_ids[tokens])
+    return tokens, Packing(renumbered, packing.loss_mask[tokens], len(chosen))

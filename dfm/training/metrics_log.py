@@ -68,13 +68,14 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log(values, step=record["iteration"])
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any], line: str | None = None) -> None:
+        """Append ``record``; the console gets ``line``, or the pretraining line made of it."""
         if not self.enabled:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self.scalars("train", record)
-        logger.info(self.console_line(record))
+        logger.info(line or self.console_line(record))
 
     def write_validation(self, record: dict[str, Any]) -> None:
         """One line of <log_dir>/validation.jsonl (val loss, per level ``val_loss_t<k>`` at ``val_levels``,

@@ -34,6 +34,7 @@ from dfm.platform.parent_watch import checkpoint_writer_queue_dies_with_us, die_
 from dfm.platform.process_exit import skip_final_gc_at_exit
 from dfm.platform.watchdog import StallWatchdog, stall_timeout
 from dfm.training.data import build_train_loader, build_val_iterator
+from dfm.training.distill_loop import build_distillation
 from dfm.training.ema import build_ema
 from dfm.training.faults import NonFiniteGuard, PreemptionSignal, step_checks
 from dfm.training.forward_step import DiffusionForwardStep
@@ -175,17 +176,18 @@ def run(context: RunContext, preemption: PreemptionSignal) -> None:
     if rank == 0:
         announce_config(cfg)
     torch.distributed.barrier()  # unfinished saves are set aside before any rank looks for checkpoints
+    if cfg.distill.enabled:  # the student, the critic beside it and the frozen teacher (dfm/training/distill_loop.py)
+        state, players = build_distillation(
+            cfg, layout, device, RecordingIterator(build_train_loader(cfg, layout, context.mock))
+        )
+        TrainLoop(context, state, players.forward_step, preemption, players).run(resume_or_start(cfg, state))
+        return
     model, tconfig = build_model(cfg, layout, device)
     optimizer, scheduler = build_optimizer(cfg, model, tconfig)
     log_memory(cfg, layout, model, optimizer)
     data_iter = RecordingIterator(build_train_loader(cfg, layout, context.mock))
     state = TrainingState(model, optimizer, scheduler, data_iter, build_ema(model, cfg.optimizer.ema_decay))
-    start = 0
-    if cfg.checkpoint.load:
-        start = load_checkpoint(cfg.checkpoint.load, state, cfg.model, cfg)
-    if start == 0 and cfg.checkpoint.pretrained:
-        start_from_pretrained(cfg, model, optimizer, state.ema)
-    warn_if_little_room(cfg.checkpoint.save, model, state.ema)
+    start = resume_or_start(cfg, state)
     forward_step = DiffusionForwardStep(
         pipeline_from_config(cfg),
         cfg.rng.seed,
@@ -195,6 +197,18 @@ def run(context: RunContext, preemption: PreemptionSignal) -> None:
         both_experts_boundary(cfg),
     )
     TrainLoop(context, state, forward_step, preemption).run(start)
+
+
+def resume_or_start(cfg: ConfigContainer, state: TrainingState) -> int:
+    """The iteration to start after: ``checkpoint.load``'s, or 0 with the weights of ``checkpoint.pretrained``
+    (in the model and every companion) when set."""
+    start = load_checkpoint(cfg.checkpoint.load, state, cfg.model, cfg) if cfg.checkpoint.load else 0
+    if start == 0 and cfg.checkpoint.pretrained:
+        start_from_pretrained(cfg, state.model, state.optimizer, state.ema)
+        for companion in state.companions.values():
+            start_from_pretrained(cfg, companion.model, companion.optimizer, None)
+    warn_if_little_room(cfg.checkpoint.save, state.model, state.ema)
+    return start
 
 
 def both_experts_boundary(cfg: ConfigContainer) -> float | None:
@@ -223,8 +237,10 @@ class RunContext:
 class TrainLoop:
     """Steps, logging, validation and checkpoints of one run (``state.loader`` is a RecordingIterator)."""
 
-    def __init__(self, context: RunContext, state: TrainingState, forward_step, preemption=None):
+    def __init__(self, context: RunContext, state: TrainingState, forward_step, preemption=None, players=None):
         self.context, self.state, self.forward_step = context, state, forward_step
+        # A distillation's step and metrics line (dfm/training/distill_loop.py); None: this model's own.
+        self.players = players
         cfg, layout, device = context.cfg, context.layout, context.device
         self.cfg, self.layout, self.device = cfg, layout, device
         self.async_saves = AsyncCallsQueue() if cfg.checkpoint.async_save else None
@@ -255,22 +271,14 @@ class TrainLoop:
         try:
             for iteration in range(start + 1, cfg.train.train_iters + 1):
                 self.watchdog.beat(f"iteration {iteration}")
-                self.forward_step.iteration = iteration
-                for chunk in self.model:
-                    chunk.train()
-                losses, updated, grad_norm, preempt = train_step(
-                    self.forward_step, self.state, self.n_micro, self.device, self.signal
-                )
-                self.guard.record(updated, iteration)
-                if updated and self.state.ema is not None:
-                    self.update_ema()
+                outcome, preempt = self.step(iteration)
                 if self.async_saves is not None:
                     self.async_saves.maybe_finalize_async_calls(blocking=False)
                 window.iterations += 1
                 window.packs += self.state.loader.take()
                 last = iteration == cfg.train.train_iters
                 if iteration % cfg.logger.log_interval == 0 or last:
-                    self.log(iteration, losses, grad_norm, window)
+                    self.log(iteration, outcome, window)
                     window = LogWindow()
                 if preempt:
                     self.save_and_stop(iteration)
@@ -287,6 +295,23 @@ class TrainLoop:
                 self.async_saves.close()  # waits for the last save and marks it `latest`
             self.watchdog.stop()
             self.metrics.close()
+
+    def step(self, iteration: int) -> tuple[tuple, bool]:
+        """One iteration's training -> (what ``log`` reads, preempt)."""
+        if self.players is not None:
+            return self.players.step(self, iteration)
+        losses, updated, grad_norm, preempt = self.train_model(self.forward_step, self.state, iteration)
+        self.guard.record(updated, iteration)
+        if updated and self.state.ema is not None:
+            self.update_ema()
+        return (losses, grad_norm), preempt
+
+    def train_model(self, forward_step, state: TrainingState, iteration: int) -> tuple:
+        """``train_step`` of ``state``'s model at ``iteration`` (its chunks in training mode)."""
+        forward_step.iteration = iteration
+        for chunk in state.model:
+            chunk.train()
+        return train_step(forward_step, state, self.n_micro, self.device, self.signal)
 
     def save_and_stop(self, iteration: int) -> None:
         """After a preemption signal on any rank: save this step (an in-flight async save completes first)."""
@@ -361,7 +386,12 @@ class TrainLoop:
             checkpoint.save, iteration, self.state, config_to_dict(self.cfg), checkpoint.keep_last, self.async_saves
         )
 
-    def log(self, iteration: int, losses, grad_norm, window: LogWindow) -> None:
+    def log(self, iteration: int, outcome: tuple, window: LogWindow) -> None:
+        if self.players is not None:
+            record = self.players.record(self, iteration, outcome, window)
+            self.metrics.write(record, self.players.console_line(record))
+            return
+        losses, grad_norm = outcome
         loss, _ = reduce_loss_and_tokens(losses, self.device)
         experts = reduce_expert_losses(losses, self.device) if self.forward_step.expert_boundary is not None else {}
         if self.device.type == "cuda":

@@ -1,0 +1,153 @@
+"""A DMD2 distillation run (``distill.enabled``; docs/distillation.md): its three models, and what one
+iteration of the training loop trains and logs.
+
+The student and the critic are built like any dfm model (DDP chunks, a megatron optimizer and LR schedule
+each) and both start from the teacher's weights (``checkpoint.pretrained``); the teacher is a frozen module
+without DDP, gradients or optimizer state. Every iteration the critic takes a step; every ``critic_steps``-th
+the student first takes one. The critic is saved as a companion of the student in the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dfm.checkpoint.errors import CheckpointError
+from dfm.checkpoint.pretrained_model import saved_model_section
+from dfm.checkpoint.select import choose_checkpoint
+from dfm.checkpoint.state import Companion, TrainingState
+from dfm.checkpoint.weights_only import load_weights
+from dfm.config.container import ConfigContainer
+from dfm.diffusion.registry import pipeline_from_config
+from dfm.models.build import build_model_chunk
+from dfm.parallel.layout import ParallelLayout
+from dfm.training.distill_step import COLLAPSE_KEYS, CRITIC, STUDENT, DistillForwardStep, Players
+from dfm.training.losses import reduce_loss_and_tokens
+from dfm.training.metrics_log import _fmt
+from dfm.training.setup import build_model, build_optimizer
+
+
+@dataclass
+class PlayerStep:
+    """One player's optimizer step (``train_step``'s result)."""
+
+    losses: list  # the schedule's per-micro-batch dicts
+    updated: bool
+    grad_norm: float | None
+    preempt: bool
+
+
+@dataclass
+class DistillOutcome:
+    """An iteration's steps: the critic's, and the student's when it took one."""
+
+    critic: PlayerStep
+    student: PlayerStep | None
+
+
+def frozen_teacher(cfg: ConfigContainer, layout: ParallelLayout, device: torch.device):
+    """The ``checkpoint.pretrained`` model as one module on ``device``: eval mode, no gradients. A teacher
+    saved with another diffusion pipeline is refused (its outputs would be read as velocities)."""
+    path = cfg.checkpoint.pretrained
+    saved = saved_model_section(path) or {}
+    if saved.get("pipeline", "flow") != "flow":
+        raise CheckpointError(
+            f"checkpoint.pretrained={path} was trained with model.pipeline={saved['pipeline']}: "
+            "distill.enabled=true distils a flow-matching teacher"
+        )
+    teacher, _ = build_model_chunk(
+        cfg.model, cfg.mixed_precision.precision, cfg.rng.seed, None, layout, device, params_dtype_everywhere=True
+    )
+    load_weights(choose_checkpoint(path), [teacher], cfg.model, path)
+    return teacher.requires_grad_(False).eval()
+
+
+def build_distillation(
+    cfg: ConfigContainer, layout: ParallelLayout, device: torch.device, loader
+) -> tuple[TrainingState, DistillPlayers]:
+    """The run's state (the student, with the critic as its companion; initial weights are the caller's to
+    load) and the loop's hook (``DistillPlayers``) over them and the teacher."""
+    student, tconfig = build_model(cfg, layout, device)
+    optimizer, scheduler = build_optimizer(cfg, student, tconfig)
+    critic, critic_tconfig = build_model(cfg, layout, device)  # its own TransformerConfig: its own grad hooks
+    critic_optimizer, critic_scheduler = build_optimizer(cfg, critic, critic_tconfig)
+    companion = Companion(critic, critic_optimizer, critic_scheduler)
+    state = TrainingState(student, optimizer, scheduler, loader, companions={CRITIC: companion})
+    players = Players(student[0], critic[0], frozen_teacher(cfg, layout, device))
+    pipeline, settings = pipeline_from_config(cfg), cfg.distill.settings()
+    steps = {
+        role: DistillForwardStep(role, pipeline, settings, players, cfg.rng.seed, device) for role in (STUDENT, CRITIC)
+    }
+    return state, DistillPlayers(settings, steps)
+
+
+def finite_or_none(value) -> float | None:
+    return float(value) if value is not None and math.isfinite(float(value)) else None
+
+
+class DistillPlayers:
+    """The training loop's hook for a distillation: ``step`` trains the players of one iteration on the same
+    packs, ``record`` and ``console_line`` make its metrics line."""
+
+    def __init__(self, settings, steps: dict[str, DistillForwardStep]):
+        self.settings, self.steps = settings, steps
+        self.last_student: tuple[int, PlayerStep] | None = None  # the latest student step, logged until the next
+
+    @property
+    def forward_step(self) -> DistillForwardStep:
+        return self.steps[STUDENT]
+
+    def step(self, loop, iteration: int) -> tuple[DistillOutcome, bool]:
+        """-> (the iteration's steps, preempt). ``updates_student`` counts from 0, the loop from 1."""
+        packs = [next(loop.state.loader) for _ in range(loop.n_micro)]
+        student = None
+        if self.settings.updates_student(iteration - 1):
+            student = self.train(loop, STUDENT, loop.state, packs, iteration)
+            self.last_student = (iteration, student)
+        critic = self.train(loop, CRITIC, loop.state.companions[CRITIC], packs, iteration)
+        loop.guard.record(critic.updated and (student is None or student.updated), iteration)
+        return DistillOutcome(critic, student), critic.preempt or (student is not None and student.preempt)
+
+    def train(self, loop, role: str, player, packs: list, iteration: int) -> PlayerStep:
+        """One optimizer step of ``player`` (model, optimizer, scheduler) over ``packs``."""
+        state = TrainingState(player.model, player.optimizer, player.scheduler, iter(packs))
+        return PlayerStep(*loop.train_model(self.steps[role], state, iteration))
+
+    def record(self, loop, iteration: int, outcome: DistillOutcome, window) -> dict[str, Any]:
+        """One metrics.jsonl line: both players' losses, gradient norms and lrs (the student's from its latest
+        step), the collapse figures of the critic step's student samples, and the loop's timing fields."""
+        critic_loss, _ = reduce_loss_and_tokens(outcome.critic.losses, loop.device)
+        student_iteration, student = self.last_student or (None, None)
+        student_loss = reduce_loss_and_tokens(student.losses, loop.device)[0] if student is not None else None
+        collapse = torch.stack([item["collapse"] for item in outcome.critic.losses]).nanmean(0).tolist()
+        if loop.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - window.start
+        # Throughput fields from the pretraining line; its FLOPs count one model call per pack, not this run's.
+        base = loop.record(iteration, critic_loss, None, elapsed, window)
+        dropped = ("loss", "grad_norm", "lr", "tflops_per_gpu", "mfu")
+        return {key: value for key, value in base.items() if key not in dropped} | {
+            "critic_loss": critic_loss,
+            "student_loss": student_loss,
+            "student_iteration": student_iteration,
+            "critic_grad_norm": finite_or_none(outcome.critic.grad_norm),
+            "student_grad_norm": finite_or_none(student.grad_norm) if student is not None else None,
+            "critic_lr": loop.state.companions[CRITIC].optimizer.param_groups[0]["lr"],
+            "student_lr": loop.state.optimizer.param_groups[0]["lr"],
+            **{key: value if math.isfinite(value) else None for key, value in zip(COLLAPSE_KEYS, collapse)},
+        }
+
+    @staticmethod
+    def console_line(r: dict[str, Any]) -> str:
+        return (
+            f"iter {r['iteration']:>6}/{r['train_iters']} | critic loss {_fmt(r['critic_loss'])} | "
+            f"student loss {_fmt(r['student_loss'])} (iter {_fmt(r['student_iteration'])}) | "
+            f"grad norm critic {_fmt(r['critic_grad_norm'])} student {_fmt(r['student_grad_norm'])} | "
+            f"lr critic {r['critic_lr']:.3g} student {r['student_lr']:.3g} | skipped {r['skipped_iterations']} | "
+            f"{r['step_time_s'] * 1000:.0f} ms/it | {_fmt(r['tokens_per_sec_per_gpu'])} tok/s/gpu | collapse "
+            + " ".join(f"{key.removeprefix('collapse_')} {_fmt(r[key])}" for key in COLLAPSE_KEYS)
+        )

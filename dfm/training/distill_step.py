@@ -1,0 +1,131 @@
+"""The megatron ``forward_step_func``s of a DMD2 distillation (docs/distillation.md): the critic's flow-matching
+loss on detached student samples, and the student's distribution-matching loss with backward simulation.
+
+Each network is called as the flow pipeline calls a model, ``net(x_in [S, D], c_noise [N], batch=pack)``: the
+DDP-wrapped student and critic, the unwrapped frozen teacher. One pipeline stage (the distill config refuses
+more), so the "output" a forward step hands the schedule is already the per-sample loss [N].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from dfm.data.packed_batch import PackedBatch
+from dfm.diffusion.flow import FlowPipeline
+from dfm.diffusion.pipeline import null_dropped_context
+from dfm.distill import (
+    Conditioning,
+    DistillSettings,
+    Packing,
+    ScoreNets,
+    collapse_statistics,
+    critic_loss,
+    distribution_matching_loss,
+    generate_student_sample,
+)
+from dfm.distill.collapse import same_shape_samples
+from dfm.distill.student_sampling import fresh_noise
+
+CRITIC, STUDENT = "critic", "student"
+COLLAPSE_KEYS = ("collapse_mean", "collapse_std", "collapse_distance", "collapse_diversity")
+
+
+@dataclass
+class Players:
+    """The three networks: ``student`` and ``critic`` DDP-wrapped chunks, ``teacher`` the frozen module."""
+
+    student: Any
+    critic: Any
+    teacher: Any
+
+
+def pack_generator(seed: int, iteration: int, role: str, batch: PackedBatch) -> torch.Generator:
+    """The CPU generator of a pack's draws in one player's step: a function of (seed, iteration, role, the
+    pack's first global sample index) only, so a resumed run draws what an uninterrupted one does."""
+    first = int(batch.host_view().sample_index[0])
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{iteration}:{role}:{first}".encode()))
+
+
+def conditioning(batch: PackedBatch, guidance_scale: float) -> Conditioning:
+    """The pack's text for every network; with guidance, also the pack with every sample's text dropped
+    (as training's classifier-free dropout drops it) for the teacher's unconditional prediction."""
+    if guidance_scale == 1.0:
+        return Conditioning({"batch": batch})
+    dropped = torch.ones(batch.num_samples, dtype=torch.bool, device=batch.context.device)
+    pooled = None if batch.pooled_text is None else torch.zeros_like(batch.pooled_text)
+    context = null_dropped_context(batch.context, batch.cu_seqlens_kv_padded, dropped)
+    return Conditioning({"batch": batch}, {"batch": dataclasses.replace(batch, context=context, pooled_text=pooled)})
+
+
+def collapse_figures(x0: torch.Tensor, batch: PackedBatch, packing: Packing) -> torch.Tensor:
+    """[4] fp32 ``COLLAPSE_KEYS`` of the student's samples ``x0 [S, D]``: the mean over samples of their means
+    and stds, and over the pack's most common latent shape the mean pairwise distance and the diversity
+    against the pack's data latents; NaN where no two samples share a shape."""
+    shapes = [tuple(shape) for shape in batch.host_view().latent_shape.tolist()]
+    subset = same_shape_samples(packing, shapes)
+    if subset is None:
+        return torch.tensor([float("nan")] * len(COLLAPSE_KEYS))
+    tokens, sub_packing = subset
+    stats = collapse_statistics(x0[tokens], sub_packing, batch.latents[tokens])
+    return torch.tensor([stats.mean.mean().item(), stats.std.mean().item(), stats.pairwise_distance, stats.diversity])
+
+
+class DistillForwardStep:
+    """Callable as megatron's forward_step_func(data_iterator, model) for one player (``role``); ``iteration``
+    is set by the loop. ``pipeline`` and ``expert_boundary`` are what the training loop reads of a forward step."""
+
+    expert_boundary = None  # a distillation trains one model
+
+    def __init__(
+        self,
+        role: str,
+        pipeline: FlowPipeline,
+        settings: DistillSettings,
+        players: Players,
+        seed: int,
+        device: torch.device,
+    ):
+        self.role, self.pipeline, self.settings, self.players = role, pipeline, settings, players
+        self.seed, self.device = seed, device
+        self.iteration = 0
+
+    def __call__(self, data_iterator, model):
+        batch = next(data_iterator).to(self.device)
+        packing = Packing(batch.token_sample_ids(), batch.loss_mask, batch.num_samples)
+        generator = pack_generator(self.seed, self.iteration, self.role, batch)
+        cond = conditioning(batch, self.settings.guidance_scale)
+        noise = fresh_noise(batch.latents, generator)  # the student's starting noise, padding included
+        if self.role == STUDENT:
+            return self.student_loss(model, batch, packing, noise, generator, cond)
+        return self.critic_loss(model, batch, packing, noise, generator, cond)
+
+    def student_loss(self, student, batch, packing, noise, generator, cond):
+        """DMD's loss of a backward-simulated student sample, in the reference code's mean-squared scale."""
+        sample = generate_student_sample(self.pipeline, student, noise, packing, self.settings, generator, cond)
+        scores = ScoreNets(self.players.teacher, self.players.critic)
+        matching = distribution_matching_loss(self.pipeline, scores, sample.x0, packing, self.settings, cond, generator)
+        per_sample = matching.loss / matching.elements
+        return per_sample, partial(self.reduce, batch, {})
+
+    def critic_loss(self, critic, batch, packing, noise, generator, cond):
+        """The critic's flow-matching loss on a student sample made without grad, and that sample's collapse figures."""
+        with torch.no_grad():
+            sample = generate_student_sample(
+                self.pipeline, self.players.student, noise, packing, self.settings, generator, cond
+            )
+        per_sample = critic_loss(self.pipeline, critic, sample.x0, packing, self.settings, cond, generator)
+        extra = {"collapse": collapse_figures(sample.x0.detach(), batch, packing)}
+        return per_sample, partial(self.reduce, batch, extra)
+
+    @staticmethod
+    def reduce(batch: PackedBatch, extra: dict, per_sample: torch.Tensor):
+        """The schedule's loss closure: the pack's mean loss and the logged numbers (as DiffusionForwardStep's)."""
+        loss = per_sample.mean()
+        stats = torch.stack([loss.detach().float(), batch.loss_mask.detach().sum().float()])
+        return loss, {"loss_and_tokens": stats, **extra}

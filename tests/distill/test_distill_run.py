@@ -1,0 +1,152 @@
+"""DMD2 distillation through the trainer (distill.enabled; docs/distillation.md), one process.
+
+A flow teacher is trained for 2 iterations through the real entry point (``--mock``, the tiny DiT); then
+distilled for 4 iterations (``critic_steps=2``: the student steps at 2 and 4, the critic at every one;
+teacher guidance 2, so the unconditional pass runs) saving at 2, and resumed from that checkpoint. All three
+runs share one launch (tests/training/entry.py ``run_in_one_launch``). The teacher's freezing is checked in
+this process on the trainer's own objects; the refusals on the config the entry point builds.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dfm.config.errors import ConfigError
+from dfm.config.loader import build_config
+from dfm.distill import Packing
+from dfm.distill.collapse import same_shape_samples
+from dfm.parallel import ParallelLayout
+from tests.training.entry import TINY, read_metrics, run_in_one_launch
+
+FLOW = ["model.pipeline=flow"]
+DISTILL = [*FLOW, "distill.enabled=true", "distill.critic_steps=2", "distill.guidance_scale=2", "train.train_iters=4"]
+
+
+def distill_overrides(teacher: Path) -> list[str]:
+    return [*DISTILL, f"checkpoint.pretrained={teacher}"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The teacher's checkpoint and the metrics of the straight and the resumed distillation."""
+    tmp = tmp_path_factory.mktemp("distill")
+    teacher, save = tmp / "teacher", tmp / "distill"
+    teach = [*FLOW, "train.train_iters=2", f"checkpoint.save={teacher}", f"logger.log_dir={tmp / 'teacher_logs'}"]
+    straight = [*distill_overrides(teacher), f"checkpoint.save={save}", "checkpoint.save_interval=2"]
+    resumed = [*distill_overrides(teacher), f"checkpoint.load={save}/iter_0000002"]
+    run_in_one_launch(
+        1,
+        [teach, [*straight, f"logger.log_dir={tmp / 'straight'}"], [*resumed, f"logger.log_dir={tmp / 'resumed'}"]],
+        tmp / "launch",
+    )
+    records = {name: {r["iteration"]: r for r in read_metrics(tmp / name)} for name in ("straight", "resumed")}
+    return teacher, records
+
+
+@pytest.mark.slow
+def test_both_players_losses_are_finite_and_logged(runs):
+    _, records = runs
+    straight = records["straight"]
+    assert sorted(straight) == [1, 2, 3, 4]
+    for iteration, record in straight.items():
+        assert math.isfinite(record["critic_loss"]) and record["critic_grad_norm"] is not None, record
+        # the student steps every critic_steps-th iteration; the line carries its latest step
+        expected = None if iteration == 1 else 2 * (iteration // 2)
+        assert record["student_iteration"] == expected, record
+        assert (record["student_loss"] is None) == (expected is None), record
+        assert record["student_loss"] is None or math.isfinite(record["student_loss"])
+        assert record["collapse_std"] > 0 and record["collapse_diversity"] > 0, record
+    assert straight[4]["student_loss"] != straight[2]["student_loss"]
+
+
+@pytest.mark.slow
+def test_resume_is_exact(runs):
+    _, records = runs
+    straight, resumed = records["straight"], records["resumed"]
+    assert sorted(resumed) == [3, 4]
+    keys = ("critic_loss", "critic_grad_norm", "student_loss", "student_grad_norm", "collapse_diversity")
+    for iteration in resumed:
+        for key in keys[:2] + keys[4:]:
+            assert resumed[iteration][key] == straight[iteration][key], (key, iteration)  # bitwise on CPU
+    for key in keys[2:4]:  # the student's step at 4 used the resumed critic and the resumed student
+        assert resumed[4][key] == straight[4][key], key
+
+
+@pytest.mark.slow
+def test_teacher_is_frozen_and_the_players_learn(runs, tmp_path):
+    """Two iterations of the trainer's own loop in this process: the teacher's weights stay those of its
+    checkpoint, with no gradients and in no optimizer; the student's and the critic's weights move."""
+    from dfm.platform.distributed import destroy_distributed, initialize_distributed
+    from dfm.training.data import build_mock_loader
+    from dfm.training.distill_loop import CRITIC, build_distillation
+    from dfm.training.pretrain import RecordingIterator, RunContext, TrainLoop, finalize_defaults, resume_or_start
+
+    teacher_dir, _ = runs
+    device = initialize_distributed()
+    try:
+        cfg = build_config(None, str(TINY), [*distill_overrides(teacher_dir), f"logger.log_dir={tmp_path}"])
+        layout = ParallelLayout(world_size=1)
+        finalize_defaults(cfg, layout)
+        state, players = build_distillation(cfg, layout, device, RecordingIterator(build_mock_loader(cfg, layout)))
+        resume_or_start(cfg, state)
+        teacher = players.forward_step.players.teacher
+        critic = state.companions[CRITIC]
+        before = {name: p.detach().clone() for name, p in teacher.named_parameters()}
+        student_before = {name: p.detach().clone() for name, p in state.model[0].module.named_parameters()}
+        critic_before = {name: p.detach().clone() for name, p in critic.model[0].module.named_parameters()}
+        for start in (student_before, critic_before):  # both players start from the teacher
+            assert all(torch.equal(start[name], before[name]) for name in before)
+        loop = TrainLoop(RunContext(cfg, layout, device, True), state, players.forward_step, None, players)
+        for iteration in (1, 2):
+            loop.step(iteration)
+        after = dict(teacher.named_parameters())
+        assert all(torch.equal(before[name], after[name]) for name in before)
+        assert all(not p.requires_grad and p.grad is None for p in teacher.parameters())
+        optimized = {
+            id(p) for opt in (state.optimizer, critic.optimizer) for g in opt.param_groups for p in g["params"]
+        }
+        assert not optimized & {id(p) for p in teacher.parameters()}
+        for start, chunk in ((student_before, state.model[0]), (critic_before, critic.model[0])):
+            assert any(not torch.equal(start[name], p) for name, p in chunk.module.named_parameters())
+        loop.metrics.close()
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["model.pipeline=edm", "checkpoint.pretrained=x"], "model.pipeline"),
+        ([*FLOW], "checkpoint.pretrained"),
+        (
+            [*FLOW, "checkpoint.pretrained=x", "model.pipeline_model_parallel_size=2"],
+            "model.pipeline_model_parallel_size",
+        ),
+        ([*FLOW, "checkpoint.pretrained=x", "optimizer.ema_decay=0.99"], "optimizer.ema_decay"),
+        ([*FLOW, "checkpoint.pretrained=x", "train.eval_interval=2"], "train.eval_interval"),
+    ],
+)
+def test_distillation_refuses_what_it_cannot_run_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=f"distill.enabled=true .*: {key}="):
+        build_config(None, str(TINY), ["distill.enabled=true", *overrides])
+
+
+def test_distillation_is_off_by_default_and_its_settings_are_checked():
+    assert not build_config(None, str(TINY)).distill.enabled
+    with pytest.raises(ConfigError, match="distill.student_timesteps must start at 1.0"):
+        build_config(None, str(TINY), ["distill.student_timesteps=[0.5]"])
+
+
+def test_same_shape_samples_takes_the_most_common_shape():
+    """Samples 0 and 2 share a shape (2 tokens each, one padding token in sample 2); sample 1 has its own."""
+    ids = torch.tensor([0, 0, 1, 1, 1, 2, 2])
+    mask = torch.tensor([1, 1, 1, 1, 1, 1, 0.0])
+    tokens, packing = same_shape_samples(Packing(ids, mask, 3), [(4, 1, 2, 2), (4, 1, 2, 4), (4, 1, 2, 2)])
+    assert tokens.tolist() == [0, 1, 5, 6]
+    assert packing.sample_ids.tolist() == [0, 0, 1, 1] and packing.loss_mask.tolist() == [1, 1, 1, 0]
+    assert packing.num_samples == 2
+    assert same_shape_samples(Packing(ids, mask, 3), [(1,), (2,), (3,)]) is None
