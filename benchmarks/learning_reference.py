@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import yaml
+from braceexpand import braceexpand
 from einops import rearrange
 from torch import Tensor, nn
 
@@ -60,7 +61,8 @@ def read_clip_shards(dataset_dir: Path) -> ClipShards:
     """Every sample of the energon dataset's train split (its ``split.yaml``), read straight from the tars."""
     split = yaml.safe_load((dataset_dir / ".nv-meta" / "split.yaml").read_text())
     parts: dict[str, dict[str, bytes]] = {}
-    for shard in split["split_parts"]["train"]:
+    # energon writes a run of shards as one brace pattern ("rank000-{000000..000003}.tar")
+    for shard in (name for pattern in split["split_parts"]["train"] for name in braceexpand(pattern)):
         with tarfile.open(dataset_dir / shard) as tar:
             for member in filter(tarfile.TarInfo.isfile, tar):
                 key, extension = member.name.split(".", 1)

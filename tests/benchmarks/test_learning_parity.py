@@ -3,8 +3,12 @@ samples as dfm's flow Euler does, and a tiny end-to-end run scores both sides.""
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
+import tarfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,3 +90,21 @@ def test_both_sides_score_on_the_same_clips(tmp_path, capsys):
     encoded = load_encoders(sources, 40, torch.device("cpu")).text.encode(shards.captions[:3])
     for shard_text, text in zip(shards.texts, encoded):
         assert torch.allclose(shard_text, text.float().cpu(), atol=1e-5)
+
+
+def test_reference_reads_every_shard_of_a_brace_pattern(tmp_path):
+    """energon names a run of shards as one pattern in split.yaml; the reference reads them all."""
+    for index in range(2):
+        with tarfile.open(tmp_path / f"part-{index:06d}.tar", "w") as tar:
+            latent, text = io.BytesIO(), pickle.dumps(np.full((3, 2), index, dtype=np.float32))
+            torch.save(torch.full((1, 4, 16, 16), float(index)), latent)
+            members = {"pth": latent.getvalue(), "pickle": text, "json": json.dumps({"caption": f"c{index}"}).encode()}
+            for extension, data in members.items():
+                info = tarfile.TarInfo(f"sample{index}.{extension}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    (tmp_path / ".nv-meta").mkdir()
+    (tmp_path / ".nv-meta" / "split.yaml").write_text("split_parts:\n  train:\n  - part-{000000..000001}.tar\n")
+    shards = read_clip_shards(tmp_path)
+    assert shards.captions == ["c0", "c1"] and shards.latents[:, 0, 0, 0, 0].tolist() == [0.0, 1.0]
+    assert [text[0, 0].item() for text in shards.texts] == [0.0, 1.0]
