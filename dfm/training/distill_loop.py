@@ -27,7 +27,7 @@ from dfm.models.build import build_model_chunk
 from dfm.parallel.layout import ParallelLayout
 from dfm.training.distill_step import COLLAPSE_KEYS, CRITIC, STUDENT, DistillForwardStep, Players
 from dfm.training.losses import reduce_loss_and_tokens
-from dfm.training.metrics_log import _fmt
+from dfm.training.metrics_log import fmt
 from dfm.training.setup import build_model, build_optimizer
 
 
@@ -144,10 +144,10 @@ class DistillPlayers:
     @staticmethod
     def console_line(r: dict[str, Any]) -> str:
         return (
-            f"iter {r['iteration']:>6}/{r['train_iters']} | critic loss {_fmt(r['critic_loss'])} | "
-            f"student loss {_fmt(r['student_loss'])} (iter {_fmt(r['student_iteration'])}) | "
-            f"grad norm critic {_fmt(r['critic_grad_norm'])} student {_fmt(r['student_grad_norm'])} | "
+            f"iter {r['iteration']:>6}/{r['train_iters']} | critic loss {fmt(r['critic_loss'])} | "
+            f"student loss {fmt(r['student_loss'])} (iter {fmt(r['student_iteration'])}) | "
+            f"grad norm critic {fmt(r['critic_grad_norm'])} student {fmt(r['student_grad_norm'])} | "
             f"lr critic {r['critic_lr']:.3g} student {r['student_lr']:.3g} | skipped {r['skipped_iterations']} | "
-            f"{r['step_time_s'] * 1000:.0f} ms/it | {_fmt(r['tokens_per_sec_per_gpu'])} tok/s/gpu | collapse "
-            + " ".join(f"{key.removeprefix('collapse_')} {_fmt(r[key])}" for key in COLLAPSE_KEYS)
+            f"{r['step_time_s'] * 1000:.0f} ms/it | {fmt(r['tokens_per_sec_per_gpu'])} tok/s/gpu | collapse "
+            + " ".join(f"{key.removeprefix('collapse_')} {fmt(r[key])}" for key in COLLAPSE_KEYS)
         )

@@ -14,7 +14,8 @@ import numpy as np
 logger = logging.getLogger("dfm.train")
 
 
-def _fmt(value: Any) -> str:
+def fmt(value: Any) -> str:
+    """A metric as the console line shows it: n/a for None, 4 significant digits for floats."""
     if value is None:
         return "n/a"
     if isinstance(value, float):
@@ -88,15 +89,15 @@ class MetricsLog:
         measured = {k: v for k, v in record.items() if "/" in k}  # sample metrics: "<metric>/<name>"
         self.scalars("validation", {"iteration": record["iteration"], **losses, **measured})
         per_level = " ".join(
-            f"{level:.3g}:{_fmt(record[f'val_loss_t{k}'])}" for k, level in enumerate(record.get("val_levels", []))
+            f"{level:.3g}:{fmt(record[f'val_loss_t{k}'])}" for k, level in enumerate(record.get("val_levels", []))
         )
         logger.info(
             "validation at iter %d | val loss %s | per level %s | sample %s%s",
             record["iteration"],
-            _fmt(record["val_loss"]),
+            fmt(record["val_loss"]),
             per_level or "n/a",
             record["generation"],
-            "".join(f" | {k} {_fmt(v)}" for k, v in measured.items()),
+            "".join(f" | {k} {fmt(v)}" for k, v in measured.items()),
         )
 
     def media(self, iteration: int, samples: list) -> None:
@@ -124,12 +125,12 @@ class MetricsLog:
     @staticmethod
     def console_line(r: dict[str, Any]) -> str:
         return (
-            f"iter {r['iteration']:>6}/{r['train_iters']} | loss {_fmt(r['loss'])} | lr {r['lr']:.3g} | "
-            f"grad norm {_fmt(r['grad_norm'])} | skipped {r['skipped_iterations']} | "
-            f"{r['step_time_s'] * 1000:.0f} ms/it | {_fmt(r['tokens_per_sec_per_gpu'])} tok/s/gpu | "
-            f"{_fmt(r['tflops_per_gpu'])} TFLOP/s/gpu | MFU {_fmt(r['mfu'])}"
+            f"iter {r['iteration']:>6}/{r['train_iters']} | loss {fmt(r['loss'])} | lr {r['lr']:.3g} | "
+            f"grad norm {fmt(r['grad_norm'])} | skipped {r['skipped_iterations']} | "
+            f"{r['step_time_s'] * 1000:.0f} ms/it | {fmt(r['tokens_per_sec_per_gpu'])} tok/s/gpu | "
+            f"{fmt(r['tflops_per_gpu'])} TFLOP/s/gpu | MFU {fmt(r['mfu'])}"
         ) + "".join(  # both Wan 2.2 experts in one run: each one's loss and samples
-            f" | loss {expert} {_fmt(r[f'loss_{expert}'])} ({r[f'samples_{expert}']})"
+            f" | loss {expert} {fmt(r[f'loss_{expert}'])} ({r[f'samples_{expert}']})"
             for expert in ("high_noise", "low_noise")
             if f"loss_{expert}" in r
         )
