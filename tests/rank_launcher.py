@@ -3,7 +3,8 @@ torchrun's workers see them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, a r
 
 For tests whose subject is the run, not the launcher: torchrun's agent imports torch and its elastic
 machinery, ~4 s of CPU per launch. Rank 0 hosts the rendezvous store (``env://``). As under torchrun, the
-first rank to fail ends the others (SIGTERM, SIGKILL after a grace period) and the launcher exits 1;
+first rank to fail ends the others (SIGTERM, SIGKILL after a grace period), each failed rank is reported
+("rank R failed, exitcode : N", as torchrun words it) and the launcher exits 1;
 the ranks exit with it (``TORCHELASTIC_RUN_ID``: dfm's workers die with their launcher). The launcher
 itself (preemption signals, launcher death, Slurm) is tested through torchrun.
 """
@@ -56,6 +57,9 @@ def launch(nproc: int, command: list[str]) -> int:
         codes = [rank.poll() for rank in ranks]
         if any(code not in (None, 0) for code in codes):
             _end(ranks)
+            for rank, process in enumerate(ranks):  # as torchrun's failure report words it
+                if process.returncode:
+                    print(f"rank_launcher: rank {rank} failed, exitcode : {process.returncode}", file=sys.stderr)
             return 1
         if all(code == 0 for code in codes):
             return 0

@@ -9,7 +9,10 @@ from tests.rank_launcher import launcher_command
 
 RANK = """
 import os, sys, time
-print(os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_PORT"] != "")
+env = os.environ
+# One write a rank: print() writes its pieces one by one when the stream is unbuffered (python -u).
+sys.stdout.write(f"{env['RANK']} {env['LOCAL_RANK']} {env['WORLD_SIZE']} {env['MASTER_PORT'] != ''}\\n")
+sys.stdout.flush()
 if os.environ["RANK"] == sys.argv[1]:
     sys.exit(7)
 time.sleep(float(sys.argv[2]))
@@ -32,5 +35,5 @@ def test_every_rank_gets_its_rank_and_the_rendezvous(tmp_path):
 def test_a_failing_rank_ends_the_others_and_the_launch_fails(tmp_path):
     started = time.monotonic()
     done = launch(tmp_path, failing="1", seconds=300)
-    assert done.returncode == 1
+    assert done.returncode == 1 and "rank 1 failed, exitcode : 7" in done.stderr
     assert time.monotonic() - started < 60  # the others were ended, not waited for

@@ -5,6 +5,7 @@ megatron-core's fusions are compiled on their first call, wandb and boto3 run on
 from __future__ import annotations
 
 import ast
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -170,12 +171,12 @@ def test_the_deferred_decorator_compiles_once_on_the_first_call(monkeypatch):
 def test_a_step_torch_already_hooked_keeps_its_step_hooks():
     """Once an optimizer of a class was built, torch wraps its step with the step hooks; the
     replacement keeps them (and the update)."""
+    from torch.optim.optimizer import _use_grad_for_differentiable
+
     from dfm.platform.compat.dynamo_on_demand import step_until_dynamo
 
-    class Plain(torch.optim.SGD):  # its own class attribute, so torch.optim.SGD is left alone
-        step = (
-            torch.optim.SGD.step.__wrapped__ if getattr(torch.optim.SGD.step, "hooked", False) else torch.optim.SGD.step
-        )
+    class Plain(torch.optim.SGD):  # its own step, as torch decorates it: torch.optim.SGD is left alone
+        step = _use_grad_for_differentiable(inspect.unwrap(torch.optim.SGD.step))
 
     weight = torch.nn.Parameter(torch.ones(2))
     optimizer = Plain([weight], lr=0.5)
@@ -186,3 +187,4 @@ def test_a_step_torch_already_hooked_keeps_its_step_hooks():
     weight.grad = torch.ones(2)
     optimizer.step()
     assert Plain.step.hooked and seen == ["pre"] and weight.tolist() == [0.5, 0.5]
+    assert step_until_dynamo(Plain.step) is Plain.step  # a second install leaves it as it is

@@ -1,4 +1,4 @@
-"""The real entry point under torchrun refuses a model its parallel layout cannot run: every rank
+"""The real entry point as 2 ranks refuses a model its parallel layout cannot run: every rank
 exits 2 with the message at config time, before any process group or training starts."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def test_layout_refusal_exits_2_before_training(tmp_path, config, overrides, mes
     conf = RECIPE_DIR / "conf" / f"{config}.yaml"
     result = run_entry(2, [*overrides, f"logger.log_dir={tmp_path}"], config=conf, timeout=120)
     assert result.returncode != 0
-    # Every rank stops at the config error; torchrun may stop a rank first to exit 2 before the other
+    # Every rank stops at the config error; the launcher may stop a rank first to exit 2 before the other
     # prints, so at least one report of each is certain.
     assert re.search(r"exitcode\s*:\s*2\b", result.stderr), result.stderr[-3000:]
     assert f"config error: {message}" in result.stderr, result.stderr[-3000:]

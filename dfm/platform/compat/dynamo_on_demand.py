@@ -44,6 +44,8 @@ def step_until_dynamo(decorated: Callable[..., Any]) -> Callable[..., Any]:
     the class was built before), the replacement is wrapped with them again."""
     hooked = getattr(decorated, "hooked", False)
     use_grad = decorated.__wrapped__ if hooked else decorated
+    if getattr(use_grad, "until_dynamo", False):  # already this replacement (torch hooked it on a class)
+        return decorated
     if use_grad.__code__.co_name != "_use_grad" or not {"set_grad_enabled", "graph_break"} <= set(
         use_grad.__code__.co_names
     ):
@@ -57,6 +59,7 @@ def step_until_dynamo(decorated: Callable[..., Any]) -> Callable[..., Any]:
         with torch.set_grad_enabled(self.defaults["differentiable"]):
             return step(self, *args, **kwargs)
 
+    call.until_dynamo = True
     if hooked:
         call = torch.optim.Optimizer.profile_hook_step(call)
         call.hooked = True
