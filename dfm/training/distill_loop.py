@@ -27,7 +27,7 @@ from dfm.models.build import build_model_chunk
 from dfm.parallel.layout import ParallelLayout
 from dfm.training.distill_step import COLLAPSE_KEYS, CRITIC, STUDENT, DistillForwardStep, Players
 from dfm.training.losses import reduce_loss_and_tokens
-from dfm.training.metrics_log import fmt
+from dfm.training.metrics_log import finite_or_none, fmt
 from dfm.training.setup import build_model, build_optimizer
 
 
@@ -83,10 +83,6 @@ def build_distillation(
         role: DistillForwardStep(role, pipeline, settings, players, cfg.rng.seed, device) for role in (STUDENT, CRITIC)
     }
     return state, DistillPlayers(settings, steps)
-
-
-def finite_or_none(value) -> float | None:
-    return float(value) if value is not None and math.isfinite(float(value)) else None
 
 
 class DistillPlayers:

@@ -14,6 +14,11 @@ import numpy as np
 logger = logging.getLogger("dfm.train")
 
 
+def finite_or_none(value: Any) -> float | None:
+    """A metric as metrics.jsonl records it: a float, or None when absent or not finite."""
+    return float(value) if value is not None and math.isfinite(float(value)) else None
+
+
 def fmt(value: Any) -> str:
     """A metric as the console line shows it: n/a for None, 4 significant digits for floats."""
     if value is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.full_weights import finish_param_gather
 from dfm.training.losses import reduce_expert_losses, reduce_loss_and_tokens
 from dfm.training.memory_plan import log_memory
-from dfm.training.metrics_log import MetricsLog
+from dfm.training.metrics_log import MetricsLog, finite_or_none
 from dfm.training.sample_metrics import check_metrics, measure
 from dfm.training.setup import build_model, build_optimizer, num_microbatches, schedule_model_and_data
 from dfm.training.staged_model import sampling_model
@@ -408,13 +407,12 @@ class TrainLoop:
         # Every model-parallel rank of a replica sees the same packs; the replica's work is split over them.
         tokens_per_gpu = sum(video_lens) * dp / world
         tflops = training_flops(self.cfg.model, video_lens, text_lens, frames) * dp / world / elapsed / 1e12
-        norm = float(grad_norm) if grad_norm is not None else None
         return {
             "iteration": iteration,
             "train_iters": self.cfg.train.train_iters,
             "loss": loss,
             "lr": self.state.optimizer.param_groups[0]["lr"],
-            "grad_norm": norm if norm is not None and math.isfinite(norm) else None,
+            "grad_norm": finite_or_none(grad_norm),
             "skipped_iterations": self.guard.skipped,
             "step_time_s": elapsed / window.iterations,
             "tokens_per_sec_per_gpu": tokens_per_gpu / elapsed,
