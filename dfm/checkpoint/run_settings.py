@@ -1,6 +1,6 @@
 """Resume compares the run settings that change what training means with the checkpoint's.
 
-- Data settings (batch sizes, packing length, mock vs energon data, the dataset path or blend, the
+- Data settings (batch sizes, packing length, mock vs energon data, the dataset path or blend, energon's read order, the
   mock data's shapes): a change is refused, naming old and new, unless
   ``checkpoint.allow_setting_changes=true``; then the change is logged and the data position starts over (the saved one belongs to other data).
 - Learning-rate and schedule settings: a change is logged and takes effect from the resumed
@@ -42,6 +42,8 @@ KIND_KEYS = {  # what defines the samples of each kind of data
         "dataset.mock_samples_per_pack",
     ),
 }
+# energon's read order; checkpoints from before these were settings read with both at 100.
+READ_ORDER_KEYS = {"dataset.shuffle_buffer_size": 100, "dataset.max_samples_per_sequence": 100}
 PIPELINE_KEYS = ("model.pipeline",)
 PRECISION_KEYS = ("mixed_precision.precision",)
 # Common-state key: the energon dataset's identity at save (dataset_identity()).
@@ -102,7 +104,7 @@ def compare_run_settings(common: dict, directory: Path, cfg: ConfigContainer | N
     if saved_kind != kind:
         data.append(f"data: checkpoint {saved_kind}, this run {kind}")
     elif kind == "energon":
-        data += dataset_change(common, saved, now)
+        data += dataset_change(common, saved, now) + read_order_changes(saved, now)
     else:
         data += differences(saved, now, KIND_KEYS[kind])
     schedule = differences(saved, now, SCHEDULE_KEYS, resolved_decay_iters)
@@ -157,6 +159,22 @@ def dataset_change(common: dict, saved: dict, now: dict) -> list[str]:
         return [] if old_id == new_id else [f"{key}: checkpoint {old!r} ({old_id}), this run {new!r} ({new_id})"]
     resolved = [os.path.realpath(p) if p else p for p in (old, new)]
     return [] if resolved[0] == resolved[1] else [f"{key}: checkpoint {old!r}, this run {new!r}"]
+
+
+def read_order_changes(saved: dict, now: dict) -> list[str]:
+    """The energon read order's settings that differ (a saved loader state holds a buffer of the old size)."""
+    with_defaults = [
+        {
+            key: (config.get("dataset") or {}).get(key.partition(".")[2], before)
+            for key, before in READ_ORDER_KEYS.items()
+        }
+        for config in (saved, now)
+    ]
+    return [
+        f"{key}: checkpoint {with_defaults[0][key]!r}, this run {with_defaults[1][key]!r}"
+        for key in READ_ORDER_KEYS
+        if with_defaults[0][key] != with_defaults[1][key]
+    ]
 
 
 def differences(saved: dict, now: dict, keys: tuple[str, ...], resolve=None) -> list[str]:

@@ -183,6 +183,10 @@ class DatasetConfig:
     # __module__ other than megatron.energon): trusted data only. False: such metadata is refused.
     allow_code: bool = False
     num_workers: int = 2
+    # energon's read order: runs of at most max_samples_per_sequence samples of a shard (None: whole shards),
+    # mixed through a shuffle buffer of shuffle_buffer_size samples.
+    shuffle_buffer_size: int = 100
+    max_samples_per_sequence: int | None = 100
     # MiB of decoded, checked samples each loader worker keeps (0: none): small datasets trained for many
     # epochs skip decoding their parts again (dfm/data/energon/cooked_cache.py).
     cooked_cache_mib: int = 0

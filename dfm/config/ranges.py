@@ -116,6 +116,8 @@ RANGES: dict[str, Range] = {
     "dataset.seq_length": COUNT,
     "dataset.packing_buffer_size": OPTIONAL_COUNT,
     "dataset.num_workers": NON_NEGATIVE,
+    "dataset.shuffle_buffer_size": COUNT,
+    "dataset.max_samples_per_sequence": OPTIONAL_COUNT,
     "dataset.cooked_cache_mib": NON_NEGATIVE,
     "dataset.mock_image_fraction": PROBABILITY,
     "dataset.mock_samples_per_pack": OPTIONAL_COUNT,

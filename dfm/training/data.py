@@ -75,6 +75,8 @@ def energon_settings(cfg: ConfigContainer, layout: ParallelLayout):
         packing=packing,
         packing_buffer_size=d.packing_buffer_size or 1,
         num_workers=d.num_workers,
+        shuffle_buffer_size=d.shuffle_buffer_size,
+        max_samples_per_sequence=d.max_samples_per_sequence,
         seed=cfg.rng.seed,
         val_limit=cfg.train.eval_iters,
         skip_bad_samples=d.skip_bad_samples,

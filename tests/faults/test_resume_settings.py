@@ -91,6 +91,24 @@ def test_each_data_kind_compares_the_keys_that_define_its_samples(tmp_path):
         compare_run_settings(mock, tmp_path, cfg, "mock")
 
 
+def test_a_changed_energon_read_order_is_a_data_change(tmp_path):
+    cfg = ConfigContainer()
+    saved = config_to_dict(cfg)
+    del saved["dataset"]["shuffle_buffer_size"], saved["dataset"]["max_samples_per_sequence"]
+    common = {"config": saved, "data_kind": "energon"}  # a checkpoint from before they were settings: 100 and 100
+    assert compare_run_settings(common, tmp_path, cfg, "energon").data_position
+    cfg.dataset.shuffle_buffer_size, cfg.dataset.max_samples_per_sequence = 2000, None
+    with pytest.raises(CheckpointError) as refused:
+        compare_run_settings(common, tmp_path, cfg, "energon")
+    for change in (
+        "dataset.shuffle_buffer_size: checkpoint 100, this run 2000",
+        "dataset.max_samples_per_sequence: checkpoint 100, this run None",
+    ):
+        assert change in str(refused.value)
+    cfg.checkpoint.allow_setting_changes = True
+    assert not compare_run_settings(common, tmp_path, cfg, "energon").data_position  # starts over, logged
+
+
 def test_pipeline_and_precision_changes_are_named(tmp_path):
     cfg = ConfigContainer()
     common = {"config": config_to_dict(cfg)}
