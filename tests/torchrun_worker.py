@@ -7,18 +7,17 @@ import subprocess
 from pathlib import Path
 
 from tests.rank_launcher import launcher_command
+from tests.zygote import checkout_env, python_args
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
-
-def run_worker(worker: Path, nproc: int, out: Path, timeout: int = 300, args: tuple = ()) -> None:
-    """``nproc`` ranks of ``worker *args out`` importing this checkout; fails with its stderr."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    command = launcher_command(nproc)
+def run_worker(
+    worker: Path, nproc: int, out: Path, timeout: int = 300, args: tuple = (), shared_imports: bool = True
+) -> None:
+    """``nproc`` ranks of ``worker *args out`` importing this checkout; fails with its stderr.
+    ``shared_imports``: forked from the tests' import server (tests/zygote.py); False for workers that
+    measure their own process (memory)."""
+    env = checkout_env({**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [*launcher_command(nproc), *(python_args() if shared_imports else [])]
     proc = subprocess.run(
         [*command, str(worker), *map(str, args), str(out)], env=env, capture_output=True, text=True, timeout=timeout
     )

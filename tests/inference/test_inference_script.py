@@ -9,13 +9,20 @@ from pathlib import Path
 
 import pytest
 
+from tests.zygote import checkout_env, python_args
+
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recipes" / "dit"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV = checkout_env({**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def run_in_recipe_dir(script: str, args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, script, *args], cwd=RECIPE_DIR, env=ENV, capture_output=True, text=True, timeout=300
+        [sys.executable, *python_args(), script, *args],
+        cwd=RECIPE_DIR,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

@@ -14,7 +14,9 @@ WORKER = Path(__file__).with_name("_gloo_collectives_worker.py")
 @pytest.fixture(scope="module")
 def records(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("gloo_collectives")
-    run_worker(WORKER, 3, out, timeout=240)  # 3 ranks: a sum of three is order-dependent, unlike two
+    run_worker(
+        WORKER, 3, out, timeout=240, shared_imports=False
+    )  # 3 ranks: a sum of three is order-dependent, unlike two
     return [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
 
 

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from tests.rank_launcher import launcher_command
+from tests.zygote import checkout_env, python_args
 
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "examples" / "megatron" / "recipes" / "dit"
 ENTRY = RECIPE_DIR / "pretrain_dit_model.py"
@@ -24,12 +25,17 @@ TINY = RECIPE_DIR / "conf" / "dit_tiny.yaml"
 def entry_command(
     nproc: int, overrides: list[str], entry: Path = ENTRY, config: Path = TINY, mock: bool = True
 ) -> list[str]:
-    launcher = launcher_command(nproc) if nproc > 1 else [sys.executable]
-    return [*launcher, str(entry), "--config-file", str(config), *(["--mock"] if mock else []), *overrides]
+    return [*python_command(nproc), str(entry), "--config-file", str(config), *(["--mock"] if mock else []), *overrides]
+
+
+def python_command(nproc: int) -> list[str]:
+    """What precedes a script to run it as ``nproc`` ranks (1: one process), each forked from the tests'
+    import server (tests/zygote.py)."""
+    return [*(launcher_command(nproc) if nproc > 1 else [sys.executable]), *python_args()]
 
 
 def entry_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
+    return checkout_env({**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})})
 
 
 def run_entry(
@@ -77,10 +83,9 @@ def run_entries(
     runs_file.write_text(json.dumps(runs))
     pending = list(runs)
     while pending:
-        launcher = launcher_command(nproc) if nproc > 1 else [sys.executable]
         with tempfile.TemporaryFile("w+") as out:
             proc = subprocess.Popen(
-                [*launcher, str(RUNS_ENTRY), str(runs_file)],
+                [*python_command(nproc), str(RUNS_ENTRY), str(runs_file)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 text=True,
