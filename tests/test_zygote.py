@@ -26,6 +26,9 @@ if action == "raise":
     raise ValueError("a named failure")
 if action == "kill":
     os.kill(os.getpid(), int(sys.argv[2]))
+if action == "media":  # wandb's temporary folder, made when the server imported wandb
+    from wandb.sdk.data_types._private import MEDIA_TMP
+    print(MEDIA_TMP.name, os.path.isdir(MEDIA_TMP.name))
 if action == "sleep":
     import signal, time
     signal.signal(signal.SIGTERM, lambda *_: (print("stopping", flush=True), sys.exit(3)))
@@ -112,3 +115,11 @@ def test_a_start_up_setting_the_server_lacks_runs_a_plain_process(script, tmp_pa
     result = run([script, "exit", "0"], cwd=tmp_path, extra_env={"OMP_NUM_THREADS": "2"})
     assert result.returncode == 0, result.stderr
     assert not report(result)["torch_loaded"]
+
+
+def test_the_servers_temporary_folders_outlive_each_child(script, tmp_path):
+    """wandb makes its media folder when imported (in the server); a child's exit must not remove it."""
+    for _ in range(2):
+        result = run([script, "media"], cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines()[1].endswith(" True"), result.stdout

@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 CLIENT = Path(__file__).resolve().parent / "zygote_client.py"
@@ -125,11 +126,7 @@ def serve(path: str) -> None:
     defaults = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)}
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     startup_env = dict(os.environ)
-    for name in PRELOAD:
-        try:
-            __import__(name)
-        except ImportError:
-            pass
+    preload()
     if threading.active_count() != 1:
         raise SystemExit(f"zygote: importing started threads {threading.enumerate()}: forking is unsafe")
     gc.collect()
@@ -183,6 +180,41 @@ def loop(listener, selector, wake: tuple[int, int], children: dict, envs: tuple[
             else:  # a client hung up (killed): its child goes with it
                 kill_group(key.data)
                 selector.unregister(key.fileobj)
+
+
+_exit_hooks: list[tuple] = []  # (func, args, kwargs) the imports registered with atexit, in order
+
+
+def preload() -> None:
+    """Import PRELOAD, recording what the imports register with atexit (a child re-registers it: ``own_exit_hooks``)."""
+    register = atexit.register
+
+    def recorded(func, *args, **kwargs):
+        _exit_hooks.append((func, args, kwargs))
+        return register(func, *args, **kwargs)
+
+    atexit.register = recorded
+    try:
+        for name in PRELOAD:
+            try:
+                __import__(name)
+            except ImportError:
+                pass
+    finally:
+        atexit.register = register
+
+
+def own_exit_hooks() -> None:
+    """In a child: the exit hooks a fresh process's imports would have registered, except the removal of
+    the server's temporary directories (wandb's media folder: the first child to exit would delete it
+    under the others). Their weakref finalizers are detached for the same reason."""
+    atexit._clear()
+    for func, args, kwargs in _exit_hooks:
+        if not isinstance(getattr(func, "__self__", None), tempfile.TemporaryDirectory):
+            atexit.register(func, *args, **kwargs)
+    for finalizer, info in list(weakref.finalize._registry.items()):
+        if getattr(info.func, "__func__", None) is tempfile.TemporaryDirectory._cleanup.__func__:
+            finalizer.detach()
 
 
 def reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
@@ -274,6 +306,7 @@ def decline(request: dict, startup_env: dict) -> str | None:
 def run_child(request: dict, fds: list[int]) -> None:
     """Become ``python ARGV`` in the request's environment; exit as it would."""
     os.setpgid(0, 0)
+    own_exit_hooks()
     for target, fd in zip((0, 1, 2), fds):
         if fd != target:
             os.dup2(fd, target)
@@ -318,9 +351,7 @@ def exit_code(main) -> int:
         sys.excepthook(*sys.exc_info())
         code = 1
     threading._shutdown()  # non-daemon threads, as at interpreter exit
-    import atexit as exit_hooks
-
-    exit_hooks._run_exitfuncs()
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -24,7 +24,7 @@ SLACK = 32 << 10  # small tensors of the build itself (row counts, generator sta
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("build_memory")
-    run_worker(WORKER, 4, out, timeout=600, shared_imports=False)
+    run_worker(WORKER, 4, out, timeout=600)  # tensor bytes, not the process: shared imports are fine
     return [torch.load(out / f"rank{rank}.pt") for rank in range(4)]
 
 
