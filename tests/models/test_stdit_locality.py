@@ -24,9 +24,17 @@ def setup(dist):
 
 
 def dependency(fn, hidden) -> torch.Tensor:
-    """[S, S] bool: output token i depends on input token j."""
-    jacobian = torch.autograd.functional.jacobian(fn, hidden)  # [S, 1, h, S, 1, h]
-    return jacobian.abs().sum(dim=(1, 2, 4, 5)) > 0
+    """[S, S] bool: output token i depends on input token j. One backward per output token, of a random
+    combination of its features (not one per feature, as the full Jacobian takes): structural zeros stay
+    exactly zero, and a real dependency cancels only with probability zero."""
+    x = hidden.detach().requires_grad_(True)
+    out = fn(x)  # [S, 1, h]
+    weights = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(0))
+    rows = []
+    for i in range(out.shape[0]):
+        (grad,) = torch.autograd.grad(out[i], x, weights[i], retain_graph=True)
+        rows.append(grad.abs().sum(dim=(1, 2)) > 0)
+    return torch.stack(rows)
 
 
 def expected(pack, same_group) -> torch.Tensor:
