@@ -16,8 +16,8 @@ import torch
 from torch.testing import assert_close
 
 from dfm.parallel import ParallelLayout
+from tests.zygote import checkout_env, python_args
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).with_name("_workers.py")
 LAUNCH_TIMEOUT_S = 300
 
@@ -35,21 +35,21 @@ def _launch(launch, out_dir, world_size):
     port = str(_free_port())
     procs = []
     for rank in range(world_size):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            PYTHONWARNINGS="ignore",
-            PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-            OMP_NUM_THREADS="1",
+        env = checkout_env(
+            dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                OMP_NUM_THREADS="1",
+            )
         )
         log = open(out_dir / f"{launch}_rank{rank}.log", "w")
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKERS), launch, str(out_dir)],
+                [sys.executable, *python_args(), str(WORKERS), launch, str(out_dir)],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
