@@ -25,7 +25,9 @@ def energon_pack_keys(path: str, dp_rank: int, dp_size: int, slot: int, results)
 def rank_keys(synthetic_dataset):
     """Four separate processes: (dp 0, tp 0), (dp 0, tp 1), (dp 1, tp 0), (dp 1, tp 1) of a dp=2 run."""
     layout = [(0, 2), (0, 2), (1, 2), (1, 2)]
-    context = mp.get_context("spawn")
+    # Fresh processes forked from one server that imported the loader once (not four imports of torch).
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([__name__, "dfm.data.energon.data_module"])
     results = context.Queue()
     # Not a Pool: its daemonic workers could not start energon's own worker processes.
     processes = [
