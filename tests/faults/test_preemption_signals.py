@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from entry import FAULT_ENTRY, RECIPE_DIR, TINY, entry_env, kill_group, read_metrics, run_entry
+from entry import FAULT_ENTRY, RECIPE_DIR, TINY, entry_env, kill_group, python_command, read_metrics, run_entry
 
 ITERS = 8
 
@@ -124,7 +124,10 @@ def test_sigterm_during_a_save_saves_and_resumes_exactly(tmp_path, reference, ho
     stopped = int((root / "latest").read_text())
     assert 2 < stopped < ITERS
     check = subprocess.run(
-        [sys.executable, "-m", "dfm.checkpoint", "verify", str(root)], capture_output=True, text=True
+        [*python_command(1), "-m", "dfm.checkpoint", "verify", str(root)],
+        capture_output=True,
+        text=True,
+        env=entry_env(),
     )
     assert check.returncode == 0, check.stdout + check.stderr
     first = losses(log_dir)
