@@ -120,6 +120,7 @@ CUDA_PATCHES = {
     "distrib-optimizer-param-states",
     "distrib-optimizer-set-param-states",
     "distrib-optimizer-step-copy",
+    "foreach-l2-norm",
     "megatron-fsdp-root-hooks",
     "megatron-fsdp-stand-in-parameters",
     "megatron-fsdp-te-linear",
@@ -161,3 +162,26 @@ def test_rng_tracker_fork_runs_megatrons_fork_without_the_cpu_state_warning(capl
     assert torch.equal(torch.rand(3), default), "the fork moved the default stream"
     assert not torch.equal(forked, default)
     assert not [record for record in caplog.records if "CPU RNG state changed" in record.getMessage()]
+
+
+def test_the_foreach_gradient_norm_is_megatrons_fallback_norm_bit_for_bit():
+    """``foreach-l2-norm``: the norm megatron's local fallback computes (a torch.norm per tensor, their
+    values as a tensor, its norm), without reading each to the host; a fused kernel is left alone."""
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    from dfm.platform.compat.optimizer import foreach_l2_norm, multi_tensor_l2_norm
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        sizes = torch.randint(1, 5000, (50,), generator=gen).tolist()
+        scales = torch.randint(-4, 4, (50,), generator=gen).tolist()
+        grads = [torch.randn(n, generator=gen) * 10.0**k for n, k in zip(sizes, scales)]
+        fallback = torch.norm(torch.tensor([[torch.norm(g) for g in grads]]))  # local_multi_tensor_l2_norm's
+        norm, _ = multi_tensor_l2_norm(2048 * 32, None, [grads], False)
+        assert torch.equal(norm, fallback.reshape(1))
+    assert foreach_l2_norm(local_multi_tensor_l2_norm) is multi_tensor_l2_norm
+
+    def fused(*args):
+        return args
+
+    assert foreach_l2_norm(fused) is fused

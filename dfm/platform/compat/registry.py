@@ -226,6 +226,16 @@ OPTIMIZER = (
         replace=optimizer.with_cuda_type_names,
         also_bound_in=("megatron.core.optimizer.optimizer",),
     ),
+    Patch(
+        name="foreach-l2-norm",
+        module="megatron.core.optimizer.clip_grads",
+        attribute="l2_norm_impl",
+        why="without Apex / TE the gradient norm reads each parameter's norm to the host (a sync each on a GPU)",
+        relies_on=("grad_norm, _ = multi_tensor_applier( l2_norm_impl,",),
+        replace=optimizer.foreach_l2_norm,
+        site="get_grad_norm_fp32",
+        cpu_only=False,
+    ),
 )
 
 MOE = (
