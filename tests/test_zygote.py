@@ -123,3 +123,15 @@ def test_the_servers_temporary_folders_outlive_each_child(script, tmp_path):
         result = run([script, "media"], cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         assert result.stdout.splitlines()[1].endswith(" True"), result.stdout
+
+
+def test_a_broken_request_leaves_the_server_serving(script, tmp_path):
+    import socket
+
+    path = python_args()[-1]
+    for payload in (b"", b"\x00\x00\x00\x00\x00\x00\x00\x05{bad", b"\x00\x00\x00\x00\x00\x00\x01\x00{"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(path)
+            client.sendall(payload)  # then hang up (mid-message for the last one)
+    result = run([script, "exit", "0"], cwd=tmp_path)
+    assert result.returncode == 0 and report(result)["torch_loaded"], result.stderr

@@ -63,6 +63,7 @@ PRELOAD = (  # what a tiny training run imports, heaviest first (python -X impor
 )
 PR_SET_PDEATHSIG = 1
 START_TIMEOUT_S = 120.0
+REQUEST_TIMEOUT_S = 30.0
 
 _server: dict = {}  # this pytest process's server: "process", "socket"
 
@@ -168,7 +169,12 @@ def loop(listener, selector, wake: tuple[int, int], children: dict, envs: tuple[
         for key, _ in selector.select():
             if key.fileobj is listener:
                 connection, _ = listener.accept()
-                pid = start_child(connection, envs, defaults, release_in_child)
+                connection.settimeout(REQUEST_TIMEOUT_S)  # a client that connects and never asks stalls no one
+                try:
+                    pid = start_child(connection, envs, defaults, release_in_child)
+                except Exception as error:  # noqa: BLE001  it died mid-request or sent garbage: it gets nothing
+                    print(f"zygote: a request failed: {error!r}", file=sys.stderr, flush=True)
+                    pid = None
                 if pid is None:
                     connection.close()
                 else:
@@ -283,7 +289,12 @@ def receive(connection: socket.socket) -> tuple[dict, list[int]]:
     size = int.from_bytes(data[:8], "big")
     data = data[8:]
     while len(data) < size:
-        data += connection.recv(size - len(data))
+        chunk = connection.recv(size - len(data))
+        if not chunk:
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionError("the client hung up mid-request")
+        data += chunk
     return json.loads(data), list(fds)
 
 
