@@ -36,7 +36,7 @@ def child_env(threads: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
-def run_child(cmd: list[str], log_file: Path, threads: int, timeout: int) -> None:
+def run_child(cmd: list[str], log_file: Path, threads: int, timeout: int | None) -> None:
     """Run to exit with output in ``log_file``; raise with its tail on failure."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "w") as log:
@@ -70,9 +70,10 @@ def train_digits(
     config: Path = CI_CONFIG,
     overrides: Sequence[str] = (),
     threads: int = 1,
-    timeout: int = 3600,
+    timeout: int | None = 3600,
 ) -> Path:
-    """``pretrain_dit_model.py --config-file CONFIG dataset.path=...``; -> the checkpoint root."""
+    """``pretrain_dit_model.py --config-file CONFIG dataset.path=...``; -> the checkpoint root.
+    ``timeout``: seconds before the training is killed (a hung CI run); None: no limit."""
     # Absolute: the entry point runs in the recipe folder.
     dataset_dir, out_dir = Path(dataset_dir).resolve(), Path(out_dir).resolve()
     cmd = [
@@ -101,7 +102,7 @@ def score_digits(
     sampling: DigitSampling,
     json_path: Path,
     threads: int = 1,
-    timeout: int = 3600,
+    timeout: int | None = 3600,
 ) -> list[dict]:
     """``python -m digits.evaluate`` on each checkpoint, with the encoders ``prepare_digits``
     wrote under ``root`` -> the scores (also in ``json_path``)."""
@@ -134,13 +135,20 @@ class PipelineRun:
 
 
 def train_and_score(
-    root: Path, name: str, config: Path, overrides: Sequence[str], sampling: DigitSampling, threads: int = 1
+    root: Path,
+    name: str,
+    config: Path,
+    overrides: Sequence[str],
+    sampling: DigitSampling,
+    threads: int = 1,
+    timeout: int | None = 3600,
 ) -> PipelineRun:
-    """Train with ``overrides`` on ``root/dataset`` into ``root/<name>``, score every saved checkpoint."""
+    """Train with ``overrides`` on ``root/dataset`` into ``root/<name>``, score every saved checkpoint
+    (``timeout``: of each child process; None: no limit)."""
     start = time.perf_counter()
     out = Path(root) / name
-    checkpoint_root = train_digits(Path(root) / "dataset", out, config, overrides, threads)
-    scores = score_digits(sorted(checkpoint_root.glob("iter_*")), root, sampling, out / "scores.json", threads)
+    checkpoint_root = train_digits(Path(root) / "dataset", out, config, overrides, threads, timeout)
+    scores = score_digits(sorted(checkpoint_root.glob("iter_*")), root, sampling, out / "scores.json", threads, timeout)
     return PipelineRun(read_losses(out), scores, time.perf_counter() - start)
 
 
