@@ -9,6 +9,9 @@
   ``checkpoint.allow_setting_changes=true`` logged and applied from the resumed iteration on.
 - The precision (``mixed_precision.precision``): always refused, naming old and new (the optimizer state
   is laid out for it); ``checkpoint.pretrained`` starts a run at another precision from the weights.
+- Distillation (``distill.*``, docs/distillation.md): switching ``distill.enabled`` either way is always
+  refused; what the student is trained to become is refused like the pipeline; how it gets there is logged
+  and applied like the lr (the key lists below say which is which and why).
 - An energon ``dataset.path`` is compared by the dataset's identity recorded at save (its energon index
   uuid, or a metadataset file's checksum), so another spelling of the same folder (a trailing slash, a
   link, a relative path) is no change and another dataset under the same string is one.
@@ -46,6 +49,19 @@ KIND_KEYS = {  # what defines the samples of each kind of data
 READ_ORDER_KEYS = {"dataset.shuffle_buffer_size": 100, "dataset.max_samples_per_sequence": 100}
 PIPELINE_KEYS = ("model.pipeline",)
 PRECISION_KEYS = ("mixed_precision.precision",)
+# A distillation's checkpoint holds a critic and its optimizer beside the student, a plain one holds none: a
+# switch either way cannot resume (checkpoint.pretrained starts a new run from either's model), so it is
+# always refused. Checkpoints from before the distill section are plain.
+DISTILL_ENABLED = "distill.enabled"
+# What the student is trained to become: a map from noise at exactly these times (a student trained at
+# [1, 0.75, 0.5, 0.25] samples with them), the teacher's guided distribution it matches, the paired loss.
+# A change is another distillation: refused like the pipeline; with checkpoint.allow_setting_changes=true
+# (e.g. fewer student steps after the first phase) logged and applied from the resumed iteration on.
+DISTILL_TARGET_KEYS = ("distill.student_timesteps", "distill.guidance_scale", "distill.regression_weight")
+# How it gets there: the re-noising law of both losses and the two-time-scale rule change the path, not the
+# distribution the student converges to, and the critic (trained every iteration, at that law) follows a
+# new law within its updates: logged and applied, like the lr.
+DISTILL_SCHEDULE_KEYS = ("distill.min_t", "distill.max_t", "distill.critic_steps")
 # Common-state key: the energon dataset's identity at save (dataset_identity()).
 DATASET_ID = "dataset_identity"
 SCHEDULE_KEYS = (
@@ -121,6 +137,13 @@ def compare_run_settings(common: dict, directory: Path, cfg: ConfigContainer | N
             f"checkpoint {directory} was trained with another diffusion pipeline: {'; '.join(pipeline)}. Set it "
             "back to resume, or set checkpoint.allow_setting_changes=true to continue training with the new one"
         )
+    refuse_distill_switch(saved, now, directory)
+    distill_target, distill_schedule = distill_differences(saved, now, DISTILL_TARGET_KEYS, DISTILL_SCHEDULE_KEYS)
+    if distill_target and not cfg.checkpoint.allow_setting_changes:
+        raise CheckpointError(
+            f"checkpoint {directory} distils towards another target: {'; '.join(distill_target)}. Set them back "
+            "to resume, or set checkpoint.allow_setting_changes=true to continue distilling with the new ones"
+        )
     if data and not cfg.checkpoint.allow_setting_changes:
         raise CheckpointError(
             f"checkpoint {directory} was trained with other data settings: {'; '.join(data)}. Set them back "
@@ -129,10 +152,33 @@ def compare_run_settings(common: dict, directory: Path, cfg: ConfigContainer | N
         )
     for change in data:
         logger.warning("resuming %s with a changed setting, %s: the data position starts over", directory, change)
-    for change in schedule + pipeline:
+    for change in schedule + pipeline + distill_target + distill_schedule:
         logger.warning("resuming %s with a changed setting, %s: the new value applies from here on", directory, change)
     new_lr = (cfg.optimizer.lr, cfg.optimizer.min_lr) if schedule else None
     return ResumeSettings(data_position=not data, new_lr=new_lr)
+
+
+def distilling(config: dict) -> bool:
+    """Whether ``config`` (a saved or current run config) is a distillation's; no distill section: no."""
+    return bool(value_at(config, DISTILL_ENABLED))
+
+
+def refuse_distill_switch(saved: dict, now: dict, directory: Path) -> None:
+    """Raise when one of the checkpoint and this run distils and the other does not."""
+    if distilling(saved) == distilling(now):
+        return
+    change = f"{DISTILL_ENABLED}: checkpoint {distilling(saved)}, this run {distilling(now)}"
+    held = "holds a critic beside its student" if distilling(saved) else "holds no critic"
+    raise CheckpointError(
+        f"checkpoint {directory} {held} ({change}): a run resumes only a checkpoint of its own kind. Set "
+        f"{DISTILL_ENABLED} back to resume, or start a new run from its model with checkpoint.pretrained={directory}"
+    )
+
+
+def distill_differences(saved: dict, now: dict, *groups: tuple[str, ...]) -> tuple[list[str], ...]:
+    """``differences`` of each group of ``distill.*`` keys; none when this run does not distil (its
+    distill settings are unused)."""
+    return tuple(differences(saved, now, keys) if distilling(now) else [] for keys in groups)
 
 
 def dataset_identity(path: str | None) -> str | None:

@@ -1,9 +1,11 @@
 """Resume with changed run settings, through the real entry point (one process, the tiny model): data
 settings are refused naming old and new, or with checkpoint.allow_setting_changes=true continue
-from a fresh data position with a log line; a learning-rate change is logged and applies."""
+from a fresh data position with a log line; a learning-rate change is logged and applies. The distill
+settings' rules are checked on compare_run_settings alone (no process)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,63 @@ def test_a_dataset_is_compared_by_its_identity_not_its_spelling(tmp_path, monkey
     del common[DATASET_ID]
     cfg.dataset.path = str(tmp_path / "link")
     assert compare_run_settings(common, tmp_path, cfg, "energon").data_position
+
+
+def distilling() -> ConfigContainer:
+    cfg = ConfigContainer()
+    cfg.distill.enabled = True
+    return cfg
+
+
+def test_switching_distillation_on_or_off_is_refused_either_way(tmp_path):
+    plain, distilled = ConfigContainer(), distilling()
+    for saved, now, held in ((distilled, plain, "holds a critic"), (plain, distilled, "holds no critic")):
+        now.checkpoint.allow_setting_changes = True  # no way round: the critic is there or it is not
+        change = f"distill.enabled: checkpoint {saved.distill.enabled}, this run {now.distill.enabled}"
+        with pytest.raises(CheckpointError, match=re.escape(change) + ".*checkpoint.pretrained=") as refused:
+            compare_run_settings({"config": config_to_dict(saved)}, tmp_path, now, "mock")
+        assert held in str(refused.value)
+    before = config_to_dict(plain)
+    del before["distill"]  # a checkpoint from before the distill section: plain
+    assert compare_run_settings({"config": before}, tmp_path, plain, "mock").data_position
+    with pytest.raises(CheckpointError, match="holds no critic"):
+        compare_run_settings({"config": before}, tmp_path, distilled, "mock")
+
+
+@pytest.mark.parametrize(
+    "key, value", [("student_timesteps", [1.0, 0.5]), ("guidance_scale", 4.5), ("regression_weight", 0.25)]
+)
+def test_a_changed_distillation_target_is_refused_naming_the_key(tmp_path, caplog, key, value):
+    cfg = distilling()
+    common = {"config": config_to_dict(cfg)}
+    change = f"distill.{key}: checkpoint {getattr(cfg.distill, key)!r}, this run {value!r}"
+    setattr(cfg.distill, key, value)
+    with pytest.raises(CheckpointError, match=re.escape(change) + ".*allow_setting_changes=true"):
+        compare_run_settings(common, tmp_path, cfg, "mock")
+    cfg.checkpoint.allow_setting_changes = True
+    with caplog.at_level("WARNING", logger="dfm.checkpoint"):
+        resume = compare_run_settings(common, tmp_path, cfg, "mock")
+    assert resume.data_position and resume.new_lr is None
+    assert f"{change}: the new value applies from here on" in caplog.text
+
+
+@pytest.mark.parametrize("key, value", [("min_t", 0.1), ("max_t", 0.9), ("critic_steps", 2)])
+def test_a_changed_distillation_schedule_is_logged_and_applied(tmp_path, caplog, key, value):
+    cfg = distilling()
+    common = {"config": config_to_dict(cfg)}
+    change = f"distill.{key}: checkpoint {getattr(cfg.distill, key)!r}, this run {value!r}"
+    setattr(cfg.distill, key, value)
+    with caplog.at_level("WARNING", logger="dfm.checkpoint"):
+        resume = compare_run_settings(common, tmp_path, cfg, "mock")
+    assert resume.data_position and resume.new_lr is None  # the data position and the lrs are kept
+    assert f"{change}: the new value applies from here on" in caplog.text
+    assert getattr(cfg.distill.settings(), key) == value  # the run's steps are built from this config
+
+
+def test_a_plain_run_ignores_its_unused_distill_settings(tmp_path, caplog):
+    cfg = ConfigContainer()
+    common = {"config": config_to_dict(cfg)}
+    cfg.distill.guidance_scale, cfg.distill.min_t = 4.5, 0.1
+    with caplog.at_level("WARNING", logger="dfm.checkpoint"):
+        assert compare_run_settings(common, tmp_path, cfg, "mock").data_position
+    assert "distill" not in caplog.text
