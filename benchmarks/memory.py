@@ -12,7 +12,8 @@ TP = PP = CP = 1: the whole model is one rank's share.
 
 ``--config`` prints ``dfm.training.memory_plan`` for the first pipeline stage's ranks (build, training
 step with activations under the config's recompute settings, save, load) and whether its peak fits
-``--device-gib`` per device.
+``--device-gib`` per device; with ``distill.enabled=true`` the plan of the three networks a DMD2
+distillation holds (``dfm.training.distill_memory_plan``).
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def config_plan_lines(
     from dfm.config.loader import build_config
     from dfm.errors import ConfigError
     from dfm.parallel.layout import ParallelLayout
+    from dfm.training.distill_memory_plan import describe_distill, distill_plan
     from dfm.training.memory_plan import config_plan, describe
     from dfm.training.pretrain import finalize_defaults
 
@@ -137,13 +139,17 @@ def config_plan_lines(
     finalize_defaults(cfg, layout)
     total = sum(torch.Size(s).numel() for s in model_shapes(cfg.model))
     share = total // (layout.tp * layout.pp)
-    plan = config_plan(cfg, layout, share, samples_per_pack)
     device = int(device_gib * GIB) if device_gib else None
+    if cfg.distill.enabled:  # three networks: student, critic, frozen teacher
+        plan = distill_plan(cfg, layout, share, samples_per_pack)
+        described = describe_distill(plan, cfg.mixed_precision.precision, device)
+    else:
+        described = describe(config_plan(cfg, layout, share, samples_per_pack), device)
     head = (
         f"{config_file or recipe}: {total:,d} parameters on {world_size} ranks (TP {layout.tp}, PP {layout.pp}, "
         f"CP {layout.cp}, DP {layout.dp}), {share:,d} per rank before data-parallel sharding; per rank:"
     )
-    return [*notes, head, *("  " + line for line in describe(plan, device))]
+    return [*notes, head, *("  " + line for line in described)]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,6 +34,7 @@ import torch
 from dfm.checkpoint.files import format_bytes
 from dfm.training.memory import (
     STATE_LOG_KEY,
+    BytesPerParameter,
     RankBytes,
     bytes_per_parameter,
     layout_name,
@@ -158,6 +159,21 @@ class PhasePlan:
         return self.peak() <= device_bytes * (1 - DEVICE_RESERVE)
 
 
+def parameter_bytes(cfg) -> BytesPerParameter:
+    """Bytes per parameter of weights, gradients and optimizer state as ``cfg``'s precision, ``ddp`` and
+    ``optimizer`` sections lay them out."""
+    ddp = cfg.ddp
+    return bytes_per_parameter(
+        cfg.mixed_precision.precision, ddp.grad_reduce_in_fp32, cfg.optimizer.optimizer, ddp.use_megatron_fsdp
+    )
+
+
+def own_checkpoint_shard(share: int, per: BytesPerParameter, shards: int, trainable: int | None = None) -> int:
+    """The rank's own share of a checkpoint of ``share`` parameters: model weights, plus fp32 main weights and
+    moments of the ``trainable`` ones (None: all), 1/``shards`` of them."""
+    return (share * per.params + (share if trainable is None else trainable) * per.optimizer) // shards
+
+
 def rank_plan(
     cfg, layout, share: int, tokens: int, text_tokens: int, in_flight: int = 1, trainable: int | None = None
 ) -> PhasePlan:
@@ -166,16 +182,13 @@ def rank_plan(
     ddp, model_cfg = cfg.ddp, cfg.model
     name = layout_name(ddp.use_megatron_fsdp, ddp.data_parallel_sharding_strategy, ddp.use_distributed_optimizer)
     shards = layout.dp * layout.cp
-    per = bytes_per_parameter(
-        cfg.mixed_precision.precision, ddp.grad_reduce_in_fp32, cfg.optimizer.optimizer, ddp.use_megatron_fsdp
-    )
+    per = parameter_bytes(cfg)
     state = state_formula(share, per, name, shards, trainable)
     stage_layers = model_cfg.num_layers // layout.pp
     activations = activation_bytes(model_cfg, tokens, text_tokens, in_flight, slice(0, stage_layers))
     block = share // max(stage_layers, 1)
     fsdp = 2 * block * per.params + block * per.grads if name == "optim_grads_params" else 0
-    own_shard = (share * per.params + (share if trainable is None else trainable) * per.optimizer) // shards
-    checkpoint_io = state.total + own_shard + IO_BUFFER
+    checkpoint_io = state.total + own_checkpoint_shard(share, per, shards, trainable) + IO_BUFFER
     return PhasePlan(state.params + BUILD_CHUNK, state, activations, fsdp, checkpoint_io, checkpoint_io)
 
 
@@ -256,9 +269,7 @@ def log_memory(cfg, layout, model, optimizer) -> None:
     )
     if torch.distributed.get_rank() != 0:
         return
-    per = bytes_per_parameter(
-        cfg.mixed_precision.precision, ddp.grad_reduce_in_fp32, cfg.optimizer.optimizer, ddp.use_megatron_fsdp
-    )
+    per = parameter_bytes(cfg)
     lines = [f"rank {rank}: {held.describe()}" for rank, (held, *_) in enumerate(counts)]
     formula = state_formula(counts[0][1], per, name, layout.dp * layout.cp, counts[0][2])
     write_memory_record(cfg.logger.log_dir, name, layout.dp * layout.cp, counts, per)

@@ -81,3 +81,54 @@ def test_start_up_log_warns_before_the_first_step_when_the_plan_does_not_fit(mon
         memory_plan.log_plan(cfg, layout, share=100_000_000, device=torch.device("cpu"))
     assert "memory plan per rank" in caplog.text and "DOES NOT FIT 1.0 GiB" in caplog.text
     assert any(r.levelname == "WARNING" and "does not fit this device" in r.message for r in caplog.records)
+
+
+DMD2_RECIPE = "examples/megatron/recipes/dit/conf/wan21_t2v_14b_dmd2.yaml"
+
+
+def test_wan14b_dmd2_recipe_fits_16_gpus_of_80gb_and_not_8():
+    """Three 14B networks (two trained, the teacher frozen): the recipe's TP=8 x DP=2 fits 16 x 80 GB; on 8 x
+    80 GB neither its TP=8 (DP=1: the save holds both players' whole optimizer shards) nor plain data
+    parallelism (every rank holds everything) does."""
+    from benchmarks.memory import config_plan_lines
+
+    lines = config_plan_lines(DMD2_RECIPE, [], world_size=16, device_gib=74.5)  # 80 GB
+    assert "(TP 8, PP 1, CP 1, DP 2)" in lines[0] and "14,288,491,584 parameters" in lines[0], lines
+    assert "teacher weights 3.3 GiB (frozen, bf16)" in lines[1], lines
+    assert lines[-1].strip().endswith("fits 74.5 GiB per device (keeping 10% free)"), lines
+    unsharded = [
+        "model.tensor_model_parallel_size=1",
+        "model.sequence_parallel=false",
+        "ddp.use_distributed_optimizer=false",
+    ]
+    for overrides in ([], unsharded):
+        lines = config_plan_lines(DMD2_RECIPE, overrides, world_size=8, device_gib=74.5)
+        assert "DOES NOT FIT 74.5 GiB" in lines[-1], (overrides, lines)
+
+
+@pytest.mark.parametrize("precision, teacher_bytes", [("bf16", 2), ("fp32", 4)])
+def test_distillation_plan_counts_two_trained_networks_and_a_frozen_teacher(precision, teacher_bytes):
+    """bf16: 2 + 4 + 12 bytes per parameter a player (fp32 gradients, Adam with fp32 main weights), the
+    optimizer state halved over DP=2; fp32: 4 + 4 + 8. The teacher holds its weights alone."""
+    from dfm.config.container import ConfigContainer
+    from dfm.parallel.layout import ParallelLayout
+    from dfm.training.distill_memory_plan import distill_plan
+    from dfm.training.memory_plan import IO_BUFFER, layer_activation_bytes, tokens_per_rank
+
+    cfg = ConfigContainer()
+    cfg.distill.enabled, cfg.mixed_precision.precision = True, precision
+    cfg.ddp.use_distributed_optimizer, cfg.train.global_batch_size = True, 2
+    layout = ParallelLayout.from_config(cfg.model, 2)
+    share = 10**9
+    plan = distill_plan(cfg, layout, share)
+    weight, grad, optimizer = (2, 4, 12) if precision == "bf16" else (4, 4, 8)
+    assert plan.teacher == teacher_bytes * share
+    state = plan.combined.state
+    assert (state.params, state.grads, state.optimizer) == (3 * weight * share, 2 * grad * share, optimizer * share)
+    own_shards = 2 * (weight + optimizer) * share // 2  # each player's weights + main weights + moments, 1/DP
+    assert plan.combined.save == plan.combined.load == state.total + own_shards + IO_BUFFER
+    # No recompute: the student step's backward has no recompute working set; its no-grad teacher and critic
+    # calls hold one block's activations beside the student's saved ones.
+    one_block = max(layer_activation_bytes(cfg.model, *tokens_per_rank(cfg, layout)))
+    assert plan.combined.activations.saved == plan.player.activations.saved
+    assert plan.player.activations.working == 0 and plan.combined.activations.working == one_block
