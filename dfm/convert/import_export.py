@@ -27,6 +27,7 @@ from dfm.convert.lora import family_rules, lora_files
 from dfm.convert.output_folder import check_target, diffusers_folder_problem, fresh_folder, weights_only_root_problem
 from dfm.convert.pretrained import read_checkpoint_weights, save_pretrained_checkpoint
 from dfm.convert.rules import ConversionError, check_keys, convert_stream
+from dfm.convert.student_schedule import write_student_schedule
 from dfm.convert.wan import EXPERT_FOLDERS
 from dfm.peft.export import FILE_NAME, lora_state_dict, merged_weights, write_lora_file
 
@@ -129,6 +130,7 @@ def write_export(family: Family, read: tuple, args: argparse.Namespace, folder: 
     plan = {name: (dtype, tuple(t.shape)) for name, t in convert_stream(shapes.get, shapes, rules, "dfm", source)}
     tensors = ((name, t.to(dtype)) for name, t in convert_stream(weights.get, weights, rules, "dfm", source))
     write_diffusers_folder_streaming(folder, diffusers_config_of(family, cfg.model), plan, tensors)
+    write_student_schedule(folder, cfg)
     return len(plan), dtype
 
 

@@ -64,9 +64,11 @@ def replace_folder(new: Path, target: Path) -> None:
 
 
 def diffusers_folder_problem(folder: Path) -> str | None:
-    """None when ``folder`` holds only what an export writes (config.json, safetensors and their index)."""
+    """None when ``folder`` holds only what an export writes (config.json, safetensors and their index; a
+    DMD2 student's scheduler_config.json)."""
     for entry in sorted(folder.iterdir()):
-        if entry.is_dir() or not (entry.name == "config.json" or entry.name.endswith((".safetensors", ".index.json"))):
+        written = entry.name in ("config.json", "scheduler_config.json")
+        if entry.is_dir() or not (written or entry.name.endswith((".safetensors", ".index.json"))):
             return f"holds {entry.name}, which an export does not write"
     return None
 

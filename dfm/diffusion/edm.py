@@ -139,6 +139,8 @@ class EDMPipeline(DiffusionPipeline):
         """The denoiser D(x; sigma) from sigma_max to 0 on the rho schedule (eq. 5), churn per Algorithm 2."""
         if options.shift is not None:
             raise ValueError(f"shift={options.shift} is a flow-matching option; the EDM pipeline has no shift")
+        if options.timesteps is not None:
+            raise ValueError("timesteps are flow-matching times; the EDM pipeline samples on its sigma schedule")
         s = self.settings
         sigmas = karras_sigmas(options.steps, s.sigma_min, s.sigma_max, s.rho)
         return SamplingSchedule(self.denoise, sigmas, sigmas[0], Churn(s.S_churn, s.S_min, s.S_max, s.S_noise))

@@ -213,6 +213,9 @@ class FlowPipeline(DiffusionPipeline):
         return (1 - self.settings.sigma_min) * x - per_token(self.noise_scale(t), sample_ids, x) * v
 
     def sampling_schedule(self, options: SamplingOptions) -> SamplingSchedule:
-        """The velocity v from t = 1 to 0 over the shifted schedule (``options.shift`` overrides the settings')."""
+        """The velocity v from t = 1 to 0 over the shifted schedule (``options.shift`` overrides the settings'),
+        or over ``options.timesteps`` as given, then 0."""
+        if options.timesteps is not None:
+            return SamplingSchedule(self.velocity, [*map(float, options.timesteps), 0.0])
         shift = self.settings.shift if options.shift is None else options.shift
         return SamplingSchedule(self.velocity, flow_timesteps(options.steps, shift))

@@ -44,6 +44,14 @@ class SamplingOptions:
     # guidance_scale_2. None: guidance_scale at every level.
     guidance_scale_2: float | None = None
     guidance_boundary: float | None = None
+    # Flow matching only: the times of the steps from 1 (noise) down, used as given (no shift), with 0
+    # appended; ``steps`` must be their count. A DMD2 student's distill.student_timesteps
+    # (dfm/inference/student.py). None: ``steps`` times of the shifted uniform schedule.
+    timesteps: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.timesteps is not None and len(self.timesteps) != self.steps:
+            raise ValueError(f"steps={self.steps} but {len(self.timesteps)} timesteps were given: {self.timesteps}")
 
     def guidance_at(self, level: float) -> float:
         """The guidance scale of the step at ``level`` (sigma or t)."""

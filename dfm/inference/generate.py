@@ -3,6 +3,10 @@
     python inference_dit_model.py --checkpoint_path CKPT --prompt "..." [--num_video_frames 17] \
         [--height 256 --width 256] [--num_steps 35 --guidance_scale 7 --sampler heun] [--video_save_path out.mp4]
 
+A DMD2 student (a checkpoint whose config has distill.enabled=true) samples over its own
+distill.student_timesteps, unguided: ``--sampler dmd2`` (default, its re-noising steps) or ``euler``
+(dfm/inference/student.py, docs/distillation.md).
+
 FLUX.1 (as FluxPipeline): ``--t5 FLUX.1-dev --clip FLUX.1-dev --vae FLUX.1-dev``; the prompt's T5 text at
 full length and CLIP's pooled vector condition the model, ``--guidance_scale`` is the guidance-distilled
 model's guidance input (no classifier-free pass), the flow shift follows the token count
@@ -41,8 +45,11 @@ from dfm.inference.generation_batch import draw_noise, generation_batch, latent_
 from dfm.inference.image_condition import image_inputs
 from dfm.inference.media import check_output_path, to_uint8_frames, write_media
 from dfm.inference.sampling import sample_latent
+from dfm.inference.student import is_student, sample_student_latent, student_arguments
 
 logger = logging.getLogger("dfm.inference")
+
+DEFAULT_STEPS, DEFAULT_GUIDANCE = 35, 7.0  # a model trained by pretraining (a DMD2 student: dfm/inference/student.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,12 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--num_video_frames", type=int, default=1, help="1: an image; else 1 + 4k for the Wan VAE")
     p.add_argument("--fps", type=int, default=16)
-    p.add_argument("--num_steps", type=int, default=35)
+    p.add_argument(
+        "--num_steps",
+        type=int,
+        default=None,
+        help=f"default {DEFAULT_STEPS}; a DMD2 student: its distill.student_timesteps' count (no other is accepted)",
+    )
     p.add_argument(
         "--guidance_scale",
         type=float,
-        default=7.0,
-        help="classifier-free guidance (1 disables it); FLUX: the distilled model's guidance input (e.g. 3.5)",
+        default=None,
+        help=f"classifier-free guidance (1 disables it; default {DEFAULT_GUIDANCE}, a DMD2 student: 1, its only "
+        "value); FLUX: the distilled model's guidance input (e.g. 3.5)",
     )
     p.add_argument(
         "--guidance_scale_2",
@@ -80,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Wan 2.2 image-to-video: TI2V, this image's latent the clean first frame; I2V-A14B, the image condition",
     )
-    p.add_argument("--sampler", default=None, help="edm: heun|euler; flow: euler|heun (default: the pipeline's)")
+    p.add_argument(
+        "--sampler",
+        default=None,
+        help="edm: heun|euler; flow: euler|heun (default: the pipeline's); a DMD2 student: dmd2 (default: its "
+        "re-noising steps) or euler (deterministic Euler over its timesteps)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--no_ema", action="store_true", help="sample from the trained weights even if the checkpoint has EMA ones"
@@ -108,7 +126,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and (not math.isfinite(value) or value < 0):
             parser.error(f"--{name} {value}: must be a finite number >= 0 (1 disables guidance)")
-    if args.num_steps < 1:
+    if args.num_steps is not None and args.num_steps < 1:
         parser.error(f"--num_steps {args.num_steps}: must be >= 1")
     if args.video_save_path is None:
         args.video_save_path = "outputs/dit_sample" + (".mp4" if args.num_video_frames > 1 else ".png")
@@ -175,6 +193,11 @@ def sample_prompt(
     _, guidance_scale = with_embedded_guidance(cfg, args.guidance_scale)
     images = image_inputs(encoders.vae, cfg.model, args)
     batch = prompt_batch(prompt, noise, encoders, cfg.model, images).to(device)
+    if is_student(cfg):
+        logger.info(
+            "sampling a latent of shape %s with the DMD2 student's %s sampler", tuple(noise.shape), args.sampler
+        )
+        return sample_student_latent(model, pipeline_from_config(cfg), batch, cfg, args.sampler, args.seed)
     uncond = None
     if args.negative_prompt is not None:
         uncond = prompt_batch(args.negative_prompt, noise, encoders, cfg.model, images).to(device)
@@ -224,10 +247,22 @@ def with_low_noise_expert(
     return TimestepExperts(high_noise, low_noise, boundary)
 
 
+def with_sampling_defaults(args: argparse.Namespace, cfg: ConfigContainer) -> argparse.Namespace:
+    """``args`` with --num_steps and --guidance_scale filled for the checkpoint of ``cfg`` (a DMD2
+    student's: its own steps, no guidance, its sampler; student.py)."""
+    if is_student(cfg):
+        return student_arguments(cfg, args)
+    steps = DEFAULT_STEPS if args.num_steps is None else args.num_steps
+    guidance = DEFAULT_GUIDANCE if args.guidance_scale is None else args.guidance_scale
+    return argparse.Namespace(**{**vars(args), "num_steps": steps, "guidance_scale": guidance})
+
+
 def generate(args: argparse.Namespace, device: torch.device) -> Path:
     """Checkpoint + prompt -> written file. Needs ``initialize_distributed()`` done (TP = PP = 1)."""
     directory = checkpoint_directory(args.checkpoint_path)
-    cfg, _ = with_embedded_guidance(single_process_config(checkpoint_config(directory)), args.guidance_scale)
+    saved = single_process_config(checkpoint_config(directory))
+    args = with_sampling_defaults(args, saved)
+    cfg, _ = with_embedded_guidance(saved, args.guidance_scale)
     model = load_model(cfg, directory, device, use_ema=not args.no_ema)
     if args.checkpoint_path_2 is not None:
         model = with_low_noise_expert(model, cfg, args.checkpoint_path_2, device, use_ema=not args.no_ema)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tqdm import tqdm
 
@@ -50,19 +52,37 @@ def sample_latents(
     ``uncond``: the unconditional pass's pack (a negative prompt's text, as Wan samples); None: the
     text zeroed, as cfg dropout trains it. A both-experts model samples as ``sampling_net`` routes it.
     """
-    net = sampling_net(model, model_cfg, pipeline)
     guided = options.guided
     solver = pipeline.sampler(options.sampler)
-    total = solver.model_calls(options.steps, guided)
-    with tqdm(total=total, desc=f"{pipeline.name}/{solver.name} {options.steps} steps", unit="eval") as progress:
-        latents = pipeline.sample(
-            ProgressNet(net, progress),
+
+    def integrate(net: ProgressNet) -> torch.Tensor:
+        return pipeline.sample(
+            net,
             batch.latents,
             batch.token_sample_ids(),
             options,
             cond={"batch": batch},
             uncond={"batch": uncond if uncond is not None else null_text_batch(batch)} if guided else None,
         )
+
+    calls = solver.model_calls(options.steps, guided)
+    return denoised_latents(model, pipeline, batch, model_cfg, integrate, calls, f"{solver.name} {options.steps} steps")
+
+
+def denoised_latents(
+    model: torch.nn.Module,
+    pipeline: DiffusionPipeline,
+    batch: PackedBatch,
+    model_cfg,
+    integrate: Callable[[ProgressNet], torch.Tensor],
+    calls: int,
+    label: str,
+) -> list[torch.Tensor]:
+    """``integrate(net)``: the clean tokens [S, D] of the pack, from the model as ``net`` (a progress bar of
+    ``calls`` model calls, labelled ``label``) -> one clean latent [C, T', H', W'] per sample."""
+    net = sampling_net(model, model_cfg, pipeline)
+    with tqdm(total=calls, desc=f"{pipeline.name}/{label}", unit="eval") as progress:
+        latents = integrate(ProgressNet(net, progress))
     latents, _ = keep_first_frames_clean(latents, batch)
     return unpack_latents(latents, batch, model_cfg)
 
