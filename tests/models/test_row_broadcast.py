@@ -1,4 +1,4 @@
-"""Packs of one sample length: the row ops broadcast the rows over [N, L, b, h] (``per_row``) instead of
+"""Packs of one sample length: the row ops and the final layer broadcast the rows over [N, L, b, h] (``per_row``) instead of
 gathering them per token; forward bitwise and backward (float64) equal to the gathered path, and the
 model takes that path exactly when its rank holds N whole runs of L tokens."""
 
@@ -43,6 +43,19 @@ def test_gated_residual_broadcast_equals_gathered(with_bias):
     assert_paths_agree(gated_residual_rows, lambda per_row: (x, gate, IDS, out, bias, per_row))
 
 
+@pytest.mark.parametrize("rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_final_layer_broadcast_equals_gathered(rms):
+    from dfm.models.common.adaln import AdaLNNorm, AdaLNRMSNorm
+    from dfm.models.common.final_layer import FinalLayer
+
+    torch.manual_seed(0)
+    layer = FinalLayer(H, 4, 1e-6, AdaLNRMSNorm if rms else AdaLNNorm).double()
+    for p in layer.parameters():  # zero-initialised as in DiT: give the modulation and output something to do
+        torch.nn.init.normal_(p)
+    x, cond = rand(N * L, B, H), rand(N, H, seed=1)
+    assert_paths_agree(lambda x, cond, per_row: layer(x, cond, IDS, per_row), lambda per_row: (x, cond, per_row))
+
+
 def test_fp32_forward_is_bitwise_the_gathered_one():
     x, shift, scale, gate = (rand(N * L, 1, H, seed=i, dtype=torch.float32).detach() for i in range(4))
     shift, scale, gate = shift[:N, 0], scale[:N, 0], gate[:N, 0]
@@ -54,6 +67,13 @@ def test_fp32_forward_is_bitwise_the_gathered_one():
         assert torch.equal(
             gated_residual_rows(x, gate, IDS, x, None, per_row), gated_residual_rows(x, gate, IDS, x, None)
         )
+    from dfm.models.common.final_layer import FinalLayer
+
+    layer = FinalLayer(H, 4, 1e-6)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p)
+    with torch.no_grad():
+        assert torch.equal(layer(x, shift + gate, IDS, L), layer(x, shift + gate, IDS))
 
 
 @pytest.mark.parametrize(

@@ -126,7 +126,8 @@ class DiTModel(PackedDiffusionModel):
         return hidden.unsqueeze(1)
 
     def head_output(self, hidden: Tensor, inputs: PackInputs, token_ids: Tensor) -> Tensor:
-        return self.final_layer(self.gather_sequence(hidden), inputs.cond, token_ids)[:, 0, : self.patch_dim]
+        hidden = self.gather_sequence(hidden)
+        return self.final_layer(hidden, inputs.cond, token_ids, inputs.tokens_per_sample)[:, 0, : self.patch_dim]
 
     def pack_inputs(
         self, batch: PackedBatch, split: SequenceSplit, cond: Tensor, token_ids: Tensor | None = None
