@@ -134,6 +134,10 @@ class TrainConfig:
     # A step, validation or save without progress for this long dumps the rank's Python stacks and exits 3
     # (dfm/platform/watchdog.py). null: 30 min on GPUs, off on CPUs; 0: off.
     stall_timeout_s: float | None = None
+    # A process still running this long after a stop signal (a save or a collective that never returns)
+    # writes its Python stacks and exits 3 (dfm/platform/exit_deadline.py; the stacks also at 20 s). 0: off.
+    # Below scripts/slurm/pretrain.sbatch's 120 s of warning; raise it with a launcher's longer grace.
+    exit_signal_timeout_s: float = 110.0
     manual_gc_interval: int = 0  # 0: leave Python's GC automatic
 
 

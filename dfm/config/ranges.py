@@ -102,6 +102,7 @@ RANGES: dict[str, Range] = {
     "train.max_consecutive_nonfinite": COUNT,
     "train.collective_timeout_minutes": COUNT,
     "train.stall_timeout_s": at_least(0, optional=True),
+    "train.exit_signal_timeout_s": NON_NEGATIVE,
     "train.manual_gc_interval": NON_NEGATIVE,
     "optimizer.lr": NON_NEGATIVE,
     "optimizer.min_lr": NON_NEGATIVE,

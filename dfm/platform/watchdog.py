@@ -4,7 +4,8 @@ The training loop calls ``beat(what)`` as each iteration, validation and save be
 time since the last beat; past the timeout it writes every thread's Python stack of this rank to stderr
 (``faulthandler``: it works while the main thread is stuck in C code or a collective) with what was running,
 and exits with ``STALL_EXIT_CODE``, so a launcher (torchrun, Slurm) sees a failure and can requeue the job.
-The processes the rank started end with it (dfm/platform/parent_watch.py).
+The processes the rank forked write theirs too (dfm/platform/child_stacks.py) and end with it
+(dfm/platform/parent_watch.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 import sys
 import threading
 import time
+
+from dfm.platform.child_stacks import ask_children_for_stacks
 
 STALL_EXIT_CODE = 3
 GPU_DEFAULT_S = 30 * 60.0  # train.stall_timeout_s=null on GPUs; on CPUs null is off (steps vary too much there)
@@ -49,12 +52,19 @@ class StallWatchdog:
                 self._fire(idle)
 
     def _fire(self, idle: float) -> None:
-        sys.stderr.write(
+        dump_stacks(
             f"dfm stall watchdog: rank {self.rank} made no progress for {idle:.0f} s during {self.what} "
             f"(train.stall_timeout_s={self.timeout_s:g}); Python stacks of every thread of this rank follow, "
-            f"then it exits {STALL_EXIT_CODE}\n"
+            f"then it exits {STALL_EXIT_CODE}"
         )
-        sys.stderr.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
         os._exit(STALL_EXIT_CODE)
+
+
+def dump_stacks(message: str) -> None:
+    """``message``, then every thread's Python stack, to stderr (``faulthandler``: works while the main
+    thread is stuck in C code or a collective), then those of the processes it forked (a checkpoint writer)."""
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    ask_children_for_stacks()

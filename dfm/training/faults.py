@@ -7,20 +7,27 @@ from typing import Any
 
 import torch
 
+from dfm.platform.exit_deadline import ExitDeadline
 from dfm.platform.parent_watch import STOP_SIGNALS
 
 
 class PreemptionSignal:
-    """Records SIGTERM / SIGUSR1 (Slurm preemption); ranks agree through ``step_checks`` each step."""
+    """Records SIGTERM / SIGUSR1 (Slurm preemption); ranks agree through ``step_checks`` each step.
+
+    ``exit_timeout_s`` (> 0): a process still running that long after the first signal (a save or a
+    collective that never returns) writes its stacks and exits 3 (dfm/platform/exit_deadline.py)."""
 
     SIGNALS = STOP_SIGNALS
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, exit_timeout_s: float = 0.0):
         self.received: int | None = None
         self.previous: dict[int, Any] = {}
+        self.deadline: ExitDeadline | None = None
         if enabled:
             for sig in self.SIGNALS:
                 self.previous[sig] = signal.signal(sig, self._handle)
+            if exit_timeout_s > 0:
+                self.deadline = ExitDeadline(exit_timeout_s, self.SIGNALS).arm()
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
@@ -32,6 +39,8 @@ class PreemptionSignal:
     def restore(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        if self.deadline is not None:
+            self.deadline.disarm()
 
 
 def step_checks(

@@ -27,6 +27,7 @@ from dfm.diffusion.registry import pipeline_from_config
 from dfm.diffusion.timestep_experts import BOTH
 from dfm.models.flops import training_flops
 from dfm.parallel.layout import ParallelLayout, launched_world_size
+from dfm.platform.child_stacks import children_write_stacks_on_request
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.platform.fork_safety import forked_children_single_threaded
 from dfm.platform.parent_watch import checkpoint_writer_queue_dies_with_us, die_with_launcher
@@ -138,10 +139,11 @@ def pretrain(cfg: ConfigContainer, mock: bool, explicit_keys: frozenset[str] | N
     skip_final_gc_at_exit()
     die_with_launcher()
     forked_children_single_threaded()  # async saves fork the rank: no OpenMP pool in the child (fork_safety.py)
+    children_write_stacks_on_request()  # a stall's dump shows a stuck checkpoint writer's stacks too
     if cfg.checkpoint.save:
         checkpoint_writer_queue_dies_with_us()
     # From the start: a stop signal during start-up (or one a launcher left ignored) still saves after step one.
-    preemption = PreemptionSignal(cfg.train.exit_signal_handler)
+    preemption = PreemptionSignal(cfg.train.exit_signal_handler, cfg.train.exit_signal_timeout_s)
     layout = ParallelLayout.from_config(cfg.model, launched_world_size())
     device = initialize_distributed(layout, seed=cfg.rng.seed, timeout_minutes=cfg.train.collective_timeout_minutes)
     try:

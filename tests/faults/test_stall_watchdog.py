@@ -1,13 +1,15 @@
 """A save that makes no progress for ``train.stall_timeout_s`` ends the run, through the entry point: the
 rank's Python stacks (the stuck frame included) are in the log, with what was running, and the exit is
-non-zero (3), so Slurm requeues the job. The stall is injected: the save of iteration 2 sleeps 10 minutes."""
+non-zero (3), so Slurm requeues the job. So does a stop signal during such a save, after
+``train.exit_signal_timeout_s``. The stall is injected: the save of iteration 2 sleeps 10 minutes."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
-from entry import FAULT_ENTRY, run_entry
+from entry import FAULT_ENTRY, RECIPE_DIR, entry_command, entry_env, kill_group, run_entry
 
 from dfm.platform.watchdog import STALL_EXIT_CODE, StallWatchdog, stall_timeout
 
@@ -23,6 +25,47 @@ def test_a_stalled_save_dumps_the_stacks_and_exits_non_zero(tmp_path):
     assert "rank 0 made no progress for" in result.stderr and "during the save of iteration 2" in result.stderr
     assert "Thread 0x" in result.stderr or "Current thread" in result.stderr  # faulthandler's stack dump
     assert "in slowly" in result.stderr  # the stuck frame: the injected sleep in the save
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_stalled_save_ends_the_run_with_the_stacks(tmp_path):
+    """2 ranks; the async save of iteration 2 sleeps in its writer, so the ranks wait for it (the next save,
+    or the preemption save) and never get back to the loop that reads the stop signal. SIGTERM to the
+    launcher, forwarded to each rank as torchrun's agent forwards it: before dfm/platform/exit_deadline.py
+    the ranks ran on until the launcher's SIGKILL (30 s later) with no stacks; now each writes its stacks
+    and its writer's and exits 3 once ``train.exit_signal_timeout_s`` has passed."""
+    args = ["train.train_iters=1000", f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.save_interval=2"]
+    args += ["checkpoint.async_save=true", "train.exit_signal_timeout_s=8", f"logger.log_dir={tmp_path / 'logs'}"]
+    err = tmp_path / "stderr"
+    with err.open("w") as stderr:
+        proc = subprocess.Popen(
+            entry_command(2, args, entry=FAULT_ENTRY),
+            cwd=RECIPE_DIR,
+            env=entry_env({"DFM_TEST_FAULT": "slow_save:2:600"}),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
+        try:
+            wait_for_stall(err, proc)
+            sent = time.monotonic()
+            proc.terminate()
+            proc.wait(timeout=120)
+        finally:
+            kill_group(proc.pid)
+    log = err.read_text()
+    assert time.monotonic() - sent < 28, log[-4000:]  # before the launcher's SIGKILL (30 s)
+    assert proc.returncode != 0 and log.count("exitcode : 3") == 2, log[-4000:]
+    assert log.count("still running 8 s after SIGTERM (train.exit_signal_timeout_s=8)") == 2, log[-4000:]
+    assert "in maybe_finalize_async_calls" in log  # the rank's stuck frame: waiting for the writer
+    assert "in slowly" in log  # the writer's stuck frame, from its own stacks (dfm/platform/child_stacks.py)
+
+
+def wait_for_stall(err, proc: subprocess.Popen, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while err.read_text().count("slow save of iter_0000002 writing") < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-4000:]
+        time.sleep(0.1)
 
 
 def test_the_timeout_in_effect():
