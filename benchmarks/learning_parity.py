@@ -8,7 +8,9 @@ the reference (benchmarks/learning_reference.py) on the same shards with the sam
 hyper-parameters, scores both with the digits scorer (same prompts, starting noise, steps and guidance)
 and prints one table. Both sides run one after the other, each on ``--threads`` threads; minutes are
 training plus scoring (dfm's include its two child processes' start-up). The summary goes to
-``OUT_DIR/learning_parity.json``. ``--out_dir`` must not hold an earlier run's ``dfm`` folder (its
+``OUT_DIR/learning_parity.json``; with ``--curve_every N`` each side is also scored every N iterations (dfm
+saves a checkpoint there, the reference copies its weights) and the JSON holds both learning curves.
+``--out_dir`` must not hold an earlier run's ``dfm`` folder (its
 checkpoints would be scored again); a prepared ``dataset`` there is reused as it is.
 """
 
@@ -64,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads of each side")
     p.add_argument("--sides", choices=("both", "dfm", "reference"), default="both", help="which side(s) to train")
     p.add_argument(
+        "--curve_every", type=int, default=0, help="also score both sides every N iterations (a learning curve)"
+    )
+    p.add_argument(
         "--dfm_override",
         action="append",
         default=[],
@@ -73,8 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_reference(root: Path, overrides: Sequence[str], sampling: DigitSampling, seed: int, threads: int) -> dict:
-    """Train and score the reference on ``root/dataset`` with the config dfm trains -> a summary row."""
+def run_reference(
+    root: Path, overrides: Sequence[str], sampling: DigitSampling, seed: int, threads: int, curve_every: int = 0
+) -> dict:
+    """Train and score the reference on ``root/dataset`` with the config dfm trains -> a summary row (with
+    ``curve_every``, its ``curve``: the scores every that many iterations)."""
     cfg = build_config(None, str(CLIP_CONFIG), overrides)
     torch.set_num_threads(threads)
     start = time.perf_counter()
@@ -82,9 +90,21 @@ def run_reference(root: Path, overrides: Sequence[str], sampling: DigitSampling,
     tokens_per_clip = num_tokens((m.in_channels, *m.max_latent_thw), m.patch_temporal, m.patch_spatial)
     # dfm's pack: seq_length tokens of whole clips (64 of the CI clips), at most packing_buffer_size of them.
     batch_size = min(cfg.dataset.seq_length // tokens_per_clip, cfg.dataset.packing_buffer_size)
-    run = train_reference(read_clip_shards(root / "dataset"), cfg, batch_size, seed)
+    run = train_reference(read_clip_shards(root / "dataset"), cfg, batch_size, seed, curve_every)
+    final = run.model.state_dict()
+    curve = []
+    for iteration, weights in run.snapshots.items():
+        run.model.load_state_dict(weights)
+        curve.append(curve_point(iteration, score_reference(run.model, root, cfg, sampling)))
+    run.model.load_state_dict(final)
     scores = score_reference(run.model, root, cfg, sampling)
-    return row(scores, run.losses, time.perf_counter() - start, batch_size=batch_size)
+    curve.append(curve_point(cfg.train.train_iters, scores))
+    return row(scores, run.losses, time.perf_counter() - start, batch_size=batch_size, curve=curve)
+
+
+def curve_point(iteration: int, scores: dict) -> dict:
+    """One point of a learning curve: the iteration and its scores."""
+    return {"iteration": iteration, **{k: scores[k] for k in SCORE_COLUMNS.values()}}
 
 
 def late_loss(losses: Sequence[tuple[int, float]]) -> float:
@@ -130,11 +150,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     rows = {}
     if args.sides in ("both", "dfm"):
         # No time limit: at the issue's size a side takes about an hour on a shared 2-core machine.
-        dfm_overrides = [*overrides, *args.dfm_override]
+        curve = [f"checkpoint.save_interval={args.curve_every}"] if args.curve_every else []
+        dfm_overrides = [*overrides, *curve, *args.dfm_override]
         dfm_run = train_and_score(root, "dfm", CLIP_CONFIG, dfm_overrides, sampling, args.threads, timeout=None)
-        rows["dfm"] = row(dfm_run.scores[-1], dfm_run.losses, dfm_run.seconds)
+        points = [curve_point(s["iteration"], s) for s in dfm_run.scores]
+        rows["dfm"] = row(dfm_run.scores[-1], dfm_run.losses, dfm_run.seconds, curve=points)
     if args.sides in ("both", "reference"):
-        rows["reference"] = run_reference(root, overrides, sampling, args.seed, args.threads)
+        rows["reference"] = run_reference(root, overrides, sampling, args.seed, args.threads, args.curve_every)
     print(table(rows))
     summary = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),

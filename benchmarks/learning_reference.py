@@ -23,7 +23,7 @@ import json
 import sys
 import tarfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -145,6 +145,7 @@ class ReferenceRun:
     model: ReferenceDiT
     losses: list[tuple[int, float]]  # (iteration from 1, loss)
     seconds: float
+    snapshots: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # iteration -> weights (a curve)
 
 
 def warmup_factor(warmup: int):
@@ -152,9 +153,10 @@ def warmup_factor(warmup: int):
     return lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
 
 
-def train_reference(shards: ClipShards, cfg, batch_size: int, seed: int) -> ReferenceRun:
+def train_reference(shards: ClipShards, cfg, batch_size: int, seed: int, snapshot_every: int = 0) -> ReferenceRun:
     """``cfg.train.train_iters`` AdamW steps on random batches of ``batch_size`` whole clips (an epoch-wise
-    shuffle), with the config's optimizer, warm-up, clipping, cfg dropout and flow settings."""
+    shuffle), with the config's optimizer, warm-up, clipping, cfg dropout and flow settings; with
+    ``snapshot_every``, a copy of the weights every that many iterations (as dfm saves checkpoints)."""
     if cfg.scheduler.lr_decay_style != "constant" or cfg.optimizer.optimizer != "adam":
         raise ValueError("the reference runs Adam(W) with a constant rate after warm-up")
     start = time.perf_counter()
@@ -168,7 +170,7 @@ def train_reference(shards: ClipShards, cfg, batch_size: int, seed: int) -> Refe
     tokens, pos_ids = to_tokens(shards.latents.float(), m.patch_temporal, m.patch_spatial)
     text, mask = padded_texts(shards.texts)
     generator = torch.Generator().manual_seed(seed)
-    order, losses = torch.empty(0, dtype=torch.long), []
+    order, losses, snapshots = torch.empty(0, dtype=torch.long), [], {}
     for iteration in range(1, cfg.train.train_iters + 1):
         if len(order) < batch_size:
             order = torch.cat([order, torch.randperm(len(tokens), generator=generator)])
@@ -189,7 +191,9 @@ def train_reference(shards: ClipShards, cfg, batch_size: int, seed: int) -> Refe
         losses.append((iteration, loss.item()))
         if iteration % 100 == 0:  # a long CPU run shows it is alive
             print(f"reference iter {iteration}/{cfg.train.train_iters} | loss {loss.item():.4f}", flush=True)
-    return ReferenceRun(model, losses, time.perf_counter() - start)
+        if snapshot_every and iteration % snapshot_every == 0 and iteration < cfg.train.train_iters:
+            snapshots[iteration] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return ReferenceRun(model, losses, time.perf_counter() - start, snapshots)
 
 
 @torch.no_grad()

@@ -75,14 +75,16 @@ def test_tokens_are_dfms_patches():
 @pytest.mark.slow
 def test_both_sides_score_on_the_same_clips(tmp_path, capsys):
     """20 clips, 30 iterations, 2 sampling steps: both sides train and score (~75 s on 2 CPU cores; dfm's
-    share is mostly its two child processes starting), the table prints, and the shards' text is what
-    the sampler's T5 gives for the same caption."""
+    share is mostly its two child processes starting), the table prints, each side's learning curve has
+    a point every 15 iterations, and the shards' text is what the sampler's T5 gives for the same caption."""
     argv = ["--out_dir", str(tmp_path), "--clips", "20", "--iterations", "30", "--samples_per_caption", "1"]
-    summary = main([*argv, "--steps", "2"])
+    summary = main([*argv, "--steps", "2", "--curve_every", "15"])
     out = capsys.readouterr().out
     assert "| dfm |" in out and "| reference |" in out
     for row in summary["rows"].values():
         assert all(0 <= row[key] <= 1 for key in SCORE_COLUMNS.values())
+        assert [point["iteration"] for point in row["curve"]] == [15, 30]
+        assert {k: row["curve"][-1][k] for k in SCORE_COLUMNS.values()} == {k: row[k] for k in SCORE_COLUMNS.values()}
     assert json.loads((tmp_path / "learning_parity.json").read_text())["rows"] == summary["rows"]
     shards = read_clip_shards(tmp_path / "dataset")
     assert len(shards.captions) == 20 and shards.latents.shape[1:] == (1, 4, 16, 16)
