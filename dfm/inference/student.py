@@ -24,7 +24,7 @@ from dfm.diffusion.flow import FlowPipeline
 from dfm.diffusion.pipeline import SamplingOptions, at_least_fp32
 from dfm.distill.batch import Conditioning, Packing
 from dfm.distill.student_sampling import student_trajectory
-from dfm.inference.sampling import ProgressNet, denoised_latents, sample_latent
+from dfm.inference.sampling import ProgressNet, denoised_latents, sample_latents
 
 DMD2, EULER = "dmd2", "euler"
 STUDENT_SAMPLERS = (DMD2, EULER)
@@ -70,11 +70,19 @@ def sample_student_latent(
 ) -> torch.Tensor:
     """The clean latent [C, T', H', W'] of a one-sample pack ``batch`` (latents: the starting noise),
     sampled over the student's timesteps with ``sampler`` (``STUDENT_SAMPLERS``)."""
+    return sample_student_latents(model, pipeline, batch, cfg, sampler, seed)[0]
+
+
+def sample_student_latents(
+    model: torch.nn.Module, pipeline: FlowPipeline, batch: PackedBatch, cfg: ConfigContainer, sampler: str, seed: int
+) -> list[torch.Tensor]:
+    """``sample_student_latent`` for every sample of the pack ``batch`` at once -> one clean latent
+    [C, T', H', W'] per sample (the re-noising draws cover the whole pack, after its starting noise)."""
     settings = cfg.distill.settings()
     steps = len(settings.student_timesteps)
     if sampler == EULER:
         options = SamplingOptions(steps, 1.0, EULER, seed, timesteps=tuple(settings.student_timesteps))
-        return sample_latent(model, pipeline, batch, cfg.model, options)
+        return sample_latents(model, pipeline, batch, cfg.model, options)
     generator = renoising_generator(seed, batch.latents)
 
     def integrate(net: ProgressNet) -> torch.Tensor:
@@ -82,4 +90,4 @@ def sample_student_latent(
         conditioning = Conditioning(cond={"batch": batch})
         return student_trajectory(pipeline, net, noise, packing, settings, generator, conditioning)[-1]
 
-    return denoised_latents(model, pipeline, batch, cfg.model, integrate, steps, f"{DMD2} student {steps} steps")[0]
+    return denoised_latents(model, pipeline, batch, cfg.model, integrate, steps, f"{DMD2} student {steps} steps")

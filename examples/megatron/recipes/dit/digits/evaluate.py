@@ -6,6 +6,11 @@ clips, the fraction moving as prompted and how steadily each clip shows one digi
 
 Conditional accuracy should be far above chance (0.1) once the model learns; unconditional samples
 (null text, no guidance) are scored against the same labels, so they sit near chance (motion: 0.2).
+Images also get their diversity against the real digits' and the fraction of near copies (digits.diversity).
+
+A DMD2 student (a checkpoint saved with ``distill.enabled=true``) samples its own way, as
+inference_dit_model.py samples it: over its ``distill.student_timesteps`` with the dmd2 sampler, unguided
+(``--steps``, ``--guidance_scale`` and ``--sampler`` are ignored for it).
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_direc
 from dfm.inference.encoders import Encoders, EncoderSources, check_encoders_match, load_encoders
 from dfm.inference.generation_batch import draw_noise, generation_pack, null_text_batch
 from dfm.inference.sampling import sample_latents
+from dfm.inference.student import DMD2, is_student, sample_student_latents
 from dfm.platform.process_exit import skip_final_gc_at_exit
 from digits.classifier import DigitClassifier, train_digit_classifier
 from digits.clip_scores import judge_clips, motion_accuracy
 from digits.clips import ClipSpec, all_captions, clip_caption
 from digits.data import DIGIT_WORDS, digit_caption, video_to_digit_pixels
+from digits.diversity import diversity_scores
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,10 @@ class DigitScores:
     motion_accuracy: float | None = None  # clips only
     unconditional_motion_accuracy: float | None = None
     temporal_consistency: float | None = None  # clips only: frames agreeing with their clip's majority
+    diversity_ratio: float | None = None  # images only: digits.diversity, of the conditional samples
+    near_copy_fraction: float | None = None
+    nearest_ratio: float | None = None
+    student_timesteps: list | None = None  # a DMD2 student's own times (it sampled at those, unguided)
 
 
 @dataclass(frozen=True)
@@ -96,8 +107,11 @@ def generate_digits(
     guidance = sampling.guidance_scale if conditional else 1.0
     if not conditional:
         batch = null_text_batch(batch)
-    options = SamplingOptions(sampling.steps, guidance, sampling.sampler, sampling.seed)
-    latents = sample_latents(model, pipeline_from_config(cfg), batch.to(device), cfg.model, options)
+    if is_student(cfg):  # its own timesteps, unguided: the teacher's guidance is baked in
+        latents = sample_student_latents(model, pipeline_from_config(cfg), batch.to(device), cfg, DMD2, sampling.seed)
+    else:
+        options = SamplingOptions(sampling.steps, guidance, sampling.sampler, sampling.seed)
+        latents = sample_latents(model, pipeline_from_config(cfg), batch.to(device), cfg.model, options)
     return latents_to_pixels(encoders, torch.stack(latents))
 
 
@@ -125,12 +139,14 @@ def digit_classifier(centred: bool) -> DigitClassifier:
 
 
 def score_samples(prompts: Prompts, conditional: np.ndarray, unconditional: np.ndarray) -> dict:
-    """Images: the fraction classified as prompted. Clips: also motion and temporal consistency."""
+    """Images: the fraction classified as prompted, and the conditional samples' diversity and near copies.
+    Clips: also motion and temporal consistency."""
     if prompts.motions is None:
         classifier = digit_classifier(centred=False)
         return dict(
             conditional_accuracy=classifier.accuracy(conditional[:, 0], prompts.digits),
             unconditional_accuracy=classifier.accuracy(unconditional[:, 0], prompts.digits),
+            **asdict(diversity_scores(conditional[:, 0], prompts.digits)),
         )
     classify = digit_classifier(centred=True).predict
     still_below = ClipSpec(canvas=conditional.shape[-1], frames=conditional.shape[1]).travel / 2
@@ -159,6 +175,7 @@ def score_checkpoint(path: str | Path, sources: EncoderSources, sampling: DigitS
         pipeline=cfg.model.pipeline,
         architecture=cfg.model.architecture,
         samples=conditional.round(2).tolist(),
+        student_timesteps=cfg.distill.student_timesteps if is_student(cfg) else None,
         **score_samples(prompts, conditional, unconditional),
     )
 
