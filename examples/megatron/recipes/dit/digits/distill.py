@@ -1,7 +1,8 @@
 """DMD2 students of a digits flow teacher, measured (docs/distillation.md, "Measured on the digits").
 
     cd examples/megatron/recipes/dit
-    python -m digits.distill --out_dir outputs/digits_distill [--iterations 600 --save_interval 100 ...]
+    python -m digits.distill --out_dir outputs/digits_distill [--iterations 600 --save_interval 100 ...] \
+        [--grid samples.png]
 
 The teacher is trained as the CI test trains its flow model (conf/digits_tiny.yaml, or reused when
 OUT_DIR/teacher already holds it) and scored at 12 Euler steps with guidance 3: its accuracy is A.
@@ -11,7 +12,8 @@ unguided at the student's own timesteps (digits.evaluate samples a student as in
 does). The curve starts at the student before its first update (a one-iteration run: the student's first
 update is at iteration ``critic_steps``), i.e. the teacher's weights sampled the student's way, unguided.
 -> OUT_DIR/distill.json: A, each student's curve (accuracy, accuracy / A, diversity against the
-real digits', near copies) and the settings.
+real digits', near copies) and the settings; ``--grid``: the teacher's samples and each student's at its
+start and its end, a row per digit.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from digits.evaluate import DigitSampling
+from digits.plot import plot_sample_grid
 from digits.run import CI_CONFIG, prepare_digits, score_digits, train_digits
 
 TEACHER_SAMPLING = DigitSampling(samples_per_caption=20, steps=12, guidance_scale=3.0, seed=0)
@@ -144,11 +147,23 @@ def measure(
     return summary
 
 
+def plot_samples(root: Path, students: Sequence[str], samples: int, path: Path) -> Path:
+    """The teacher's conditional samples and each student's first and last scored ones, side by side."""
+    read = lambda scores: json.loads(scores.read_text())  # noqa: E731
+    panels = {"teacher, 12 steps, CFG 3": read(root / "teacher" / "scores.json")[-1]["samples"]}
+    for name in students:
+        curve = read(root / name / "scores.json")
+        panels[f"{name} start"] = curve[0]["samples"]
+        panels[f"{name}, iter {curve[-1]['iteration']}"] = curve[-1]["samples"]
+    return plot_sample_grid(panels, samples, path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default="outputs/digits_distill")
     p.add_argument("--students", nargs="+", default=list(STUDENTS), choices=list(STUDENTS))
     p.add_argument("--samples_per_caption", type=int, default=TEACHER_SAMPLING.samples_per_caption)
+    p.add_argument("--grid", default=None, help="write a sample-grid PNG here")
     defaults = DistillRun()
     for field, value in asdict(defaults).items():
         p.add_argument(f"--{field}", type=type(value), default=value)
@@ -160,7 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run = DistillRun(**{field: getattr(args, field) for field in asdict(DistillRun())})
     students = {name: STUDENTS[name] for name in args.students}
-    measure(Path(args.out_dir).resolve(), run, students, args.samples_per_caption, args.teacher_overrides)
+    root = Path(args.out_dir).resolve()
+    measure(root, run, students, args.samples_per_caption, args.teacher_overrides)
+    if args.grid:
+        print(f"wrote {plot_samples(root, list(students), args.samples_per_caption, Path(args.grid))}")
     return 0
 
 
