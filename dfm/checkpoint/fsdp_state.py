@@ -10,6 +10,7 @@ sizes, in both directions, and no rank ever holds more than its own rows.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +21,8 @@ from dfm.parallel.fsdp_shards import named_parameters, row_range, tp_local_shape
 
 
 def is_fsdp(chunk) -> bool:
-    return bool(getattr(chunk.ddp_config, "use_megatron_fsdp", False))
+    """Whether ``chunk`` is wrapped by Megatron-FSDP (a bare module, or a stand-in without a DDP config, is not)."""
+    return bool(getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False))
 
 
 def model_templates(chunk, model_sharded_state_dict) -> dict[str, Any]:
@@ -40,15 +42,40 @@ def owned(chunk, optimizer, templates: dict[str, Any], is_loading: bool) -> dict
     state = _adam_state(optimizer)
     result = {}
     for name, shard in named_parameters(chunk):
-        template, shape = templates[name], tuple(tp_local_shape(shard))
-        first, rows, replicated = row_range(shard)
-        row = math.prod(shape[1:])
-        replica = template.replica_id if replicated else replica_on_every_shard(template)
         main = shard.to_local().detach().reshape(-1)
         states = {"param": main, **{key: _moment(state, shard, key).reshape(-1) for key in MOMENTS}}
-        piece = Piece(template, shape, first * row, rows * row, replica)
-        result[name] = Owned(piece, None if is_loading else main.to(shard.orig_param.dtype), states)
+        weight = None if is_loading else main.to(shard.orig_param.dtype)
+        result[name] = Owned(_rows_piece(shard, templates[name]), weight, states)
     return result
+
+
+@dataclass
+class MainRows:
+    """This rank's rows of one parameter: as a piece of the model tensor, and the main weight's elements there."""
+
+    piece: Piece
+    main: torch.Tensor  # flat, the DTensor's local tensor: writing it changes the main weight
+    dtype: torch.dtype  # the model's (what a checkpoint's model tensors are saved in)
+
+
+def main_rows(chunk, templates: dict[str, Any]) -> dict[str, MainRows]:
+    """Per parameter name: this rank's rows of its main weight (collective over each parameter's DP group),
+    for reading model weights into them without any optimizer state (``checkpoint.pretrained``)."""
+    return {
+        name: MainRows(
+            _rows_piece(shard, templates[name]), shard.to_local().detach().reshape(-1), shard.orig_param.dtype
+        )
+        for name, shard in named_parameters(chunk)
+    }
+
+
+def _rows_piece(shard, template) -> Piece:
+    """The rows of the TP-local parameter that this rank's shard holds, as a piece of the model tensor."""
+    shape = tuple(tp_local_shape(shard))
+    first, rows, replicated = row_range(shard)
+    row = math.prod(shape[1:])
+    replica = template.replica_id if replicated else replica_on_every_shard(template)
+    return Piece(template, shape, first * row, rows * row, replica)
 
 
 def _moment(state: dict, shard, key: str) -> torch.Tensor:

@@ -11,17 +11,21 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import torch
 from megatron.core import dist_checkpointing
 
+from dfm.checkpoint import fsdp_state
 from dfm.checkpoint.collective import barrier, rank
 from dfm.checkpoint.errors import CheckpointError
 from dfm.checkpoint.files import iteration_dir, remove_partial
 from dfm.checkpoint.load import PRETRAINED_HINT, check_same_model
+from dfm.checkpoint.pieces import without_empty
 from dfm.checkpoint.save import failures_named, finalize_save
 from dfm.checkpoint.select import choose_checkpoint
 from dfm.checkpoint.state import WEIGHTS_ONLY, layout, model_sharded_state_dict
 from dfm.config.container import ModelConfig
 from dfm.config.peft import is_adapter_param
+from dfm.parallel.fsdp_shards import install_main_weights
 
 logger = logging.getLogger("dfm.checkpoint")
 
@@ -49,7 +53,7 @@ def base_weights(state: dict) -> dict:
 
 
 def load_pretrained(path: str | Path, model, model_config: ModelConfig | None = None) -> Path:
-    """Fill the DDP-wrapped ``model`` chunks with the model weights of the checkpoint at ``path`` (any layout).
+    """Fill the DDP- or FSDP-wrapped ``model`` chunks with the model weights of the checkpoint at ``path`` (any layout).
 
     A different architecture (width, depth, ...) is refused naming the keys; nothing else is restored.
     A model of submodels (both Wan 2.2 experts) also loads from a root holding one checkpoint per
@@ -61,17 +65,16 @@ def load_pretrained(path: str | Path, model, model_config: ModelConfig | None = 
             one = None if model_config is None else dataclasses.replace(model_config, wan_expert=name)
             load_weights(choose_checkpoint(Path(path) / name), [submodel], one, f"{path}/{name}")
         return Path(path)
-    load_weights(directory, [chunk.module for chunk in model], model_config, path)
+    if fsdp_state.is_fsdp(model[0]):
+        load_fsdp_weights(directory, model, model_config, path)
+    else:
+        load_weights(directory, [chunk.module for chunk in model], model_config, path)
     return directory
 
 
 def load_weights(directory: Path | None, modules: list, model_config: ModelConfig | None, path) -> None:
     """The model weights of the checkpoint ``directory`` into the unwrapped chunks ``modules``."""
-    if directory is None:
-        raise CheckpointError(f"checkpoint.pretrained={path}: no complete checkpoint there")
-    common = dist_checkpointing.load_common_state_dict(str(directory))
-    if model_config is not None:
-        check_same_model(common, directory, model_config, PRETRAINED_HINT)
+    check_model_fits(directory, model_config, path)
     request = {f"model{index}": base_weights(model_sharded_state_dict(module)) for index, module in enumerate(modules)}
     loaded = dist_checkpointing.load(request, str(directory))
     for index, module in enumerate(modules):
@@ -81,5 +84,53 @@ def load_weights(directory: Path | None, modules: list, model_config: ModelConfi
             raise CheckpointError(
                 f"{directory} does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
             )
+    log_loaded(directory)
+
+
+def load_fsdp_weights(directory: Path | None, model, model_config: ModelConfig | None, path) -> None:
+    """The model weights of the checkpoint ``directory`` into Megatron-FSDP chunks: each rank reads only its
+    rows of every parameter, in the model's dtype (as a DDP chunk's weights are read), into its main-weight
+    shards (the optimizer's weights under FSDP), then the compute weights follow them. As a resume does,
+    only parameters are read (no extra states)."""
+    check_model_fits(directory, model_config, path)
+    chunks_rows = [
+        fsdp_state.main_rows(chunk, fsdp_state.model_templates(chunk, model_sharded_state_dict)) for chunk in model
+    ]
+    # LoRA adapters (dfm/peft) are not in a base checkpoint: they keep their init.
+    chunks_rows = [base_weights(rows) for rows in chunks_rows]
+    read = [{name: model_dtype_rows(rows) for name, rows in chunk_rows.items()} for chunk_rows in chunks_rows]
+    request = {
+        f"model{index}": without_empty(
+            {name: rows.piece.sharded(rows.piece.template.key, read[index][name]) for name, rows in chunk_rows.items()}
+        )
+        for index, chunk_rows in enumerate(chunks_rows)
+    }
+    loaded = dist_checkpointing.load(request, str(directory))
+    with torch.no_grad():
+        for index, chunk_rows in enumerate(chunks_rows):
+            for name, rows in chunk_rows.items():
+                rows.piece.fill(read[index][name], loaded.get(f"model{index}", {}).get(name, []))
+                rows.main.copy_(read[index][name])  # a no-op copy onto itself where the dtypes agree
+    install_main_weights(model)
+    log_loaded(directory)
+
+
+def model_dtype_rows(rows: fsdp_state.MainRows) -> torch.Tensor:
+    """Where to read a parameter's rows: the main weight itself when it has the model's dtype, else a buffer."""
+    if rows.main.dtype == rows.dtype:
+        return rows.main
+    return torch.empty(rows.main.shape, dtype=rows.dtype, device=rows.main.device)
+
+
+def check_model_fits(directory: Path | None, model_config: ModelConfig | None, path) -> None:
+    """A complete checkpoint at ``directory`` saved by the same architecture as ``model_config`` (None: unchecked)."""
+    if directory is None:
+        raise CheckpointError(f"checkpoint.pretrained={path}: no complete checkpoint there")
+    if model_config is not None:
+        common = dist_checkpointing.load_common_state_dict(str(directory))
+        check_same_model(common, directory, model_config, PRETRAINED_HINT)
+
+
+def log_loaded(directory: Path) -> None:
     if rank() == 0:
         logger.info("initial weights from %s (checkpoint.pretrained; optimizer and schedule start fresh)", directory)

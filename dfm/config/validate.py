@@ -176,8 +176,6 @@ def _check_distill(cfg: ConfigContainer) -> None:
         "distill.regression_weight": (cfg.distill.regression_weight > 0, "makes no teacher samples to regress on yet"),
         "model.wan_expert": (cfg.model.wan_expert == "both", "trains one model, not both Wan 2.2 experts"),
         "peft.lora_rank": (cfg.peft.enabled, "trains full models, not LoRA adapters, yet"),
-        # Loading the teacher's weights into the players' FSDP shards fails in dist_checkpointing's shard check.
-        "ddp.use_megatron_fsdp": (cfg.ddp.use_megatron_fsdp, "does not run under Megatron-FSDP yet"),
     }
     for key, (refuse, why) in refused.items():
         if refuse:

@@ -15,7 +15,9 @@ from functools import partial
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 
+from dfm.checkpoint.fsdp_state import is_fsdp
 from dfm.data.packed_batch import PackedBatch
 from dfm.diffusion.flow import FlowPipeline
 from dfm.diffusion.pipeline import null_dropped_context
@@ -30,7 +32,7 @@ from dfm.distill import (
     generate_student_sample,
 )
 from dfm.distill.collapse import same_shape_samples
-from dfm.distill.student_sampling import fresh_noise
+from dfm.distill.student_sampling import StudentSample, choose_step, fresh_noise
 
 CRITIC, STUDENT = "critic", "student"
 COLLAPSE_KEYS = ("collapse_mean", "collapse_std", "collapse_distance", "collapse_diversity")
@@ -94,6 +96,8 @@ class DistillForwardStep:
         self.role, self.pipeline, self.settings, self.players = role, pipeline, settings, players
         self.seed, self.device = seed, device
         self.iteration = 0
+        # Megatron-FSDP gathers the student's weights in every call: its DP ranks must call it equally often.
+        self.common_index = self.largest_over_data_parallel if is_fsdp(players.student) else None
 
     def __call__(self, data_iterator, model):
         batch = next(data_iterator).to(self.device)
@@ -107,7 +111,7 @@ class DistillForwardStep:
 
     def student_loss(self, student, batch, packing, noise, generator, cond):
         """DMD's loss of a backward-simulated student sample, in the reference code's mean-squared scale."""
-        sample = generate_student_sample(self.pipeline, student, noise, packing, self.settings, generator, cond)
+        sample = self.student_sample(student, noise, packing, generator, cond)
         scores = ScoreNets(self.players.teacher, self.players.critic)
         matching = distribution_matching_loss(self.pipeline, scores, sample.x0, packing, self.settings, cond, generator)
         per_sample = matching.loss / matching.elements
@@ -116,12 +120,34 @@ class DistillForwardStep:
     def critic_loss(self, critic, batch, packing, noise, generator, cond):
         """The critic's flow-matching loss on a student sample made without grad, and that sample's collapse figures."""
         with torch.no_grad():
-            sample = generate_student_sample(
-                self.pipeline, self.players.student, noise, packing, self.settings, generator, cond
-            )
+            sample = self.student_sample(self.players.student, noise, packing, generator, cond)
         per_sample = critic_loss(self.pipeline, critic, sample.x0, packing, self.settings, cond, generator)
         extra = {"collapse": collapse_figures(sample.x0.detach(), batch, packing)}
         return per_sample, partial(self.reduce, batch, extra)
+
+    def student_sample(self, student, noise, packing, generator, cond) -> StudentSample:
+        """The backward-simulated student sample of the pack; under Megatron-FSDP after as many dropped no-grad
+        student calls as keep this rank calling the student as often as its data-parallel peers."""
+        if self.common_index is not None:
+            self.call_in_step(student, noise, packing, generator, cond)
+        return generate_student_sample(self.pipeline, student, noise, packing, self.settings, generator, cond)
+
+    def call_in_step(self, student, noise, packing, generator, cond) -> None:
+        """No-grad student calls, outputs dropped, up to the largest step index its peers drew. The index is
+        ``generate_student_sample``'s first draw: read here from a copy of the generator, leaving it as it was."""
+        timesteps = self.settings.student_timesteps
+        drawn = choose_step(len(timesteps), torch.Generator(generator.device).set_state(generator.get_state()))
+        with torch.no_grad():
+            for _ in range(self.common_index(drawn) - drawn):
+                self.pipeline.denoise(student, noise, timesteps[0], packing.sample_ids, **cond.cond)
+
+    def largest_over_data_parallel(self, index: int) -> int:
+        """The largest backward-simulation step index drawn by this rank's data-parallel (and context-parallel)
+        peers for their packs: a collective over that group."""
+        largest = torch.tensor([index], dtype=torch.long, device=self.device)
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=group)
+        return int(largest.item())
 
     @staticmethod
     def reduce(batch: PackedBatch, extra: dict, per_sample: torch.Tensor):

@@ -1,8 +1,9 @@
 """DMD2 distillation at each layout it runs equals one process (docs/distillation.md): the tiny flow teacher
 of test_distill_run.py distilled for 4 iterations (the student steps at 2 and 4, the critic at every one) at
-TP=2 with sequence parallelism, CP=2 and DP=2 with the distributed optimizer; both players' losses and
-gradient norms against the one-process run's. And a one-process checkpoint of both players resumes at TP=2
-to the one-process losses. (PP and Megatron-FSDP are refused at start-up: test_distill_run.py.)"""
+TP=2 with sequence parallelism, CP=2, DP=2 with the distributed optimizer and DP=2 under Megatron-FSDP; both
+players' losses and gradient norms against the one-process run's. And checkpoints of both players resume: the
+one-process run's at TP=2, the FSDP run's under FSDP, to the one-process losses. (PP is refused at start-up:
+test_distill_run.py.)"""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ import math
 import pytest
 
 from tests.distill.test_distill_run import FLOW, distill_overrides
-from tests.parallel.equivalence import DIST_OPT
+from tests.parallel.equivalence import DIST_OPT, FSDP
 from tests.training.entry import read_metrics, run_in_one_launch
 
 LAYOUTS = {
     "tp2_sp": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
     "cp2": ["model.context_parallel_size=2"],
     "dp2_distopt": [DIST_OPT],  # the tiny config's global batch of 2: one micro-batch a rank
+    "dp2_fsdp": FSDP,  # parameters, gradients and optimizer state sharded over the 2 ranks
 }
+# Each resume: the layout it runs at and the checkpoint it starts from (iteration 2).
+RESUMES = {"resumed_tp2_sp": ("tp2_sp", "one_ckpt"), "resumed_dp2_fsdp": ("dp2_fsdp", "fsdp_ckpt")}
 KEYS = ("critic_loss", "critic_grad_norm", "student_loss", "student_grad_norm")
 # Losses come out equal; the gradient norms' sums run in another order across ranks (measured: <= 1.4e-7 relative).
 REL = 1e-6
@@ -32,14 +36,18 @@ def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
     one = [*distill_overrides(teacher), f"checkpoint.save={save}", "checkpoint.save_interval=2"]
     run_in_one_launch(1, [teach, [*one, f"logger.log_dir={tmp / 'one'}"]], tmp / "launch1")
     layouts = [[*distill_overrides(teacher), *extra, f"logger.log_dir={tmp / name}"] for name, extra in LAYOUTS.items()]
+    layouts[list(LAYOUTS).index("dp2_fsdp")] += [f"checkpoint.save={tmp / 'fsdp_ckpt'}", "checkpoint.save_interval=2"]
     resumed = [
-        *distill_overrides(teacher),
-        *LAYOUTS["tp2_sp"],
-        f"checkpoint.load={save}/iter_0000002",
-        f"logger.log_dir={tmp / 'resumed_tp2_sp'}",
+        [
+            *distill_overrides(teacher),
+            *LAYOUTS[layout],
+            f"checkpoint.load={tmp / ckpt}/iter_0000002",
+            f"logger.log_dir={tmp / name}",
+        ]
+        for name, (layout, ckpt) in RESUMES.items()
     ]
-    run_in_one_launch(2, [*layouts, resumed], tmp / "launch2")
-    names = ("one", *LAYOUTS, "resumed_tp2_sp")
+    run_in_one_launch(2, [*layouts, *resumed], tmp / "launch2")  # the FSDP resume after the run that saves it
+    names = ("one", *LAYOUTS, *RESUMES)
     return {name: {r["iteration"]: r for r in read_metrics(tmp / name)} for name in names}
 
 
@@ -62,7 +70,8 @@ def test_layout_distils_like_one_process(runs, layout):
 
 
 @pytest.mark.slow
-def test_one_process_checkpoint_resumes_at_tp2(runs):
-    assert sorted(runs["resumed_tp2_sp"]) == [3, 4]
+@pytest.mark.parametrize("resumed", list(RESUMES))
+def test_checkpoint_of_both_players_resumes(runs, resumed):
+    assert sorted(runs[resumed]) == [3, 4]
     # At 3 the resumed student has not stepped yet (its line carries none); it steps at 4 from the resumed players.
-    assert_close(runs["resumed_tp2_sp"], runs["one"], "resumed_tp2_sp", lambda i: KEYS if i == 4 else KEYS[:2])
+    assert_close(runs[resumed], runs["one"], resumed, lambda i: KEYS if i == 4 else KEYS[:2])

@@ -128,12 +128,17 @@ def test_teacher_is_frozen_and_the_players_learn(runs, tmp_path):
         ),
         ([*FLOW, "checkpoint.pretrained=x", "optimizer.ema_decay=0.99"], "optimizer.ema_decay"),
         ([*FLOW, "checkpoint.pretrained=x", "train.eval_interval=2"], "train.eval_interval"),
-        ([*FLOW, "checkpoint.pretrained=x", "ddp.use_megatron_fsdp=true"], "ddp.use_megatron_fsdp"),
     ],
 )
 def test_distillation_refuses_what_it_cannot_run_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"distill.enabled=true .*: {key}="):
-        build_config(None, str(TINY), ["distill.enabled=true", *overrides], world_size=2)  # FSDP needs DP >= 2
+        build_config(None, str(TINY), ["distill.enabled=true", *overrides], world_size=2)
+
+
+def test_distillation_is_accepted_under_megatron_fsdp():
+    """Megatron-FSDP runs (test_distill_layouts.py); it needs DP >= 2."""
+    overrides = ["distill.enabled=true", *FLOW, "checkpoint.pretrained=x", "ddp.use_megatron_fsdp=true"]
+    assert build_config(None, str(TINY), overrides, world_size=2).ddp.use_megatron_fsdp
 
 
 def test_distillation_is_off_by_default_and_its_settings_are_checked():
