@@ -3,6 +3,7 @@
     cd examples/megatron/recipes/dit
     python -m digits.distill --out_dir outputs/digits_distill [--iterations 600 --save_interval 100 ...] \
         [--grid samples.png]
+    python -m digits.distill --clips 500 --out_dir outputs/digits_distill_clips --students 4-step ...
 
 The teacher is trained as the CI test trains its flow model (conf/digits_tiny.yaml, or reused when
 OUT_DIR/teacher already holds it) and scored at 12 Euler steps with guidance 3: its accuracy is A.
@@ -13,7 +14,8 @@ does). The curve starts at the student before its first update (a one-iteration 
 update is at iteration ``critic_steps``), i.e. the teacher's weights sampled the student's way, unguided.
 -> OUT_DIR/distill.json: A, each student's curve (accuracy, accuracy / A, diversity against the
 real digits', near copies) and the settings; ``--grid``: the teacher's samples and each student's at its
-start and its end, a row per digit.
+start and its end, a row per digit. ``--clips N``: the same on N moving-digit clips (conf/digits_video_tiny.yaml,
+the teacher as tests/learning/test_video_learn.py trains it), where the scores add motion accuracy.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from digits.clips import ClipSpec
 from digits.evaluate import DigitSampling
 from digits.plot import plot_sample_grid
-from digits.run import CI_CONFIG, prepare_digits, score_digits, train_digits
+from digits.run import CI_CONFIG, CLIP_CONFIG, prepare_digits, score_digits, train_digits
 
 TEACHER_SAMPLING = DigitSampling(samples_per_caption=20, steps=12, guidance_scale=3.0, seed=0)
 STUDENTS = {"4-step": [1.0, 0.75, 0.5, 0.25], "1-step": [1.0]}
@@ -38,18 +41,21 @@ SCORE_KEYS = (
     "diversity_ratio",
     "near_copy_fraction",
     "nearest_ratio",
+    "motion_accuracy",
+    "temporal_consistency",
 )
 
 
 @dataclass(frozen=True)
 class DistillRun:
-    """What each student's distillation is set to (the rest is conf/digits_tiny.yaml's)."""
+    """What each student's distillation is set to (the rest is ``config``'s)."""
 
     iterations: int = 600
     save_interval: int = 100
     lr: float = 5e-4  # student and critic alike (one optimizer section)
     critic_steps: int = 5
     guidance_scale: float = 3.0  # the teacher's, baked into the student
+    config: str = str(CI_CONFIG)  # the teacher's and the students' (clips: CLIP_CONFIG)
 
     def overrides(self, teacher: Path, timesteps: Sequence[float]) -> list[str]:
         times = ",".join(str(t) for t in timesteps)
@@ -66,18 +72,18 @@ class DistillRun:
         ]
 
 
-def trained_teacher(root: Path, overrides: Sequence[str] = ()) -> Path:
+def trained_teacher(root: Path, overrides: Sequence[str] = (), config: Path = CI_CONFIG) -> Path:
     """The flow teacher's checkpoint root under ``root/teacher``: trained as the CI test trains it, or reused."""
     checkpoint = root / "teacher" / "ckpt"
     if (checkpoint / "latest_checkpointed_iteration.txt").is_file() or list(checkpoint.glob("iter_*")):
         return checkpoint
-    return train_digits(root / "dataset", root / "teacher", CI_CONFIG, ["model.pipeline=flow", *overrides])
+    return train_digits(root / "dataset", root / "teacher", Path(config), ["model.pipeline=flow", *overrides])
 
 
 def figures(score: dict, teacher_accuracy: float | None = None, critic_steps: int | None = None) -> dict:
     """The scores a curve keeps (no samples), with the accuracy relative to the teacher's and the number of
     student updates up to the checkpoint (the student steps every ``critic_steps``-th iteration)."""
-    kept = {"iteration": score["iteration"], **{key: score[key] for key in SCORE_KEYS}}
+    kept = {"iteration": score["iteration"], **{key: score.get(key) for key in SCORE_KEYS}}
     if critic_steps:
         kept["student_updates"] = score["iteration"] // critic_steps
     if teacher_accuracy:
@@ -97,7 +103,7 @@ def distil_and_score(
     """Distil the student ``name`` into ``root/name`` and score each of its saves, after the student as it
     starts (``root/name-start``; unless not ``with_start``) -> their scores."""
     saves = [starting_student(root, teacher, name, timesteps, run)] if with_start else []
-    checkpoints = train_digits(root / "dataset", root / name, CI_CONFIG, run.overrides(teacher, timesteps))
+    checkpoints = train_digits(root / "dataset", root / name, Path(run.config), run.overrides(teacher, timesteps))
     sampling = DigitSampling(samples_per_caption=samples, seed=TEACHER_SAMPLING.seed)
     saves += sorted(checkpoints.glob("iter_*"))
     return score_digits(saves, root, sampling, root / name / "scores.json")
@@ -113,16 +119,22 @@ def starting_student(root: Path, teacher: Path, name: str, timesteps: Sequence[f
         *replace(run, iterations=1, save_interval=1).overrides(teacher, timesteps),
         "scheduler.lr_warmup_iters=0",
     ]
-    return train_digits(root / "dataset", root / f"{name}-start", CI_CONFIG, overrides) / "iter_0000001"
+    return train_digits(root / "dataset", root / f"{name}-start", Path(run.config), overrides) / "iter_0000001"
 
 
 def measure(
-    root: Path, run: DistillRun, students: dict[str, list[float]], samples: int, teacher_overrides: Sequence[str] = ()
+    root: Path,
+    run: DistillRun,
+    students: dict[str, list[float]],
+    samples: int,
+    teacher_overrides: Sequence[str] = (),
+    clips: int | None = None,
 ) -> dict:
-    """Teacher, A, then each student's curve -> the summary (also written to ``root/distill.json``)."""
+    """Teacher, A, then each student's curve -> the summary (also written to ``root/distill.json``).
+    ``clips``: prepare that many moving-digit clips (``run.config`` should be CLIP_CONFIG) instead of the digits."""
     start = time.perf_counter()
-    prepare_digits(root)
-    teacher = trained_teacher(root, teacher_overrides)
+    prepare_digits(root, clips=ClipSpec() if clips else None, limit=clips)
+    teacher = trained_teacher(root, teacher_overrides, Path(run.config))
     sampling = DigitSampling(
         samples, TEACHER_SAMPLING.steps, TEACHER_SAMPLING.guidance_scale, seed=TEACHER_SAMPLING.seed
     )
@@ -163,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out_dir", default="outputs/digits_distill")
     p.add_argument("--students", nargs="+", default=list(STUDENTS), choices=list(STUDENTS))
     p.add_argument("--samples_per_caption", type=int, default=TEACHER_SAMPLING.samples_per_caption)
-    p.add_argument("--grid", default=None, help="write a sample-grid PNG here")
+    p.add_argument("--grid", default=None, help="write a sample-grid PNG here (images only)")
+    p.add_argument("--clips", type=int, default=None, help="distil on this many moving-digit clips instead")
     defaults = DistillRun()
     for field, value in asdict(defaults).items():
         p.add_argument(f"--{field}", type=type(value), default=value)
@@ -174,9 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run = DistillRun(**{field: getattr(args, field) for field in asdict(DistillRun())})
+    if args.clips:
+        run = replace(run, config=str(CLIP_CONFIG))
     students = {name: STUDENTS[name] for name in args.students}
     root = Path(args.out_dir).resolve()
-    measure(root, run, students, args.samples_per_caption, args.teacher_overrides)
+    measure(root, run, students, args.samples_per_caption, args.teacher_overrides, args.clips)
     if args.grid:
         print(f"wrote {plot_samples(root, list(students), args.samples_per_caption, Path(args.grid))}")
     return 0
