@@ -20,7 +20,9 @@ class WanHead(nn.Module):
         self.linear = nn.Linear(hidden_size, out_features)
         normal_init(self)
 
-    def forward(self, hidden: Tensor, cond: Tensor, token_sample_ids: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor, cond: Tensor, token_sample_ids: Tensor, tokens_per_sample: int = 0) -> Tensor:
+        """``token_sample_ids`` are Wan's conditioning rows (a clean first frame reads its own row, not its
+        sample's), so the rows are always gathered: ``tokens_per_sample`` is not used (as in the blocks)."""
         per_sample = (self.scale_shift_table + cond[:, TEMB_ROW : TEMB_ROW + 1]).flatten(1)  # [N, 2h]
         shift, scale = rows_to_tokens(per_sample, token_sample_ids).unsqueeze(1).chunk(2, dim=-1)
         return self.linear(modulate(self.norm(hidden), shift, scale))
