@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from entry import FAULT_ENTRY, RECIPE_DIR, TINY, entry_env, kill_group, python_command, read_metrics, run_entry
+from entry import FAULT_ENTRY, TINY, entry_env, kill_group, python_command, read_metrics, run_entry, start_faulty_run
 
 ITERS = 8
 
@@ -100,14 +100,7 @@ def test_sigterm_during_a_save_saves_and_resumes_exactly(tmp_path, reference, ho
         f"checkpoint.async_save={save == 'async'}",
     ]
     with err.open("w") as stderr:
-        proc = subprocess.Popen(
-            torchrun(FAULT_ENTRY, overrides, how),
-            cwd=RECIPE_DIR,
-            env=entry_env({"DFM_TEST_FAULT": "slow_save:2:2"}),
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,
-        )
+        proc = start_faulty_run(torchrun(FAULT_ENTRY, overrides, how), "slow_save:2:2", stderr)
         try:
             wait_for(err, "slow save of iter_0000002 writing", proc)
             signal_job(psutil.Process(proc.pid), how)

@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from entry import FAULT_ENTRY, RECIPE_DIR, entry_command, entry_env, kill_group, run_entry
+from entry import FAULT_ENTRY, entry_command, kill_group, run_entry, start_faulty_run
 
 from dfm.platform.watchdog import STALL_EXIT_CODE, StallWatchdog, stall_timeout
 
@@ -38,14 +38,7 @@ def test_sigterm_during_a_stalled_save_ends_the_run_with_the_stacks(tmp_path):
     args += ["checkpoint.async_save=true", "train.exit_signal_timeout_s=8", f"logger.log_dir={tmp_path / 'logs'}"]
     err = tmp_path / "stderr"
     with err.open("w") as stderr:
-        proc = subprocess.Popen(
-            entry_command(2, args, entry=FAULT_ENTRY),
-            cwd=RECIPE_DIR,
-            env=entry_env({"DFM_TEST_FAULT": "slow_save:2:600"}),
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,
-        )
+        proc = start_faulty_run(entry_command(2, args, entry=FAULT_ENTRY), "slow_save:2:600", stderr)
         try:
             wait_for_stall(err, proc)
             sent = time.monotonic()

@@ -126,6 +126,19 @@ def run_in_one_launch(nproc: int, runs: list[list[str]], folder: Path, config: P
         assert status == "ok", f"{overrides}:\n{status[-6000:]}"
 
 
+def start_faulty_run(command: list[str], fault: str, stderr) -> subprocess.Popen:
+    """The entry point ``command`` in the recipe folder, in a session of its own, with the injected ``fault``
+    (``DFM_TEST_FAULT``, tests/training/_fault_entry.py) and stderr to the open file ``stderr``."""
+    return subprocess.Popen(
+        command,
+        cwd=RECIPE_DIR,
+        env=entry_env({"DFM_TEST_FAULT": fault}),
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+        start_new_session=True,
+    )
+
+
 def kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
