@@ -91,15 +91,22 @@ def run_reference(
     # dfm's pack: seq_length tokens of whole clips (64 of the CI clips), at most packing_buffer_size of them.
     batch_size = min(cfg.dataset.seq_length // tokens_per_clip, cfg.dataset.packing_buffer_size)
     run = train_reference(read_clip_shards(root / "dataset"), cfg, batch_size, seed, curve_every)
-    final = run.model.state_dict()
-    curve = []
-    for iteration, weights in run.snapshots.items():
-        run.model.load_state_dict(weights)
-        curve.append(curve_point(iteration, score_reference(run.model, root, cfg, sampling)))
-    run.model.load_state_dict(final)
+    curve = snapshot_curve(run.model, run.snapshots, lambda model: score_reference(model, root, cfg, sampling))
     scores = score_reference(run.model, root, cfg, sampling)
     curve.append(curve_point(cfg.train.train_iters, scores))
     return row(scores, run.losses, time.perf_counter() - start, batch_size=batch_size, curve=curve)
+
+
+def snapshot_curve(model: torch.nn.Module, snapshots: dict[int, dict], score) -> list[dict]:
+    """``score(model)`` with each snapshot's weights loaded, in iteration order; then the model's own
+    weights back (copied first: ``state_dict`` shares the parameters' storage, which loading overwrites)."""
+    own = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    curve = []
+    for iteration, weights in sorted(snapshots.items()):
+        model.load_state_dict(weights)
+        curve.append(curve_point(iteration, score(model)))
+    model.load_state_dict(own)
+    return curve
 
 
 def curve_point(iteration: int, scores: dict) -> dict:

@@ -110,3 +110,21 @@ def test_reference_reads_every_shard_of_a_brace_pattern(tmp_path):
     shards = read_clip_shards(tmp_path)
     assert shards.captions == ["c0", "c1"] and shards.latents[:, 0, 0, 0, 0].tolist() == [0.0, 1.0]
     assert [text[0, 0].item() for text in shards.texts] == [0.0, 1.0]
+
+
+def test_a_curve_leaves_the_trained_weights_in_place():
+    """Scoring the snapshots puts the final weights back: with ``state_dict()`` kept uncopied, the last
+    snapshot's weights stayed loaded and the final row scored iteration 2500's (seen 2026-11-29)."""
+    from benchmarks.learning_parity import snapshot_curve
+
+    model = torch.nn.Linear(2, 1)
+    final = model.weight.detach().clone()
+    snapshots = {
+        1: {"weight": torch.zeros(1, 2), "bias": torch.zeros(1)},
+        2: {"weight": torch.ones(1, 2), "bias": torch.ones(1)},
+    }
+    scores = {key: 0.0 for key in SCORE_COLUMNS.values()}
+    seen = []
+    curve = snapshot_curve(model, snapshots, lambda m: seen.append(m.weight.sum().item()) or scores)
+    assert seen == [0.0, 2.0] and [point["iteration"] for point in curve] == [1, 2]
+    assert torch.equal(model.weight, final)
