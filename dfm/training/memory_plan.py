@@ -49,6 +49,10 @@ BUILD_CHUNK = 256 * 2**20  # the meta-device build's largest materialised chunk
 IO_BUFFER = 256 * 2**20  # one bounded staging / read buffer of the sharded save and load
 RECOMPUTE_TOKEN_H = 2.0  # a recomputed layer keeps its bf16 input
 RECOMPUTE_ACTIVATION_TOKEN_FFN = 2.0  # model.recompute_activation: the activation output (fc2's input) is not kept
+# The DiT family's final layer on a pack of one sample length broadcasts its scale rows instead of keeping
+# a bf16 per-token copy (FinalLayer's per_row): the plan counts the copy (mixed packs), ``one_length`` not.
+ONE_LENGTH_HEAD_TOKEN_H = 2.0
+ONE_LENGTH_HEADS = ("dit_adaln", "dit_cross", "stdit", "moviegen")
 logger = logging.getLogger("dfm.train")
 DEVICE_RESERVE = 0.10  # CUDA context, NCCL buffers and allocator fragmentation: a fit leaves 10% free
 
@@ -118,10 +122,13 @@ class Activations:
     working: float  # the backward's extra: the recomputed chunk's full activations
 
 
-def activation_bytes(model_cfg, tokens: int, text_tokens: int, in_flight: int = 1, stage_layers=None) -> Activations:
+def activation_bytes(  # noqa: PLR0913 - the plan's inputs, each a number
+    model_cfg, tokens: int, text_tokens: int, in_flight: int = 1, stage_layers=None, one_length: bool = False
+) -> Activations:
     """Activations of one rank: ``tokens`` video and ``text_tokens`` text tokens per micro-batch on it,
     ``in_flight`` micro-batches held at once (pipeline warm-up), the blocks ``stage_layers`` (a slice;
-    default all) on this stage."""
+    default all) on this stage; ``one_length``: every pack holds samples of one length (the plan's default
+    counts mixed packs, which keep a little more)."""
     c = FAMILY[model_cfg.architecture]
     layers = layer_activation_bytes(model_cfg, tokens, text_tokens)[stage_layers or slice(None)]
     h = model_cfg.hidden_size
@@ -131,7 +138,10 @@ def activation_bytes(model_cfg, tokens: int, text_tokens: int, in_flight: int = 
     # uniform: one kept input per chunk of ``chunk`` blocks; block: each of the first blocks alone.
     inputs = -(-n_recomputed // chunk) if n_recomputed and model_cfg.recompute_method != "block" else n_recomputed
     kept = sum(layers[n_recomputed:]) + inputs * joint * RECOMPUTE_TOKEN_H * h
-    outside = tokens * c.outside_token_h * h + text_tokens * c.outside_text_h * h
+    outside_token_h = c.outside_token_h
+    if one_length and model_cfg.architecture in ONE_LENGTH_HEADS:
+        outside_token_h -= ONE_LENGTH_HEAD_TOKEN_H
+    outside = tokens * outside_token_h * h + text_tokens * c.outside_text_h * h
     # The backward recomputes one checkpointed chunk at a time (block: one block).
     working = max(layers[:chunk], default=0.0) * (1 if model_cfg.recompute_method == "block" else chunk)
     return Activations(saved=in_flight * (kept + outside), working=working)
