@@ -16,16 +16,15 @@ import sys
 import time
 from pathlib import Path
 
+from dfm.platform.fork_hooks import at_fork_once
+
 CHILD_STACKS_SIGNAL = signal.SIGUSR2
 WAIT_S = 1.0  # for the children to write theirs before the parent exits and takes them with it
-_state = {"hooked": False}
 
 
 def children_write_stacks_on_request() -> None:
     """Register (once per process) a fork hook: every child writes its stacks on ``CHILD_STACKS_SIGNAL``."""
-    if not _state["hooked"]:
-        os.register_at_fork(after_in_child=_write_stacks_on_request)
-        _state["hooked"] = True
+    at_fork_once(after_in_child=_write_stacks_on_request)
 
 
 def _write_stacks_on_request() -> None:

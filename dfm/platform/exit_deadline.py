@@ -19,10 +19,11 @@ import threading
 import time
 from collections.abc import Iterable
 
+from dfm.platform.fork_hooks import at_fork_once
 from dfm.platform.watchdog import STALL_EXIT_CODE, dump_stacks
 
 DUMP_AFTER_S = 20.0
-_fork_state = {"fd": -1, "previous": -1, "hooked": False}  # this process's wakeup fd, for forked children
+_fork_state = {"fd": -1, "previous": -1}  # this process's wakeup fd, for forked children
 
 
 class ExitDeadline:
@@ -93,9 +94,7 @@ def who() -> str:
 def _children_forget_the_deadline() -> None:
     """A forked child (a checkpoint writer, a data worker) has no watching thread: its signals' bytes must
     not land in the parent's socket, where a child's SIGTERM would look like the parent's."""
-    if not _fork_state["hooked"]:
-        os.register_at_fork(after_in_child=_forget)
-        _fork_state["hooked"] = True
+    at_fork_once(after_in_child=_forget)
 
 
 def _forget() -> None:

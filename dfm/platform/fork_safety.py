@@ -13,18 +13,14 @@ single-threaded (torch's worker loop).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-_state = {"hooked": False}
+from dfm.platform.fork_hooks import at_fork_once
 
 
 def forked_children_single_threaded() -> None:
     """Register (once per process) a fork hook that sets torch's CPU threads to 1 in every child."""
-    if not _state["hooked"]:
-        os.register_at_fork(after_in_child=_one_thread)
-        _state["hooked"] = True
+    at_fork_once(after_in_child=_one_thread)
 
 
 def _one_thread() -> None:

@@ -25,12 +25,14 @@ import sys
 import threading
 import time
 
+from dfm.platform.fork_hooks import at_fork_once
+
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 1.0
 LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"  # set by torchrun in every worker
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # preemption: the worker saves, its helpers carry on
 
-_fork_state = {"parent": 0, "from_main_thread": True, "hooked": False}
+_fork_state = {"parent": 0, "from_main_thread": True}
 _writer_queue: dict = {}  # "manager", "queue": referenced for the process's lifetime (dropping the manager stops it)
 
 
@@ -46,9 +48,7 @@ def die_with_launcher() -> None:
 
 def forked_children_die_with_us() -> None:
     """Every child this process forks from now on dies with it and ignores the stop signals."""
-    if not _fork_state["hooked"]:
-        os.register_at_fork(before=_remember_forking_thread, after_in_child=_child_dies_with_parent)
-        _fork_state["hooked"] = True
+    at_fork_once(before=_remember_forking_thread, after_in_child=_child_dies_with_parent)
 
 
 def die_with_parent(parent: int, kernel_signal: bool) -> None:
