@@ -33,6 +33,7 @@ from dfm.platform.fork_safety import forked_children_single_threaded
 from dfm.platform.parent_watch import checkpoint_writer_queue_dies_with_us, die_with_launcher
 from dfm.platform.process_exit import skip_final_gc_at_exit
 from dfm.platform.watchdog import StallWatchdog, stall_timeout
+from dfm.training.buffer_grads import arm
 from dfm.training.data import build_train_loader, build_val_iterator
 from dfm.training.distill_loop import build_distillation
 from dfm.training.ema import build_ema
@@ -115,6 +116,8 @@ def train_step(
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    for chunk in model:  # gradients straight into the zeroed buffers (buffer_grads.py)
+        arm(getattr(chunk, "buffer_grad_params", ()))
     losses = get_forward_backward_func()(
         forward_step_func=forward_step,
         **schedule_model_and_data(model, state.loader),
