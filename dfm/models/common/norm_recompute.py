@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dfm.models.common.row_modulation import by_row, sum_to_rows, token_rows
+from dfm.models.common.row_modulation import by_row, sum_pair_to_rows, token_rows
 
 
 def norm_with_stats(x: Tensor, eps: float, rms: bool) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -74,13 +74,7 @@ class _NormModulateRows(torch.autograd.Function):
         normed, rstd = normed_again(x, mean, rstd)  # recompute and reduce in at least fp32
         grad = grad.to(normed.dtype)
         per_row, num_rows = ctx.per_row, scale_rows.shape[0]
-        if per_row:  # two reductions over the row view, no concatenation
-            d_shift, d_scale = (
-                sum_to_rows(grad, ids, num_rows, per_row),
-                sum_to_rows(grad * normed, ids, num_rows, per_row),
-            )
-        else:  # shift and scale rows summed in one index_add over [s, b, 2h]
-            d_shift, d_scale = sum_to_rows(torch.cat([grad, grad * normed], dim=-1), ids, num_rows).chunk(2, dim=-1)
+        d_shift, d_scale = sum_pair_to_rows(grad, grad * normed, ids, num_rows, per_row)
         d_x = None
         if ctx.needs_input_grad[0]:
             scale = token_rows(1 + scale_rows.to(normed.dtype), ids, per_row)

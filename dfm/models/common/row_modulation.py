@@ -67,6 +67,14 @@ def sum_to_rows(grad: Tensor, ids: Tensor, num_rows: int, per_row: int = 0) -> T
     return sum_rows(grad.contiguous(), ids, num_rows)
 
 
+def sum_pair_to_rows(a: Tensor, b: Tensor, ids: Tensor, num_rows: int, per_row: int = 0) -> tuple[Tensor, Tensor]:
+    """``sum_to_rows`` of two [s, b, h] grads: on CUDA as one one-hot GEMM over them side by side, elsewhere
+    apart (a concatenation costs a pass over both; the sums are the same either way on the CPU)."""
+    if a.is_cuda and not per_row:
+        return sum_to_rows(torch.cat([a, b], dim=-1), ids, num_rows).chunk(2, dim=-1)
+    return sum_to_rows(a, ids, num_rows, per_row), sum_to_rows(b, ids, num_rows, per_row)
+
+
 class _GatedResidualRows(torch.autograd.Function):
     """x + gate[ids] * (out + bias), saving the gate rows, ids, out and bias (no per-token gate)."""
 
