@@ -158,6 +158,7 @@ RANGES: dict[str, Range] = {
     "distill.min_t": Range(0.0, 1.0, low_open=True),
     "distill.max_t": Range(0.0, 1.0, low_open=True),
     "distill.regression_weight": NON_NEGATIVE,
+    "distill.regression_teacher_steps": COUNT,
 }
 
 

@@ -26,7 +26,7 @@ from dfm.diffusion.registry import pipeline_from_config
 from dfm.models.build import build_model_chunk
 from dfm.parallel.layout import ParallelLayout
 from dfm.training.distill_step import COLLAPSE_KEYS, CRITIC, STUDENT, DistillForwardStep, Players
-from dfm.training.losses import reduce_loss_and_tokens
+from dfm.training.losses import is_loss_reporting_rank, reduce_loss_and_tokens
 from dfm.training.metrics_log import finite_or_none, fmt
 from dfm.training.setup import build_model, build_optimizer
 
@@ -80,7 +80,10 @@ def build_distillation(
     players = Players(student[0], critic[0], frozen_teacher(cfg, layout, device))
     pipeline, settings = pipeline_from_config(cfg), cfg.distill.settings()
     steps = {
-        role: DistillForwardStep(role, pipeline, settings, players, cfg.rng.seed, device) for role in (STUDENT, CRITIC)
+        role: DistillForwardStep(
+            role, pipeline, settings, players, cfg.rng.seed, device, cfg.distill.regression_teacher_steps
+        )
+        for role in (STUDENT, CRITIC)
     }
     return state, DistillPlayers(settings, steps)
 
@@ -119,6 +122,9 @@ class DistillPlayers:
         critic_loss, _ = reduce_loss_and_tokens(outcome.critic.losses, loop.device)
         student_iteration, student = self.last_student or (None, None)
         student_loss = reduce_loss_and_tokens(student.losses, loop.device)[0] if student is not None else None
+        regression = None
+        if student is not None and self.settings.regression_weight > 0:
+            regression = self.regression_loss(student.losses, loop.device)
         collapse = torch.stack([item["collapse"] for item in outcome.critic.losses]).nanmean(0).tolist()
         if loop.device.type == "cuda":
             torch.cuda.synchronize()
@@ -130,6 +136,7 @@ class DistillPlayers:
             "critic_loss": critic_loss,
             "student_loss": student_loss,
             "student_iteration": student_iteration,
+            "student_regression_loss": regression,
             "critic_grad_norm": finite_or_none(outcome.critic.grad_norm),
             "student_grad_norm": finite_or_none(student.grad_norm) if student is not None else None,
             "critic_lr": loop.state.companions[CRITIC].optimizer.param_groups[0]["lr"],
@@ -138,11 +145,24 @@ class DistillPlayers:
         }
 
     @staticmethod
+    def regression_loss(losses: list[dict], device: torch.device) -> float | None:
+        """The student step's regression loss (unweighted): the mean over the packs it applied to, over
+        micro-batches and DP ranks; None where it applied to none. A collective: every rank calls it."""
+        stats = torch.zeros(2, device=device)  # sum of the packs' means, packs
+        if is_loss_reporting_rank():
+            for item in losses:
+                stats += item["regression"].to(device)
+        torch.distributed.all_reduce(stats)
+        return (stats[0] / stats[1]).item() if stats[1] > 0 else None
+
+    @staticmethod
     def console_line(r: dict[str, Any]) -> str:
+        regression = r.get("student_regression_loss")
         return (
             f"iter {r['iteration']:>6}/{r['train_iters']} | critic loss {fmt(r['critic_loss'])} | "
             f"student loss {fmt(r['student_loss'])} (iter {fmt(r['student_iteration'])}) | "
-            f"grad norm critic {fmt(r['critic_grad_norm'])} student {fmt(r['student_grad_norm'])} | "
+            + ("" if regression is None else f"regression {fmt(regression)} | ")
+            + f"grad norm critic {fmt(r['critic_grad_norm'])} student {fmt(r['student_grad_norm'])} | "
             f"lr critic {r['critic_lr']:.3g} student {r['student_lr']:.3g} | skipped {r['skipped_iterations']} | "
             f"{r['step_time_s'] * 1000:.0f} ms/it | {fmt(r['tokens_per_sec_per_gpu'])} tok/s/gpu | collapse "
             + " ".join(f"{key.removeprefix('collapse_')} {fmt(r[key])}" for key in COLLAPSE_KEYS)

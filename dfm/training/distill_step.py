@@ -1,5 +1,6 @@
 """The megatron ``forward_step_func``s of a DMD2 distillation (docs/distillation.md): the critic's flow-matching
-loss on detached student samples, and the student's distribution-matching loss with backward simulation.
+loss on detached student samples, and the student's distribution-matching loss with backward simulation (plus,
+with ``distill.regression_weight`` > 0, DMD's regression onto the teacher's ODE sample from the same noise).
 
 Each network is called as the flow pipeline calls a model, ``net(x_in [S, D], c_noise [N], batch=pack)``: the
 DDP-wrapped student and critic, the unwrapped frozen teacher. One pipeline stage (the distill config refuses
@@ -20,7 +21,7 @@ from megatron.core import parallel_state
 from dfm.checkpoint.fsdp_state import is_fsdp
 from dfm.data.packed_batch import PackedBatch
 from dfm.diffusion.flow import FlowPipeline
-from dfm.diffusion.pipeline import null_dropped_context
+from dfm.diffusion.pipeline import SamplingOptions, null_dropped_context
 from dfm.distill import (
     Conditioning,
     DistillSettings,
@@ -30,6 +31,7 @@ from dfm.distill import (
     critic_loss,
     distribution_matching_loss,
     generate_student_sample,
+    regression_loss,
 )
 from dfm.distill.collapse import same_shape_samples
 from dfm.distill.student_sampling import StudentSample, choose_step, fresh_noise
@@ -92,9 +94,11 @@ class DistillForwardStep:
         players: Players,
         seed: int,
         device: torch.device,
+        regression_teacher_steps: int = 12,
     ):
         self.role, self.pipeline, self.settings, self.players = role, pipeline, settings, players
         self.seed, self.device = seed, device
+        self.regression_teacher_steps = regression_teacher_steps
         self.iteration = 0
         # Megatron-FSDP gathers the student's weights in every call: its DP ranks must call it equally often.
         self.common_index = self.largest_over_data_parallel if is_fsdp(players.student) else None
@@ -110,12 +114,39 @@ class DistillForwardStep:
         return self.critic_loss(model, batch, packing, noise, generator, cond)
 
     def student_loss(self, student, batch, packing, noise, generator, cond):
-        """DMD's loss of a backward-simulated student sample, in the reference code's mean-squared scale."""
+        """DMD's loss of a backward-simulated student sample, in the reference code's mean-squared scale; with
+        ``regression_weight`` > 0 plus that weight times ``regression`` where it applies (logged as
+        ``regression``: the pack's mean and 1, or zeros where it does not apply)."""
         sample = self.student_sample(student, noise, packing, generator, cond)
         scores = ScoreNets(self.players.teacher, self.players.critic)
         matching = distribution_matching_loss(self.pipeline, scores, sample.x0, packing, self.settings, cond, generator)
         per_sample = matching.loss / matching.elements
-        return per_sample, partial(self.reduce, batch, {})
+        extra = {}
+        if self.settings.regression_weight > 0:
+            regression = self.regression(sample, noise, packing, cond)
+            extra["regression"] = torch.zeros(2, device=per_sample.device)
+            if regression is not None:
+                per_sample = per_sample + self.settings.regression_weight * regression
+                mean = regression.detach().float().mean()
+                extra["regression"] = torch.stack([mean, torch.ones_like(mean)])
+        return per_sample, partial(self.reduce, batch, extra)
+
+    def regression(self, sample: StudentSample, noise, packing, cond) -> torch.Tensor | None:
+        """[N] DMD's paired regression: the mean squared distance of the student's clean prediction from the
+        pack's starting noise (its first step, t = 1) to the teacher's guided Euler ODE sample from that noise.
+        None where the backward simulation chose a later step (a k-step student: 1 pack in k on average), whose
+        sample is not a function of that noise alone (the re-noising draws fresh noise)."""
+        if sample.step_index != 0:
+            return None
+        return regression_loss(sample.x0, self.teacher_sample(noise, packing, cond), packing)
+
+    def teacher_sample(self, noise, packing, cond) -> torch.Tensor:
+        """[S, *] the frozen teacher's ODE sample from ``noise`` (no grad): the pipeline's sampler, Euler over
+        ``regression_teacher_steps`` of the flow schedule, guided by ``guidance_scale`` as the DMD loss's teacher."""
+        options = SamplingOptions(
+            steps=self.regression_teacher_steps, guidance_scale=self.settings.guidance_scale, sampler="euler"
+        )
+        return self.pipeline.sample(self.players.teacher, noise, packing.sample_ids, options, cond.cond, cond.uncond)
 
     def critic_loss(self, critic, batch, packing, noise, generator, cond):
         """The critic's flow-matching loss on a student sample made without grad, and that sample's collapse figures."""

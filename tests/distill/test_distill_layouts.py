@@ -2,7 +2,9 @@
 of test_distill_run.py distilled for 4 iterations (the student steps at 2 and 4, the critic at every one) at
 TP=2 with sequence parallelism, CP=2, DP=2 with the distributed optimizer and DP=2 under Megatron-FSDP; both
 players' losses and gradient norms against the one-process run's. And checkpoints of both players resume: the
-one-process run's at TP=2, the FSDP run's under FSDP, to the one-process losses. (PP is refused at start-up:
+one-process run's at TP=2, the FSDP run's under FSDP, to the one-process losses. With the regression loss on (a
+1-step student regressed onto the teacher's ODE samples, test_distill_run.py ``REGRESSION``), TP=2 with SP and
+DP=2 under Megatron-FSDP against its one-process run, the regression loss included. (PP is refused at start-up:
 test_distill_run.py.)"""
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 
 import pytest
 
-from tests.distill.test_distill_run import FLOW, distill_overrides
+from tests.distill.test_distill_run import FLOW, REGRESSION, distill_overrides
 from tests.parallel.equivalence import DIST_OPT, FSDP
 from tests.training.entry import read_metrics, run_in_one_launch
 
@@ -23,9 +25,16 @@ LAYOUTS = {
 }
 # Each resume: the layout it runs at and the checkpoint it starts from (iteration 2).
 RESUMES = {"resumed_tp2_sp": ("tp2_sp", "one_ckpt"), "resumed_dp2_fsdp": ("dp2_fsdp", "fsdp_ckpt")}
+# The layouts run again with the regression loss on, against one process with it on.
+REGRESSION_LAYOUTS = ("tp2_sp", "dp2_fsdp")
 KEYS = ("critic_loss", "critic_grad_norm", "student_loss", "student_grad_norm")
+REGRESSION_KEYS = (*KEYS, "student_regression_loss")
 # Losses come out equal; the gradient norms' sums run in another order across ranks (measured: <= 1.4e-7 relative).
 REL = 1e-6
+# The regression loss is a mean of squared differences of two fp32 samples near 1: at the student's first step
+# (student = teacher, 1 against 3 Euler steps) it is ~2e-7, and the rounding of the samples moves it by ~1e-13
+# (measured at TP=2: 5.9e-7 relative). Compared to 1e-9 absolute as well.
+ABS = {"student_regression_loss": 1e-9}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +43,8 @@ def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
     teacher, save = tmp / "teacher", tmp / "one_ckpt"
     teach = [*FLOW, "train.train_iters=2", f"checkpoint.save={teacher}", f"logger.log_dir={tmp / 'teacher_logs'}"]
     one = [*distill_overrides(teacher), f"checkpoint.save={save}", "checkpoint.save_interval=2"]
-    run_in_one_launch(1, [teach, [*one, f"logger.log_dir={tmp / 'one'}"]], tmp / "launch1")
+    one_regression = [*distill_overrides(teacher), *REGRESSION, f"logger.log_dir={tmp / 'one_regression'}"]
+    run_in_one_launch(1, [teach, [*one, f"logger.log_dir={tmp / 'one'}"], one_regression], tmp / "launch1")
     layouts = [[*distill_overrides(teacher), *extra, f"logger.log_dir={tmp / name}"] for name, extra in LAYOUTS.items()]
     layouts[list(LAYOUTS).index("dp2_fsdp")] += [f"checkpoint.save={tmp / 'fsdp_ckpt'}", "checkpoint.save_interval=2"]
     resumed = [
@@ -46,8 +56,13 @@ def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
         ]
         for name, (layout, ckpt) in RESUMES.items()
     ]
-    run_in_one_launch(2, [*layouts, *resumed], tmp / "launch2")  # the FSDP resume after the run that saves it
-    names = ("one", *LAYOUTS, *RESUMES)
+    regression = [
+        [*distill_overrides(teacher), *REGRESSION, *LAYOUTS[name], f"logger.log_dir={tmp / f'{name}_regression'}"]
+        for name in REGRESSION_LAYOUTS
+    ]
+    # the FSDP resume after the run that saves it
+    run_in_one_launch(2, [*layouts, *resumed, *regression], tmp / "launch2")
+    names = ("one", *LAYOUTS, *RESUMES, "one_regression", *(f"{name}_regression" for name in REGRESSION_LAYOUTS))
     return {name: {r["iteration"]: r for r in read_metrics(tmp / name)} for name in names}
 
 
@@ -58,7 +73,8 @@ def assert_close(run: dict[int, dict], reference: dict[int, dict], case: str, ke
             if want is None:
                 assert got is None, (case, iteration, key, got)
             else:
-                assert math.isclose(got, want, rel_tol=REL, abs_tol=0.0), (case, iteration, key, got, want)
+                tolerance = ABS.get(key, 0.0)
+                assert math.isclose(got, want, rel_tol=REL, abs_tol=tolerance), (case, iteration, key, got, want)
 
 
 @pytest.mark.slow
@@ -75,3 +91,12 @@ def test_checkpoint_of_both_players_resumes(runs, resumed):
     assert sorted(runs[resumed]) == [3, 4]
     # At 3 the resumed student has not stepped yet (its line carries none); it steps at 4 from the resumed players.
     assert_close(runs[resumed], runs["one"], resumed, lambda i: KEYS if i == 4 else KEYS[:2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", REGRESSION_LAYOUTS)
+def test_layout_regresses_like_one_process(runs, layout):
+    one = runs["one_regression"]
+    assert sorted(runs[f"{layout}_regression"]) == [1, 2, 3, 4]
+    assert one[4]["student_regression_loss"] is not None and one[4]["student_regression_loss"] > 0
+    assert_close(runs[f"{layout}_regression"], one, f"{layout} with regression", REGRESSION_KEYS)

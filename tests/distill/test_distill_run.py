@@ -2,8 +2,8 @@
 
 A flow teacher is trained for 2 iterations through the real entry point (``--mock``, the tiny DiT); then
 distilled for 4 iterations (``critic_steps=2``: the student steps at 2 and 4, the critic at every one;
-teacher guidance 2, so the unconditional pass runs) saving at 2, and resumed from that checkpoint. All three
-runs share one launch (tests/training/entry.py ``run_in_one_launch``). The teacher's freezing is checked in
+teacher guidance 2, so the unconditional pass runs) saving at 2, and resumed from that checkpoint; the same
+for a 1-step student with the regression loss on (``REGRESSION``). All five runs share one launch (tests/training/entry.py ``run_in_one_launch``). The teacher's freezing is checked in
 this process on the trainer's own objects; the refusals on the config the entry point builds.
 """
 
@@ -24,6 +24,8 @@ from tests.training.entry import TINY, read_metrics, run_in_one_launch
 
 FLOW = ["model.pipeline=flow"]
 DISTILL = [*FLOW, "distill.enabled=true", "distill.critic_steps=2", "distill.guidance_scale=2", "train.train_iters=4"]
+# A 1-step student (its every pack regresses) with DMD's regression onto 3-step teacher samples.
+REGRESSION = ["distill.student_timesteps=[1.0]", "distill.regression_weight=0.5", "distill.regression_teacher_steps=3"]
 
 
 def distill_overrides(teacher: Path) -> list[str]:
@@ -36,14 +38,16 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("distill")
     teacher, save = tmp / "teacher", tmp / "distill"
     teach = [*FLOW, "train.train_iters=2", f"checkpoint.save={teacher}", f"logger.log_dir={tmp / 'teacher_logs'}"]
-    straight = [*distill_overrides(teacher), f"checkpoint.save={save}", "checkpoint.save_interval=2"]
-    resumed = [*distill_overrides(teacher), f"checkpoint.load={save}/iter_0000002"]
-    run_in_one_launch(
-        1,
-        [teach, [*straight, f"logger.log_dir={tmp / 'straight'}"], [*resumed, f"logger.log_dir={tmp / 'resumed'}"]],
-        tmp / "launch",
-    )
-    records = {name: {r["iteration"]: r for r in read_metrics(tmp / name)} for name in ("straight", "resumed")}
+    runs = [teach]
+    for prefix, extra in (("", []), ("regression_", REGRESSION)):
+        save = tmp / f"{prefix}distill"
+        straight = [*distill_overrides(teacher), *extra, f"checkpoint.save={save}", "checkpoint.save_interval=2"]
+        resumed = [*distill_overrides(teacher), *extra, f"checkpoint.load={save}/iter_0000002"]
+        runs += [[*straight, f"logger.log_dir={tmp / f'{prefix}straight'}"]]
+        runs += [[*resumed, f"logger.log_dir={tmp / f'{prefix}resumed'}"]]
+    run_in_one_launch(1, runs, tmp / "launch")
+    names = ("straight", "resumed", "regression_straight", "regression_resumed")
+    records = {name: {r["iteration"]: r for r in read_metrics(tmp / name)} for name in names}
     return teacher, records
 
 
@@ -64,16 +68,35 @@ def test_both_players_losses_are_finite_and_logged(runs):
 
 
 @pytest.mark.slow
-def test_resume_is_exact(runs):
+@pytest.mark.parametrize("prefix", ["", "regression_"])
+def test_resume_is_exact(runs, prefix):
     _, records = runs
-    straight, resumed = records["straight"], records["resumed"]
+    straight, resumed = records[f"{prefix}straight"], records[f"{prefix}resumed"]
     assert sorted(resumed) == [3, 4]
-    keys = ("critic_loss", "critic_grad_norm", "student_loss", "student_grad_norm", "collapse_diversity")
+    keys = ("critic_loss", "critic_grad_norm", "collapse_diversity")
+    student_keys = ("student_loss", "student_grad_norm", "student_regression_loss")
     for iteration in resumed:
-        for key in keys[:2] + keys[4:]:
+        for key in keys:
             assert resumed[iteration][key] == straight[iteration][key], (key, iteration)  # bitwise on CPU
-    for key in keys[2:4]:  # the student's step at 4 used the resumed critic and the resumed student
+    for key in student_keys:  # the student's step at 4 used the resumed critic and the resumed student
         assert resumed[4][key] == straight[4][key], key
+
+
+@pytest.mark.slow
+def test_the_regression_loss_is_logged_with_the_students_step(runs):
+    """Off (the default): null on every line. On (a 1-step student): finite and positive from the student's
+    first step on, carried like its loss until the next; part of the student's loss, not of the critic's."""
+    _, records = runs
+    assert all(record["student_regression_loss"] is None for record in records["straight"].values())
+    regression = records["regression_straight"]
+    assert [regression[i]["student_regression_loss"] is None for i in (1, 2, 3, 4)] == [True, False, False, False]
+    assert regression[3]["student_regression_loss"] == regression[2]["student_regression_loss"]
+    for iteration in (2, 4):  # student loss = DMD's (>= 0) + 0.5 x regression
+        record = regression[iteration]
+        assert (
+            record["student_regression_loss"] > 0 and record["student_loss"] >= 0.5 * record["student_regression_loss"]
+        )
+    assert all(math.isfinite(regression[i]["critic_loss"]) for i in regression)
 
 
 @pytest.mark.slow
