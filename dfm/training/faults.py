@@ -49,13 +49,20 @@ def step_checks(
     """-> (finite, preempt), the same on every rank: every micro-batch loss and gradient of every rank
     is finite; some rank got a preemption signal.
 
-    Both flags travel in one all-reduce and are read in one host sync per step; the finite checks
-    stay on the device until then (not one sync per micro-batch and gradient buffer).
+    Both flags travel in one all-reduce (none on a one-process job) and are read in one host sync per
+    step; the finite checks stay on the device until then (not one sync per micro-batch and gradient
+    buffer).
     """
     flags = torch.stack([local_nonfinite(model, losses, device), preemption.local_flag(device)])
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    if not alone():  # alone, the rank's flags are the job's
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
     nonfinite, preempt = flags.tolist()
     return nonfinite == 0.0, preempt > 0.0
+
+
+def alone() -> bool:
+    """The job is this one process."""
+    return torch.distributed.get_world_size() == 1
 
 
 def local_nonfinite(model: list[Any], losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:

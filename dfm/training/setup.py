@@ -18,7 +18,7 @@ from dfm.models.build import build_meta_chunk, build_model_chunk
 from dfm.models.common.materialise import defer_to_fsdp, init_fsdp_shards
 from dfm.parallel.layout import ParallelLayout
 from dfm.platform.optimizer_steps import step_parameters_together
-from dfm.training.buffer_grads import accumulate_into_buffers
+from dfm.training.buffer_grads import accumulate_into_buffers, skip_sync_alone
 
 
 @dataclass
@@ -61,6 +61,7 @@ def build_model(cfg: ConfigContainer, layout: ParallelLayout, device: torch.devi
     for chunk in wrapped:
         chunk.broadcast_params()
         chunk.buffer_grad_params = accumulate_into_buffers(chunk, ddp_config, tconfig)  # buffer_grads.py
+        skip_sync_alone(chunk)
     return wrapped, tconfig
 
 

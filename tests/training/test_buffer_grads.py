@@ -1,8 +1,9 @@
 """Gradients straight into megatron's buffer (dfm/training/buffer_grads.py) are megatron's gradients.
 
 The tiny DiT trained two steps of two micro-batches each, once as built (megatron's per-parameter hooks
-removed, autograd adding into the buffer) and once with megatron's hooks kept: the grad buffers, the
-grad norms and the weights after each step are bitwise equal.
+removed, autograd adding into the buffer; its one-member grad all-reduce skipped) and once as megatron
+has it (hooks and all-reduce): the grad buffers, the grad norms and the weights after each step are
+bitwise equal.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ def device():
     destroy_distributed()
 
 
-def trainer(device, keep_megatron_hooks: bool):
+def trainer(device, as_megatron: bool):
     cfg = build_config(None, str(TINY), ["model.attention_backend=sdpa", "train.global_batch_size=2"])
     layout = ParallelLayout(world_size=1)
     finalize_defaults(cfg, layout)
     with pytest.MonkeyPatch.context() as patch:
-        if keep_megatron_hooks:
+        if as_megatron:
             patch.setattr(setup, "accumulate_into_buffers", lambda *args: [])
+            patch.setattr(setup, "skip_sync_alone", lambda chunk: None)
         model, tconfig = setup.build_model(cfg, layout, device)
     optimizer, scheduler = setup.build_optimizer(cfg, model, tconfig)
     step = DiffusionForwardStep(pipeline_from_config(cfg), cfg.rng.seed, cfg.dataset.cfg_dropout_prob, device)
@@ -59,6 +61,7 @@ def test_buffer_grads_equal_megatron_hooks(device):
     assert all(megatron_hooks(p) == 0 for p in params)
     assert all(megatron_hooks(p) == 1 for p in hooked[1].model[0].module.parameters() if p.requires_grad)
     assert direct[2] == hooked[2] == 2
+    assert "finish_grad_sync" in vars(chunk) and "finish_grad_sync" not in vars(hooked[1].model[0])
     for iteration in (1, 2):
         results = []
         for step, state, n_micro in (direct, hooked):

@@ -66,9 +66,14 @@ class FakeDeviceLoss:
         return output, device_loss
 
 
+@pytest.mark.parametrize("alone", [False, True])
 @pytest.mark.parametrize("nonfinite, signalled", [(False, False), (True, True)])
-def test_one_all_reduce_and_one_read_agree_on_finite_and_preemption(trainer, monkeypatch, nonfinite, signalled):
+def test_one_all_reduce_and_one_read_agree_on_finite_and_preemption(trainer, monkeypatch, nonfinite, signalled, alone):
+    """With peers (the one-process group playing them) the flags take one all-reduce; alone, none."""
+    from dfm.training import faults
+
     step, data, model, optimizer, scheduler, n_micro, device = trainer
+    monkeypatch.setattr(faults, "alone", lambda: alone)
     calls: list[str] = []
     real_all_reduce = torch.distributed.all_reduce
 
@@ -85,7 +90,7 @@ def test_one_all_reduce_and_one_read_agree_on_finite_and_preemption(trainer, mon
     state = TrainingState(model, optimizer, scheduler, data)
     _, updated, _, preempt = train_step(FakeDeviceLoss(step, nonfinite), state, n_micro, device, preemption)
     assert (updated, preempt) == (not nonfinite, signalled)
-    assert [c for c in calls if c.startswith("training/")] == ["training/faults.py"], calls
+    assert [c for c in calls if c.startswith("training/")] == ([] if alone else ["training/faults.py"]), calls
     reads = [read for read in DeviceTensor.reads if " at training/" in read]
     assert len(reads) == 1 and reads[0].startswith("tolist at training/faults.py"), DeviceTensor.reads
 
