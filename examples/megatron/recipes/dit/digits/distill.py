@@ -4,6 +4,7 @@
     python -m digits.distill --out_dir outputs/digits_distill [--iterations 600 --save_interval 100 ...] \
         [--grid samples.png]
     python -m digits.distill --clips 500 --out_dir outputs/digits_distill_clips --students 4-step ...
+    python -m digits.distill --students 1-step --regression_weight 1 ...   # with DMD's regression loss
 
 The teacher is trained as the CI test trains its flow model (conf/digits_tiny.yaml, or reused when
 OUT_DIR/teacher already holds it) and scored at 12 Euler steps with guidance 3: its accuracy is A.
@@ -55,6 +56,9 @@ class DistillRun:
     lr: float = 5e-4  # student and critic alike (one optimizer section)
     critic_steps: int = 5
     guidance_scale: float = 3.0  # the teacher's, baked into the student
+    # DMD's regression onto the teacher's guided Euler samples from the student's noise (0: off)
+    regression_weight: float = 0.0
+    regression_teacher_steps: int = 12  # TEACHER_SAMPLING's steps
     config: str = str(CI_CONFIG)  # the teacher's and the students' (clips: CLIP_CONFIG)
 
     def overrides(self, teacher: Path, timesteps: Sequence[float]) -> list[str]:
@@ -66,6 +70,8 @@ class DistillRun:
             f"distill.student_timesteps=[{times}]",
             f"distill.guidance_scale={self.guidance_scale}",
             f"distill.critic_steps={self.critic_steps}",
+            f"distill.regression_weight={self.regression_weight}",
+            f"distill.regression_teacher_steps={self.regression_teacher_steps}",
             f"optimizer.lr={self.lr}",
             f"train.train_iters={self.iterations}",
             f"checkpoint.save_interval={self.save_interval}",
