@@ -94,8 +94,11 @@ def pack_samples(samples: Sequence[DiffusionSample], segment_multiple: int = 1, 
     q_lens = [s.seq_len_q for s in samples]
     kv_lens = [s.seq_len_kv for s in samples]
     q_padded = padded_lengths(q_lens, segment_multiple, total_multiple)
-    # Text is split over TP ranks too under sequence parallelism: pad its total the same way.
-    kv_padded = padded_lengths(kv_lens, 1, total_multiple)
+    # Text is split over TP ranks too under sequence parallelism: pad its total the same way. A pack of
+    # one shape (every sample the same token count) pads each caption to its longest, as a dense batch
+    # does: cross-attention then reads each sample's keys at one stride (views, no gathers).
+    text_multiple = max(*kv_lens, 1) if len(set(q_lens)) == 1 else 1
+    kv_padded = padded_lengths(kv_lens, text_multiple, total_multiple)
     q_offsets, kv_offsets = cumulative(q_padded), cumulative(kv_padded)
     total_q, total_kv = int(q_offsets[-1]), int(kv_offsets[-1])
     ones = [torch.ones(n) for n in q_lens]

@@ -147,3 +147,26 @@ def test_pack_offers_per_sample_lengths_on_device_and_host():
     assert int(pack.padded_text_lengths.sum()) == pack.context.shape[0]
     device_copy = pack.to("cpu")
     assert device_copy.host is pack and device_copy.host_sample_lengths() == video
+
+
+def test_one_shape_packs_pad_captions_to_the_longest():
+    """Every sample the same token count: each caption padded to the pack's longest (cross-attention
+    reads the keys at one stride); mixed shapes: captions back to back."""
+    import dataclasses
+
+    from dfm.data.packing import pack_samples
+    from tests.models._helpers import make_samples, tiny_config
+
+    samples = make_samples(tiny_config("dit_cross"))
+    one_shape = [dataclasses.replace(s, tokens=samples[0].tokens, pos_ids=samples[0].pos_ids) for s in samples]
+    text = [len(s.text) for s in samples]
+    assert len(set(text)) > 1
+    pack = pack_samples(one_shape)
+    assert pack.host_text_lengths() == text
+    assert pack.padded_text_lengths.tolist() == [max(text)] * len(text)
+    for start, sample in zip(pack.cu_seqlens_kv_padded[:-1].tolist(), one_shape):
+        n = len(sample.text)
+        assert torch.equal(pack.context[start : start + n], sample.text)
+        assert not pack.context[start + n : start + max(text)].any()  # padding rows are zero
+    assert len({len(s.tokens) for s in samples}) > 1
+    assert pack_samples(samples).padded_text_lengths.tolist() == text

@@ -1,7 +1,8 @@
 """The CPU ``sdpa`` backend's grouped calls (segment_plan.py, sdpa_cpu.py) against per-segment SDPA,
 float64 forward and backward, and gradcheck: equal lengths back to back (one call, q/k/v viewed in
 place), equal lengths with padding rows, mixed lengths, captions of different lengths (kv padded and
-masked), keys shared by two query segments (context parallel), b = 2 and a strided input."""
+masked, from the pack's own padding rows when each caption has room for the longest), keys shared by
+two query segments (context parallel), b = 2 and a strided input."""
 
 import pytest
 import torch
@@ -22,6 +23,10 @@ CASES = {
     "cross_captions": ([4] * 5, [4] * 5, [2, 5, 1, 3, 5], [2, 5, 1, 3, 5]),
     "cross_padded_captions": ([4, 4, 3, 4], [4, 4, 4, 4], [2, 6, 3, 1], [4, 6, 4, 2]),
     "empty_caption": ([4, 4, 4], [4, 4, 4], [3, 0, 2], [3, 0, 2]),
+    # a one-shape pack's captions padded to the longest (packing.py): keys read in place, the last
+    # padded further (a layout's total multiple); and one whose last caption lacks the room
+    "captions_to_longest": ([4] * 5, [4] * 5, [2, 5, 1, 3, 5], [5, 5, 5, 5, 7]),
+    "captions_short_last_room": ([4] * 5, [4] * 5, [2, 5, 1, 5, 3], [5, 5, 5, 5, 3]),
 }
 # (q start, q length, kv start, kv length): under context parallelism a rank's two query chunks of
 # one sample read the same keys; and keys in another order than their queries
@@ -158,3 +163,14 @@ def test_saves_inputs_output_and_log_sum_exp_only():
     plan = plan_segments([(0, 4, 0, 4), (5, 2, 5, 2), (7, 4, 7, 4), (13, 3, 13, 3), (16, 1, 16, 1)], 20, 20, "cpu")
     lse = sum(2 * group.q.index.numel() for group in plan.groups)
     assert sum(t.numel() for t in saved) == 3 * query.numel() + out.numel() + lse
+
+
+@pytest.mark.parametrize("case, strided", [("captions_to_longest", True), ("captions_short_last_room", False)])
+def test_captions_padded_to_the_longest_are_read_in_place(case, strided):
+    """Keys at one stride with room for the longest caption: a view, gradients copied (not summed);
+    otherwise gathered, short captions' padded slots re-reading their last key."""
+    (query, key, _), params = inputs_for(case)
+    plan = segment_plan(params, query.shape[0], key.shape[0], query.device)
+    (group,) = plan.groups
+    assert (group.kv.strided is not None) == strided and plan.kv_once == strided
+    assert group.mask is not None

@@ -3,7 +3,9 @@
 Segments with the same query length form a group, attended as one ``[n, b*np, len, hn]`` call. A
 side whose segments are equally long at a regular stride (every clip 32 tokens, back to back) is a
 strided view of the pack's rows, no copy; otherwise its rows are gathered by index. Key lengths
-that differ within a group (captions) are padded to the group's longest with a -inf mask. Built
+that differ within a group (captions) are padded to the group's longest with a -inf mask: read from
+each segment's own padding rows when the pack has them (one-shape packs, packing.py), else the
+segment's last key repeated. Built
 once per pack from the host segments and kept on ``params`` (every layer gets the same object).
 """
 
@@ -15,7 +17,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
-from dfm.models.attention.segments import cached_per_pack, host_segments, segment_bounds
+from dfm.models.attention.segments import cached_per_pack, host_segments, segment_bounds, segment_rooms
 
 Segment = tuple[int, int, int, int]  # (q start, q length, kv start, kv length), lengths > 0
 
@@ -53,31 +55,47 @@ class SegmentPlan:
     kv_once: bool  # every kv row read by at most one (segment, position): grads copied, not added
 
 
-def _rows(starts: list[int], lengths: list[int], device: torch.device) -> Rows:
+def _rows(starts: list[int], lengths: list[int], device: torch.device, rooms: list[int] | None = None) -> Rows:
+    """``rooms``: the rows each segment owns from its start (its padded extent). When the starts are
+    regular and every segment owns the longest length, short segments read their own padding rows
+    (masked) and the side is a strided view; otherwise padded slots read the segment's last row."""
     length = max(lengths)
     step = starts[1] - starts[0] if len(starts) > 1 else length
-    regular = step >= 0 and all(n == length for n in lengths) and all(b - a == step for a, b in zip(starts, starts[1:]))
+    regular = step >= 0 and all(b - a == step for a, b in zip(starts, starts[1:]))
+    owned = all(n == length for n in lengths) or (rooms is not None and min(rooms) >= length)
     offsets = torch.arange(length)
+    if regular and owned:
+        index = torch.tensor(starts)[:, None] + offsets
+        return Rows(length, index.flatten().to(device, non_blocking=True), (starts[0], step))
     ends = torch.tensor(lengths)[:, None] - 1
     index = torch.tensor(starts)[:, None] + torch.minimum(offsets, ends)  # padded slots read the last key
-    return Rows(length, index.flatten().to(device, non_blocking=True), (starts[0], step) if regular else None)
+    return Rows(length, index.flatten().to(device, non_blocking=True), None)
 
 
-def plan_segments(segments: list[Segment], q_total: int, kv_total: int, device: torch.device) -> SegmentPlan:
-    """Group ``segments`` (non-empty, disjoint query ranges) by query length."""
-    by_length: dict[int, list[Segment]] = {}
-    for segment in segments:
-        by_length.setdefault(segment[1], []).append(segment)
-    groups = []
+def plan_segments(
+    segments: list[Segment], q_total: int, kv_total: int, device: torch.device, kv_rooms: list[int] | None = None
+) -> SegmentPlan:
+    """Group ``segments`` (non-empty, disjoint query ranges) by query length; ``kv_rooms``: each
+    segment's padded kv extent (the rows it owns), when known."""
+    rooms = kv_rooms if kv_rooms is not None else [None] * len(segments)
+    by_length: dict[int, list[tuple[Segment, int | None]]] = {}
+    for segment, room in zip(segments, rooms):
+        by_length.setdefault(segment[1], []).append((segment, room))
+    groups, reads = [], []
     for members in by_length.values():
-        q0, nq, k0, nk = (list(column) for column in zip(*members))
+        q0, nq, k0, nk = (list(column) for column in zip(*(segment for segment, _ in members)))
+        room = [r for _, r in members] if kv_rooms is not None else None
         mask = None
         if len(set(nk)) > 1:
             mask = (torch.arange(max(nk)) < torch.tensor(nk)[:, None])[:, None, None]
             mask = mask.to(device, non_blocking=True)
-        groups.append(Group(_rows(q0, nq, device), _rows(k0, nk, device), mask))
-    kv_rows = sorted((k0, k0 + nk) for _, _, k0, nk in segments)
-    kv_once = all(group.mask is None for group in groups) and all(b[0] >= a[1] for a, b in zip(kv_rows, kv_rows[1:]))
+        group = Group(_rows(q0, nq, device), _rows(k0, nk, device, room), mask)
+        groups.append(group)
+        # The kv rows each segment's slots read: its own, unless padded slots re-read its last key.
+        repeats = mask is not None and group.kv.strided is None
+        reads += [(start, start + (n if repeats else group.kv.length), repeats) for start, n in zip(k0, nk)]
+    reads.sort()
+    kv_once = not any(r for _, _, r in reads) and all(b[0] >= a[1] for a, b in zip(reads, reads[1:]))
     return SegmentPlan(groups, sum(nq for _, nq, _, _ in segments) == q_total, kv_once)
 
 
@@ -87,8 +105,11 @@ def segment_plan(params: PackedSeqParams, q_total: int, kv_total: int, device: t
     def build() -> SegmentPlan | None:
         q_starts, q_lens = segment_bounds(params, "q")
         kv_starts, kv_lens = segment_bounds(params, "kv")
-        segments = [s for s in zip(q_starts, q_lens, kv_starts, kv_lens) if s[1] and s[3]]
-        return plan_segments(segments, q_total, kv_total, device) if segments else None
+        kv_rooms = segment_rooms(params, "kv")
+        kept = [i for i, (nq, nk) in enumerate(zip(q_lens, kv_lens)) if nq and nk]
+        segments = [(q_starts[i], q_lens[i], kv_starts[i], kv_lens[i]) for i in kept]
+        rooms = [kv_rooms[i] for i in kept]
+        return plan_segments(segments, q_total, kv_total, device, rooms) if segments else None
 
     host = host_segments(params)
     bounds = tuple(id(getattr(host, f"cu_seqlens_{name}")) for name in ("q", "q_padded", "kv", "kv_padded"))

@@ -58,6 +58,13 @@ def segment_bounds(params: PackedSeqParams, side: str) -> tuple[list[int], list[
     return offsets[:-1].tolist(), segment_lengths(real).tolist()
 
 
+def segment_rooms(params: PackedSeqParams, side: str) -> list[int]:
+    """Rows each sample owns on the 'q' or 'kv' side: its padded length (its real one when unpadded)."""
+    params = host_segments(params)
+    padded = getattr(params, f"cu_seqlens_{side}_padded")
+    return segment_lengths(padded if padded is not None else getattr(params, f"cu_seqlens_{side}")).tolist()
+
+
 def document_ids_on_device(params: PackedSeqParams, side: str, total: int, device: torch.device) -> Tensor:
     """[total] long: sample index of each real token, -1 on padding; from the cu_seqlens tensors,
     vectorised, with no host sync."""
