@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
 from dfm.models.attention.qk_norm_rope import qk_norm_rope
-from dfm.models.attention.rope_tables import RotaryTables
+from dfm.models.attention.rope_tables import WRITTEN_BY_CHANNEL_SET, RotaryTables, apply_rotary, rotate_half
 from dfm.models.attention.sdpa_cpu import segment_attention_cpu
 from dfm.models.common.adaln import modulate
 from dfm.models.common.norm_recompute import norm_modulate_rows, norm_recomputed
@@ -95,6 +95,30 @@ def test_qk_norm_rope_equals_rmsnorm_then_megatron_rope(interleaved):
     inputs = (rand(5, 1, 3, 8), rand(8, seed=1), cos, sin, 1e-6, interleaved)
     assert_same_grads(qk_norm_rope, reference, inputs)
     assert tables.cos_sin(torch.float64)[0] is cos  # made once, shared by every later call
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_rotation_written_by_channel_set_is_megatrons_rope(interleaved, dtype):
+    """From ``WRITTEN_BY_CHANNEL_SET`` elements RoPE is written into one output: megatron's values bit
+    for bit (a strided view of a fused QKV output, as attention hands it over), and its gradient that of
+    the unfused formula's in fp32 (bf16 heads: rounded once from it, where autograd rounds each branch)."""
+    heads, dim = 4, 16
+    tokens = WRITTEN_BY_CHANNEL_SET // (heads * dim) + 3
+    tables = RotaryTables(torch.rand(tokens, 1, 1, dim) * 6, interleaved)
+    cos, sin = tables.cos_sin(torch.float32)  # fp32 tables, as FLUX rotates bf16 heads
+    fused_qkv = torch.randn(tokens, 1, heads, 3 * dim).to(dtype)
+    x = fused_qkv[..., :dim].requires_grad_()
+    got = apply_rotary(x, cos, sin, interleaved)
+    plain_rope = x.detach() * cos + rotate_half(x.detach(), interleaved) * sin
+    assert torch.equal(got, plain_rope)
+    if dtype == torch.float32:
+        assert torch.equal(got, _apply_rotary_pos_emb_bshd(x.detach(), tables.angles, interleaved))
+    grad = torch.randn_like(got)
+    (mine,) = torch.autograd.grad(got, x, grad)
+    plain = x.detach().float().requires_grad_()
+    (expected,) = torch.autograd.grad(plain * cos + rotate_half(plain, interleaved) * sin, plain, grad)
+    assert torch.equal(mine, expected.to(dtype))
 
 
 SEGMENTS = {

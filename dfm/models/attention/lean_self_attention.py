@@ -18,7 +18,7 @@ from megatron.core.transformer.attention import SelfAttention
 from torch import Tensor, nn
 
 from dfm.models.attention.qk_norm_rope import qk_norm_rope
-from dfm.models.attention.rope_tables import RotaryTables, rotate
+from dfm.models.attention.rope_tables import RotaryTables, apply_rotary
 
 
 def as_tables(rotary_pos_emb: Tensor | RotaryTables | None, interleaved: bool) -> RotaryTables | None:
@@ -60,7 +60,7 @@ class LeanSelfAttention(SelfAttention):
             if self.rotary is None or not split_qkv:
                 return outputs
             cos, sin = self.rotary.cos_sin(outputs[0].dtype)
-            query, key = (rotate(t, cos, sin, self.rotary.interleaved) for t in outputs[:2])
+            query, key = (apply_rotary(t, cos, sin, self.rotary.interleaved) for t in outputs[:2])
             value = outputs[2]
             if self.q_layernorm is None and self.k_layernorm is None:
                 # RoPE keeps only cos / sin: once the value leaves the fused QKV output, it is freed.
