@@ -57,7 +57,12 @@ DISTILL_ENABLED = "distill.enabled"
 # [1, 0.75, 0.5, 0.25] samples with them), the teacher's guided distribution it matches, the paired loss.
 # A change is another distillation: refused like the pipeline; with checkpoint.allow_setting_changes=true
 # (e.g. fewer student steps after the first phase) logged and applied from the resumed iteration on.
-DISTILL_TARGET_KEYS = ("distill.student_timesteps", "distill.guidance_scale", "distill.regression_weight")
+DISTILL_TARGET_KEYS = (
+    "distill.student_timesteps",
+    "distill.guidance_scale",
+    "distill.regression_weight",
+    "distill.regression_teacher_steps",
+)
 # How it gets there: the re-noising law of both losses and the two-time-scale rule change the path, not the
 # distribution the student converges to, and the critic (trained every iteration, at that law) follows a
 # new law within its updates: logged and applied, like the lr.
@@ -178,7 +183,15 @@ def refuse_distill_switch(saved: dict, now: dict, directory: Path) -> None:
 def distill_differences(saved: dict, now: dict, *groups: tuple[str, ...]) -> tuple[list[str], ...]:
     """``differences`` of each group of ``distill.*`` keys; none when this run does not distil (its
     distill settings are unused)."""
-    return tuple(differences(saved, now, keys) if distilling(now) else [] for keys in groups)
+    return tuple(differences(saved, now, keys, resolved_distill) if distilling(now) else [] for keys in groups)
+
+
+def resolved_distill(config: dict, key: str, value: Any) -> Any:
+    """The teacher's step count for the regression targets matters only where the regression is on
+    (checkpoints from before the key, which had it off, lack it)."""
+    if key == "distill.regression_teacher_steps" and not value_at(config, "distill.regression_weight"):
+        return None
+    return value
 
 
 def dataset_identity(path: str | None) -> str | None:

@@ -194,6 +194,25 @@ def test_a_changed_distillation_target_is_refused_naming_the_key(tmp_path, caplo
     assert f"{change}: the new value applies from here on" in caplog.text
 
 
+def test_the_regression_teachers_steps_count_only_where_the_regression_is_on(tmp_path):
+    """Its targets change with the teacher's step count: refused like the other targets while the
+    regression is on; ignored while it is off, and absent from checkpoints made before the key."""
+    cfg = distilling()
+    cfg.distill.regression_weight = 0.5
+    common = {"config": config_to_dict(cfg)}
+    cfg.distill.regression_teacher_steps = 20
+    with pytest.raises(
+        CheckpointError, match=re.escape("distill.regression_teacher_steps: checkpoint 12, this run 20")
+    ):
+        compare_run_settings(common, tmp_path, cfg, "mock")
+    off = distilling()
+    before_the_key = config_to_dict(off)
+    del before_the_key["distill"]["regression_teacher_steps"]
+    off.distill.regression_teacher_steps = 20
+    for saved in (config_to_dict(distilling()), before_the_key):
+        assert compare_run_settings({"config": saved}, tmp_path, off, "mock").data_position
+
+
 @pytest.mark.parametrize("key, value", [("min_t", 0.1), ("max_t", 0.9), ("critic_steps", 2)])
 def test_a_changed_distillation_schedule_is_logged_and_applied(tmp_path, caplog, key, value):
     cfg = distilling()
