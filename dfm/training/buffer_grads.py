@@ -7,14 +7,14 @@ reduction that add is all it does, and autograd can do it itself: with ``param.g
 sums, one C++ add per parameter instead of a Python call and an add (~16 us each on the CPU:
 docs/performance.md). Megatron reads ``main_grad`` afterwards as before.
 
-On a one-process job megatron's grad sync is an all-reduce of each bucket over a group of one
-(its scaling factor 1.0): it changes nothing, and costs a gloo round trip a step (~1.6% of a digits-video
-step). ``skip_sync_alone`` drops it there.
-
-Gradients into the buffer only where it is the same computation: megatron DDP chunks (not Megatron-FSDP) without overlapped
+Only where it is the same computation: megatron DDP chunks (not Megatron-FSDP) without overlapped
 reduction or fused weight-gradient accumulation (whose kernels write main_grad themselves and hand
 autograd a placeholder), and parameters whose ``main_grad`` has their dtype and device (fp32 training;
 a bf16 parameter's fp32 main_grad cannot be its ``.grad``). Other parameters keep megatron's hook.
+
+On a one-process job megatron's grad sync is an all-reduce of each bucket over a group of one (its
+scaling factor 1.0): it changes nothing and costs a gloo round trip a step (~1.6 % of a digits-video
+step, docs/performance.md). ``skip_sync_alone`` drops it there.
 """
 
 from __future__ import annotations
