@@ -54,8 +54,10 @@ def norm_input_grad(grad_normed: Tensor, x: Tensor, mean: Tensor | None, rstd: T
 def normed_again(x: Tensor, mean: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """(norm(x), rstd) recomputed from the saved statistics in at least fp32 (backward's precision)."""
     acc = accumulation_dtype(x)
-    centred = x.to(acc) if mean is None else x.to(acc) - mean.to(acc)
-    return centred * rstd.to(acc), rstd.to(acc)
+    if mean is None:
+        return x.to(acc) * rstd.to(acc), rstd.to(acc)
+    # Scaled in place: on the CPU a tensor from 4 MiB is a fresh mapping faulted in page by page.
+    return (x.to(acc) - mean.to(acc)).mul_(rstd.to(acc)), rstd.to(acc)
 
 
 class _NormModulateRows(torch.autograd.Function):
@@ -66,6 +68,9 @@ class _NormModulateRows(torch.autograd.Function):
         ctx.per_row = per_row
         # (1 + scale) on the rows, then gathered: one pass over [s, b, h] less, the same values.
         scale, shift = token_rows(1 + scale_rows, ids, per_row), token_rows(shift_rows, ids, per_row)
+        if torch.result_type(normed, scale) == normed.dtype == torch.result_type(normed, shift):
+            by_row(normed, per_row).mul_(scale).add_(shift)  # in place: the norm's output is not kept
+            return normed
         return (by_row(normed, per_row) * scale + shift).view_as(normed)
 
     @staticmethod
@@ -74,7 +79,9 @@ class _NormModulateRows(torch.autograd.Function):
         normed, rstd = normed_again(x, mean, rstd)  # recompute and reduce in at least fp32
         grad = grad.to(normed.dtype)
         per_row, num_rows = ctx.per_row, scale_rows.shape[0]
-        d_shift, d_scale = sum_pair_to_rows(grad, grad * normed, ids, num_rows, per_row)
+        # LayerNorm's input grad comes from x and the statistics: normed is free to take the product.
+        product = grad * normed if mean is None else normed.mul_(grad)
+        d_shift, d_scale = sum_pair_to_rows(grad, product, ids, num_rows, per_row)
         d_x = None
         if ctx.needs_input_grad[0]:
             scale = token_rows(1 + scale_rows.to(normed.dtype), ids, per_row)

@@ -83,7 +83,7 @@ class _GatedResidualRows(torch.autograd.Function):
         ctx.save_for_backward(gate_rows, ids, out, bias)
         ctx.per_row = per_row
         branch = by_row(out if bias is None else out + bias, per_row)
-        return x + (token_rows(gate_rows, ids, per_row) * branch).view_as(x)
+        return add_to_product(x, token_rows(gate_rows, ids, per_row) * branch)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -108,5 +108,13 @@ def gated_residual_rows(
     One shape (``per_row``) without a bias: plain ops, the rows broadcast over a view of ``out``;
     autograd's multiply then saves what the Function would (the rows and ``out``), at less cost a call."""
     if per_row and bias is None:
-        return x + (gate_rows[:, None, None] * by_row(out, per_row)).view_as(x)
+        return add_to_product(x, gate_rows[:, None, None] * by_row(out, per_row))
     return _GatedResidualRows.apply(x, gate_rows, ids, out, bias, per_row)
+
+
+def add_to_product(x: Tensor, product: Tensor) -> Tensor:
+    """x [s, b, h] + product (x's shape or its ``by_row`` view), added into the product when it has the
+    sum's dtype: on the CPU a tensor from 4 MiB is a fresh mapping faulted in page by page."""
+    if torch.result_type(x, product) != product.dtype:
+        return x + product.view_as(x)
+    return product.add_(x.view_as(product)).view_as(x)
