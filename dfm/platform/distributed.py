@@ -62,6 +62,11 @@ def seed_everything(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, force_reset_rng=True)
 
 
+def alone() -> bool:
+    """The job is this one process: every collective is over a group of one."""
+    return torch.distributed.get_world_size() == 1
+
+
 def destroy_distributed() -> None:
     """Tear down megatron's parallel groups and the default process group."""
     from megatron.core import parallel_state

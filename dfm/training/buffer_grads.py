@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from dfm.platform.distributed import alone
+
 _MEGATRON_HOOK = "_make_backward_post_hook"
 
 
@@ -54,7 +56,7 @@ def _drop_megatron_hook(param: torch.nn.Parameter) -> bool:
 
 def skip_sync_alone(chunk) -> None:
     """On a one-process job, ``chunk`` (megatron DDP) skips its grad sync: nothing to reduce."""
-    if torch.distributed.get_world_size() == 1:
+    if alone():
         chunk.finish_grad_sync = _nothing_to_reduce
 
 

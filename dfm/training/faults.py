@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from dfm.platform.distributed import alone
 from dfm.platform.exit_deadline import ExitDeadline
 from dfm.platform.parent_watch import STOP_SIGNALS
 
@@ -58,11 +59,6 @@ def step_checks(
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
     nonfinite, preempt = flags.tolist()
     return nonfinite == 0.0, preempt > 0.0
-
-
-def alone() -> bool:
-    """The job is this one process."""
-    return torch.distributed.get_world_size() == 1
 
 
 def local_nonfinite(model: list[Any], losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
