@@ -76,15 +76,14 @@ def plan_segments(
     segments: list[Segment], q_total: int, kv_total: int, device: torch.device, kv_rooms: list[int] | None = None
 ) -> SegmentPlan:
     """Group ``segments`` (non-empty, disjoint query ranges) by query length; ``kv_rooms``: each
-    segment's padded kv extent (the rows it owns), when known."""
-    rooms = kv_rooms if kv_rooms is not None else [None] * len(segments)
-    by_length: dict[int, list[tuple[Segment, int | None]]] = {}
-    for segment, room in zip(segments, rooms):
+    segment's padded kv extent (the rows it owns), when known (unknown: 0, owning none)."""
+    by_length: dict[int, list[tuple[Segment, int]]] = {}
+    for segment, room in zip(segments, kv_rooms or [0] * len(segments)):
         by_length.setdefault(segment[1], []).append((segment, room))
     groups, reads = [], []
     for members in by_length.values():
         q0, nq, k0, nk = (list(column) for column in zip(*(segment for segment, _ in members)))
-        room = [r for _, r in members] if kv_rooms is not None else None
+        room = [r for _, r in members]
         mask = None
         if len(set(nk)) > 1:
             mask = (torch.arange(max(nk)) < torch.tensor(nk)[:, None])[:, None, None]
