@@ -105,4 +105,4 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tens
     nodes for small inputs, one Function (the same values) for large ones."""
     if x.numel() >= WRITTEN_BY_CHANNEL_SET:
         return _Rotary.apply(x, cos, sin, interleaved)
-    return x * cos + rotate_half(x, interleaved) * sin
+    return rotate(x, cos, sin, interleaved)  # below the threshold: plain ops autograd differentiates
