@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--curve_every", type=int, default=0, help="also score both sides every N iterations (a learning curve)"
     )
     p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra dotted override of the config both sides train (e.g. scheduler.lr_decay_style=cosine)",
+    )
+    p.add_argument(
         "--dfm_override",
         action="append",
         default=[],
@@ -153,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"model.num_layers={args.layers}",
         f"train.train_iters={args.iterations}",
         f"rng.seed={args.seed}",
+        *args.override,
     ]
     rows = {}
     if args.sides in ("both", "dfm"):

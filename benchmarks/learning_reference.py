@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import math
 import sys
 import tarfile
 import time
@@ -148,17 +149,29 @@ class ReferenceRun:
     snapshots: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # iteration -> weights (a curve)
 
 
-def warmup_factor(warmup: int):
-    """Linear warm-up from 0 to the full rate over ``warmup`` updates, then constant (the config's schedule)."""
-    return lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+def lr_factor(scheduler, lr: float, min_lr: float, train_iters: int):
+    """The config's schedule as a multiple of ``lr`` per update: a linear warm-up from 0 over
+    ``lr_warmup_iters``, then constant, or a cosine from ``lr`` to ``min_lr`` over the decay iterations
+    (megatron's formula)."""
+    warmup, decay = scheduler.lr_warmup_iters, scheduler.decay_iters(train_iters)
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if scheduler.lr_decay_style == "constant":
+            return 1.0
+        ratio = min(1.0, (step - warmup) / max(1, decay - warmup))
+        return (min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (lr - min_lr)) / lr
+
+    return factor
 
 
 def train_reference(shards: ClipShards, cfg, batch_size: int, seed: int, snapshot_every: int = 0) -> ReferenceRun:
     """``cfg.train.train_iters`` AdamW steps on random batches of ``batch_size`` whole clips (an epoch-wise
-    shuffle), with the config's optimizer, warm-up, clipping, cfg dropout and flow settings; with
+    shuffle), with the config's optimizer, schedule, clipping, cfg dropout and flow settings; with
     ``snapshot_every``, a copy of the weights every that many iterations (as dfm saves checkpoints)."""
-    if cfg.scheduler.lr_decay_style != "constant" or cfg.optimizer.optimizer != "adam":
-        raise ValueError("the reference runs Adam(W) with a constant rate after warm-up")
+    if cfg.scheduler.lr_decay_style not in ("constant", "cosine") or cfg.optimizer.optimizer != "adam":
+        raise ValueError("the reference runs Adam(W) with a constant or cosine rate after warm-up")
     start = time.perf_counter()
     torch.manual_seed(seed)
     model, o, m = adaln_zero_init(ReferenceDiT(cfg.model)), cfg.optimizer, cfg.model
@@ -166,7 +179,8 @@ def train_reference(shards: ClipShards, cfg, batch_size: int, seed: int, snapsho
     optimizer = torch.optim.AdamW(
         model.parameters(), o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay
     )
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(cfg.scheduler.lr_warmup_iters))
+    factor = lr_factor(cfg.scheduler, o.lr, o.min_lr, cfg.train.train_iters)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     tokens, pos_ids = to_tokens(shards.latents.float(), m.patch_temporal, m.patch_spatial)
     text, mask = padded_texts(shards.texts)
     generator = torch.Generator().manual_seed(seed)

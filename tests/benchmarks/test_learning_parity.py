@@ -16,13 +16,14 @@ from benchmarks.learning_parity import SCORE_COLUMNS, main
 from benchmarks.learning_reference import (
     euler_sample,
     from_tokens,
+    lr_factor,
     noised,
     read_clip_shards,
     to_tokens,
     training_times,
     velocity_target,
 )
-from dfm.config.container import ConfigContainer
+from dfm.config.container import ConfigContainer, SchedulerConfig
 from dfm.data.patchify import patchify
 from dfm.diffusion.flow import FlowPipeline, FlowSettings
 from dfm.diffusion.samplers import classifier_free_guidance, flow_euler, flow_timesteps
@@ -128,3 +129,17 @@ def test_a_curve_leaves_the_trained_weights_in_place():
     curve = snapshot_curve(model, snapshots, lambda m: seen.append(m.weight.sum().item()) or scores)
     assert seen == [0.0, 2.0] and [point["iteration"] for point in curve] == [1, 2]
     assert torch.equal(model.weight, final)
+
+
+@pytest.mark.parametrize("style", ["constant", "cosine"])
+def test_reference_schedule_is_megatrons_after_warm_up(style):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    lr, min_lr, warmup, iters = 2e-3, 1e-4, 20, 300
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    optimizer.param_groups[0]["weight_decay"] = 0.0
+    megatron = OptimizerParamScheduler(optimizer, 0.0, lr, min_lr, warmup, iters, style, 0.0, 0.0, iters, "constant")
+    factor = lr_factor(SchedulerConfig(lr_warmup_iters=warmup, lr_decay_style=style), lr, min_lr, iters)
+    for step in range(warmup, iters + 5):
+        megatron.num_steps = step
+        assert factor(step) * lr == pytest.approx(megatron.get_lr(optimizer.param_groups[0]), rel=1e-12)
