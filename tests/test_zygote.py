@@ -135,3 +135,21 @@ def test_a_broken_request_leaves_the_server_serving(script, tmp_path):
             client.sendall(payload)  # then hang up (mid-message for the last one)
     result = run([script, "exit", "0"], cwd=tmp_path)
     assert result.returncode == 0 and report(result)["torch_loaded"], result.stderr
+
+
+def test_a_pid_and_a_status_in_one_read_are_two_replies():
+    """A child that exits at once has its status sent right behind its pid: the client reads them as two
+    lines even when one read brings both (before: 'Extra data' from json, the test run failed)."""
+    import socket
+
+    from tests.zygote_client import read_reply
+
+    server, client = socket.socketpair()
+    with server, client:
+        server.sendall(b'{"pid": 12345}\n{"status": 256}\n')
+        replies = client.makefile("rb")
+        assert read_reply(replies) == {"pid": 12345}
+        assert read_reply(replies) == {"status": 256}
+        server.close()
+        with pytest.raises(ConnectionError):
+            read_reply(replies)

@@ -23,20 +23,19 @@ def plain(argv: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
-def request(server: socket.socket, argv: list[str]) -> dict:
+def request(server: socket.socket, replies, argv: list[str]) -> dict:
     message = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     fds = array.array("i", [0, 1, 2])
     server.sendmsg([len(message).to_bytes(8, "big") + message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-    return read_reply(server)
+    return read_reply(replies)
 
 
-def read_reply(server: socket.socket) -> dict:
-    line = b""
-    while not line.endswith(b"\n"):
-        chunk = server.recv(4096)
-        if not chunk:
-            raise ConnectionError("the zygote closed the connection")
-        line += chunk
+def read_reply(replies) -> dict:
+    """The next reply line. ``replies`` is the socket's buffered reader: a child that exits at once has its
+    status sent right behind its pid, and both can arrive in one read."""
+    line = replies.readline()
+    if not line.endswith(b"\n"):
+        raise ConnectionError("the zygote closed the connection")
     return json.loads(line)
 
 
@@ -63,7 +62,8 @@ def main(argv: list[str]) -> None:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         server.connect(path)
-        reply = request(server, argv)
+        replies = server.makefile("rb")
+        reply = request(server, replies, argv)
     except OSError:
         plain(argv)
     if "pid" not in reply:
@@ -72,7 +72,7 @@ def main(argv: list[str]) -> None:
     for sig in FORWARDED:
         signal.signal(sig, lambda received, _frame: forward(child, received))
     try:
-        status = read_reply(server)["status"]
+        status = read_reply(replies)["status"]
     except ConnectionError:  # the server died: the child died with it
         os._exit(1)
     exit_like(status)

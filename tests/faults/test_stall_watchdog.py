@@ -50,8 +50,9 @@ def test_sigterm_during_a_stalled_save_ends_the_run_with_the_stacks(tmp_path):
     assert time.monotonic() - sent < 28, log[-4000:]  # before the launcher's SIGKILL (30 s)
     assert proc.returncode != 0 and log.count("exitcode : 3") == 2, log[-4000:]
     assert log.count("still running 8 s after SIGTERM (train.exit_signal_timeout_s=8)") == 2, log[-4000:]
-    assert "in maybe_finalize_async_calls" in log  # the rank's stuck frame: waiting for the writer
-    assert "in slowly" in log  # the writer's stuck frame, from its own stacks (dfm/platform/child_stacks.py)
+    stacks = log[log.find("still running 8 s after SIGTERM") :]  # a failure shows where the ranks were
+    assert "in maybe_finalize_async_calls" in log, stacks[-8000:]  # the rank's stuck frame: waiting for the writer
+    assert "in slowly" in log, stacks[-8000:]  # the writer's stuck frame, from its own stacks (child_stacks.py)
 
 
 def wait_for_stall(err, proc: subprocess.Popen, seconds: float = 300) -> None:
