@@ -62,6 +62,8 @@ DISTILL_TARGET_KEYS = (
     "distill.guidance_scale",
     "distill.regression_weight",
     "distill.regression_teacher_steps",
+    "distill.gan_student_weight",
+    "distill.gan_critic_weight",
 )
 # How it gets there: the re-noising law of both losses and the two-time-scale rule change the path, not the
 # distribution the student converges to, and the critic (trained every iteration, at that law) follows a
@@ -143,6 +145,7 @@ def compare_run_settings(common: dict, directory: Path, cfg: ConfigContainer | N
             "back to resume, or set checkpoint.allow_setting_changes=true to continue training with the new one"
         )
     refuse_distill_switch(saved, now, directory)
+    refuse_classifier_switch(saved, now, directory)
     distill_target, distill_schedule = distill_differences(saved, now, DISTILL_TARGET_KEYS, DISTILL_SCHEDULE_KEYS)
     if distill_target and not cfg.checkpoint.allow_setting_changes:
         raise CheckpointError(
@@ -180,6 +183,24 @@ def refuse_distill_switch(saved: dict, now: dict, directory: Path) -> None:
     )
 
 
+def has_classifier(config: dict) -> bool:
+    """Whether a distillation's critic carries the GAN classifier (``distill.gan_critic_weight`` > 0)."""
+    return distilling(config) and bool(value_at(config, "distill.gan_critic_weight"))
+
+
+def refuse_classifier_switch(saved: dict, now: dict, directory: Path) -> None:
+    """Raise when the GAN loss is on in one of the checkpoint and this run and off in the other: the critic's
+    classifier is there or it is not, whatever ``checkpoint.allow_setting_changes`` says."""
+    if not distilling(now) or has_classifier(saved) == has_classifier(now):
+        return
+    change = differences(saved, now, ("distill.gan_critic_weight",), resolved_distill)[0]
+    held = "holds a GAN classifier on its critic" if has_classifier(saved) else "holds no GAN classifier"
+    raise CheckpointError(
+        f"checkpoint {directory} {held} ({change}): the GAN loss stays on or off within a run. Set the weight "
+        f"back to resume, or start a new distillation from the teacher"
+    )
+
+
 def distill_differences(saved: dict, now: dict, *groups: tuple[str, ...]) -> tuple[list[str], ...]:
     """``differences`` of each group of ``distill.*`` keys; none when this run does not distil (its
     distill settings are unused)."""
@@ -188,9 +209,11 @@ def distill_differences(saved: dict, now: dict, *groups: tuple[str, ...]) -> tup
 
 def resolved_distill(config: dict, key: str, value: Any) -> Any:
     """The teacher's step count for the regression targets matters only where the regression is on
-    (checkpoints from before the key, which had it off, lack it)."""
+    (checkpoints from before the key, which had it off, lack it); a GAN weight a checkpoint lacks was 0."""
     if key == "distill.regression_teacher_steps" and not value_at(config, "distill.regression_weight"):
         return None
+    if key.startswith("distill.gan_") and value is None:  # saved before the GAN loss existed: it was off
+        return 0.0
     return value
 
 

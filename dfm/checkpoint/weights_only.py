@@ -25,6 +25,7 @@ from dfm.checkpoint.select import choose_checkpoint
 from dfm.checkpoint.state import WEIGHTS_ONLY, layout, model_sharded_state_dict
 from dfm.config.container import ModelConfig
 from dfm.config.peft import is_adapter_param
+from dfm.models.common.sample_classifier import is_classifier_param
 from dfm.parallel.fsdp_shards import install_main_weights
 
 logger = logging.getLogger("dfm.checkpoint")
@@ -48,8 +49,14 @@ def save_weights_only(root: str | Path, model_chunks, config_dict: dict, extra: 
 
 
 def base_weights(state: dict) -> dict:
-    """``state`` without LoRA adapters: what a pretrained (base) checkpoint provides."""
-    return {key: value for key, value in state.items() if not is_adapter_param(key)}
+    """``state`` without LoRA adapters and a critic's GAN classifier: what a pretrained (base) checkpoint provides."""
+    return {key: value for key, value in state.items() if not added_param(key)}
+
+
+def added_param(key: str) -> bool:
+    """A parameter a run adds to the pretrained model (LoRA adapters, dfm/peft; the GAN classifier of a
+    distillation's critic): not in a base checkpoint, it keeps its initialisation."""
+    return is_adapter_param(key) or is_classifier_param(key)
 
 
 def load_pretrained(path: str | Path, model, model_config: ModelConfig | None = None) -> Path:
@@ -78,9 +85,9 @@ def load_weights(directory: Path | None, modules: list, model_config: ModelConfi
     request = {f"model{index}": base_weights(model_sharded_state_dict(module)) for index, module in enumerate(modules)}
     loaded = dist_checkpointing.load(request, str(directory))
     for index, module in enumerate(modules):
-        # strict but for LoRA adapters (dfm/peft): a base checkpoint has none, they keep their init
+        # strict but for what a run adds (base_weights): a base checkpoint has none, they keep their init
         missing, unexpected = module.load_state_dict(loaded[f"model{index}"], strict=False)
-        if unexpected or [key for key in missing if not is_adapter_param(key)]:
+        if unexpected or [key for key in missing if not added_param(key)]:
             raise CheckpointError(
                 f"{directory} does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
             )

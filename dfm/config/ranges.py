@@ -159,6 +159,8 @@ RANGES: dict[str, Range] = {
     "distill.max_t": Range(0.0, 1.0, low_open=True),
     "distill.regression_weight": NON_NEGATIVE,
     "distill.regression_teacher_steps": COUNT,
+    "distill.gan_critic_weight": NON_NEGATIVE,
+    "distill.gan_student_weight": NON_NEGATIVE,
 }
 
 

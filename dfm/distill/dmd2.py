@@ -1,5 +1,5 @@
 """DMD2's losses for a flow-matching pipeline: distribution matching (student), fake score (critic),
-and the optional regression to teacher samples.
+and the optional regression to teacher samples and GAN loss (a classifier on the critic's features).
 
 Distribution matching (Yin et al. 2024, DMD eq. 7-8; DMD2 keeps it): re-noise the student's clean
 sample x0 to x_t, ask the teacher (real score, guided) and the critic (fake score, trained on the
@@ -21,9 +21,12 @@ must be trained where it is queried.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from dfm.diffusion.flow import FlowPipeline
@@ -155,3 +158,56 @@ def regression_loss(x0: Tensor, target: Tensor, packing: Packing) -> Tensor:
     paired regression, here in latent space: no LPIPS on latents). Weighted by ``regression_weight``."""
     squared = (at_least_fp32(x0) - at_least_fp32(target).detach()) ** 2
     return masked_mean_per_sample(squared, packing.sample_ids, packing.loss_mask, packing.num_samples)
+
+
+def classifier_logits(
+    pipe: FlowPipeline,
+    critic: Net,
+    x0: Tensor,
+    packing: Packing,
+    settings: DistillSettings,
+    conditioning: Conditioning | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """[N] fp32 the critic's GAN logits of ``x0 [S, *]`` re-noised at t ~ U[min_t, max_t] (drawn first, then
+    the noise), the levels the critic is trained at; the critic called with ``classify=True``."""
+    conditioning = conditioning or Conditioning()
+    level = renoising_levels(settings, packing.num_samples, generator).to(x0.device, at_least_fp32(x0).dtype)
+    x_in, c_noise = pipe.model_input(x0, fresh_noise(x0, generator), level, packing.sample_ids)
+    return critic(x_in, c_noise, classify=True, **conditioning.cond)
+
+
+def gan_critic_loss(fake_logits: Tensor, real_logits: Tensor) -> Tensor:
+    """[N] the classifier's logistic loss, softplus(-D(real)) + softplus(D(fake)) (DMD2's discriminator loss),
+    from ``classifier_logits`` of the student's samples (detached) and of the pack's data latents."""
+    return F.softplus(-real_logits) + F.softplus(fake_logits)
+
+
+def gan_student_loss(
+    pipe: FlowPipeline,
+    critic: Net,
+    x0: Tensor,
+    packing: Packing,
+    settings: DistillSettings,
+    conditioning: Conditioning | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """[N] softplus(-D(x0)), the non-saturating generator loss of the student's samples ``x0`` (with their
+    graph), through the critic, whose weights get no gradient from it."""
+    with weights_frozen(critic):
+        logits = classifier_logits(pipe, critic, x0, packing, settings, conditioning, generator)
+    return F.softplus(-logits)
+
+
+@contextmanager
+def weights_frozen(module: torch.nn.Module) -> Iterator[None]:
+    """``module``'s trainable parameters without ``requires_grad`` for the block: the graph built inside
+    reaches the inputs only (no weight gradients computed, none accumulated)."""
+    trainable = [param for param in module.parameters() if param.requires_grad]
+    for param in trainable:
+        param.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for param in trainable:
+            param.requires_grad_(True)

@@ -32,6 +32,12 @@ class DistillSettings:
     # Weight of the regression loss against teacher samples from the same noise (DMD's paired loss;
     # DMD2 drops it). 0: off.
     regression_weight: float = 0.0
+    # DMD2's GAN loss: a classifier on the critic's last hidden states, pooled per sample, tells the pack's
+    # real latents from the student's samples, both re-noised (dfm/distill/classifier.py). The critic's
+    # step adds ``gan_critic_weight`` times its loss, the student's ``gan_student_weight`` times the
+    # non-saturating generator loss through the critic. 0 and 0: off (no classifier is built).
+    gan_critic_weight: float = 0.0
+    gan_student_weight: float = 0.0
 
     def __post_init__(self) -> None:
         steps = self.student_timesteps
@@ -45,6 +51,21 @@ class DistillSettings:
             raise ValueError(f"need 0 < distill.min_t < distill.max_t <= 1, got {self.min_t}, {self.max_t}")
         if self.regression_weight < 0:
             raise ValueError(f"distill.regression_weight must be >= 0, got {self.regression_weight}")
+        if self.gan_critic_weight < 0 or self.gan_student_weight < 0:
+            raise ValueError(
+                f"distill.gan_critic_weight and distill.gan_student_weight must be >= 0, got "
+                f"{self.gan_critic_weight}, {self.gan_student_weight}"
+            )
+        if self.gan_student_weight > 0 and self.gan_critic_weight == 0:
+            raise ValueError(
+                f"distill.gan_student_weight={self.gan_student_weight} needs distill.gan_critic_weight > 0: "
+                "the classifier it reads is trained by the critic's GAN loss"
+            )
+
+    @property
+    def gan(self) -> bool:
+        """Whether the GAN loss is on (the critic then carries a classifier)."""
+        return self.gan_critic_weight > 0
 
     def updates_student(self, iteration: int) -> bool:
         """Whether ``iteration`` (counted from 0) also updates the student; every one updates the critic."""

@@ -73,7 +73,8 @@ def build_distillation(
     load) and the loop's hook (``DistillPlayers``) over them and the teacher."""
     student, tconfig = build_model(cfg, layout, device)
     optimizer, scheduler = build_optimizer(cfg, student, tconfig)
-    critic, critic_tconfig = build_model(cfg, layout, device)  # its own TransformerConfig: its own grad hooks
+    # Its own TransformerConfig: its own grad hooks. With the GAN loss on, it carries the classifier.
+    critic, critic_tconfig = build_model(cfg, layout, device, classifier=cfg.distill.settings().gan)
     critic_optimizer, critic_scheduler = build_optimizer(cfg, critic, critic_tconfig)
     companion = Companion(critic, critic_optimizer, critic_scheduler)
     state = TrainingState(student, optimizer, scheduler, loader, companions={CRITIC: companion})
@@ -122,9 +123,13 @@ class DistillPlayers:
         critic_loss, _ = reduce_loss_and_tokens(outcome.critic.losses, loop.device)
         student_iteration, student = self.last_student or (None, None)
         student_loss = reduce_loss_and_tokens(student.losses, loop.device)[0] if student is not None else None
-        regression = None
+        regression = student_gan = critic_gan = None
         if student is not None and self.settings.regression_weight > 0:
-            regression = self.regression_loss(student.losses, loop.device)
+            regression = self.mean_over_packs(student.losses, "regression", loop.device)
+        if student is not None and self.settings.gan_student_weight > 0:
+            student_gan = self.mean_over_packs(student.losses, "gan", loop.device)
+        if self.settings.gan:
+            critic_gan = self.mean_over_packs(outcome.critic.losses, "gan", loop.device)
         collapse = torch.stack([item["collapse"] for item in outcome.critic.losses]).nanmean(0).tolist()
         if loop.device.type == "cuda":
             torch.cuda.synchronize()
@@ -137,6 +142,8 @@ class DistillPlayers:
             "student_loss": student_loss,
             "student_iteration": student_iteration,
             "student_regression_loss": regression,
+            "student_gan_loss": student_gan,
+            "critic_gan_loss": critic_gan,
             "critic_grad_norm": finite_or_none(outcome.critic.grad_norm),
             "student_grad_norm": finite_or_none(student.grad_norm) if student is not None else None,
             "critic_lr": loop.state.companions[CRITIC].optimizer.param_groups[0]["lr"],
@@ -145,13 +152,14 @@ class DistillPlayers:
         }
 
     @staticmethod
-    def regression_loss(losses: list[dict], device: torch.device) -> float | None:
-        """The student step's regression loss (unweighted): the mean over the packs it applied to, over
-        micro-batches and DP ranks; None where it applied to none. A collective: every rank calls it."""
+    def mean_over_packs(losses: list[dict], key: str, device: torch.device) -> float | None:
+        """A step's logged loss term ``key`` (the regression, a GAN loss; unweighted): the mean over the packs
+        it applied to, over micro-batches and DP ranks; None where it applied to none. A collective: every
+        rank calls it."""
         stats = torch.zeros(2, device=device)  # sum of the packs' means, packs
         if is_loss_reporting_rank():
             for item in losses:
-                stats += item["regression"].to(device)
+                stats += item[key].to(device)
         torch.distributed.all_reduce(stats)
         return (stats[0] / stats[1]).item() if stats[1] > 0 else None
 
@@ -162,6 +170,9 @@ class DistillPlayers:
             f"iter {r['iteration']:>6}/{r['train_iters']} | critic loss {fmt(r['critic_loss'])} | "
             f"student loss {fmt(r['student_loss'])} (iter {fmt(r['student_iteration'])}) | "
             + ("" if regression is None else f"regression {fmt(regression)} | ")
+            + ("" if r.get("critic_gan_loss") is None else f"gan critic {fmt(r['critic_gan_loss'])} ")
+            + ("" if r.get("student_gan_loss") is None else f"student {fmt(r['student_gan_loss'])} ")
+            + ("" if r.get("critic_gan_loss") is None else "| ")
             + f"grad norm critic {fmt(r['critic_grad_norm'])} student {fmt(r['student_grad_norm'])} | "
             f"lr critic {r['critic_lr']:.3g} student {r['student_lr']:.3g} | skipped {r['skipped_iterations']} | "
             f"{r['step_time_s'] * 1000:.0f} ms/it | {fmt(r['tokens_per_sec_per_gpu'])} tok/s/gpu | collapse "

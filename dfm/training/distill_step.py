@@ -1,6 +1,7 @@
 """The megatron ``forward_step_func``s of a DMD2 distillation (docs/distillation.md): the critic's flow-matching
 loss on detached student samples, and the student's distribution-matching loss with backward simulation (plus,
-with ``distill.regression_weight`` > 0, DMD's regression onto the teacher's ODE sample from the same noise).
+with ``distill.regression_weight`` > 0, DMD's regression onto the teacher's ODE sample from the same noise; with
+the GAN weights > 0, DMD2's classifier loss in the critic's step and the generator loss in the student's).
 
 Each network is called as the flow pipeline calls a model, ``net(x_in [S, D], c_noise [N], batch=pack)``: the
 DDP-wrapped student and critic, the unwrapped frozen teacher. One pipeline stage (the distill config refuses
@@ -27,9 +28,12 @@ from dfm.distill import (
     DistillSettings,
     Packing,
     ScoreNets,
+    classifier_logits,
     collapse_statistics,
     critic_loss,
     distribution_matching_loss,
+    gan_critic_loss,
+    gan_student_loss,
     generate_student_sample,
     regression_loss,
 )
@@ -65,6 +69,12 @@ def conditioning(batch: PackedBatch, guidance_scale: float) -> Conditioning:
     pooled = None if batch.pooled_text is None else torch.zeros_like(batch.pooled_text)
     context = null_dropped_context(batch.context, batch.cu_seqlens_kv_padded, dropped)
     return Conditioning({"batch": batch}, {"batch": dataclasses.replace(batch, context=context, pooled_text=pooled)})
+
+
+def mean_and_count(per_sample: torch.Tensor) -> torch.Tensor:
+    """[2] fp32: a pack's mean of a logged loss term and 1 (the count ``DistillPlayers.mean_over_packs`` divides by)."""
+    mean = per_sample.detach().float().mean()
+    return torch.stack([mean, torch.ones_like(mean)])
 
 
 def collapse_figures(x0: torch.Tensor, batch: PackedBatch, packing: Packing) -> torch.Tensor:
@@ -122,13 +132,18 @@ class DistillForwardStep:
         matching = distribution_matching_loss(self.pipeline, scores, sample.x0, packing, self.settings, cond, generator)
         per_sample = matching.loss / matching.elements
         extra = {}
+        if self.settings.gan_student_weight > 0:
+            gan = gan_student_loss(
+                self.pipeline, self.players.critic, sample.x0, packing, self.settings, cond, generator
+            )
+            per_sample = per_sample + self.settings.gan_student_weight * gan
+            extra["gan"] = mean_and_count(gan)
         if self.settings.regression_weight > 0:
             regression = self.regression(sample, noise, packing, cond)
             extra["regression"] = torch.zeros(2, device=per_sample.device)
             if regression is not None:
                 per_sample = per_sample + self.settings.regression_weight * regression
-                mean = regression.detach().float().mean()
-                extra["regression"] = torch.stack([mean, torch.ones_like(mean)])
+                extra["regression"] = mean_and_count(regression)
         return per_sample, partial(self.reduce, batch, extra)
 
     def regression(self, sample: StudentSample, noise, packing, cond) -> torch.Tensor | None:
@@ -149,11 +164,20 @@ class DistillForwardStep:
         return self.pipeline.sample(self.players.teacher, noise, packing.sample_ids, options, cond.cond, cond.uncond)
 
     def critic_loss(self, critic, batch, packing, noise, generator, cond):
-        """The critic's flow-matching loss on a student sample made without grad, and that sample's collapse figures."""
+        """The critic's flow-matching loss on a student sample made without grad (plus, with the GAN loss on, the
+        classifier's loss on that sample against the pack's data latents), and that sample's collapse figures."""
         with torch.no_grad():
             sample = self.student_sample(self.players.student, noise, packing, generator, cond)
         per_sample = critic_loss(self.pipeline, critic, sample.x0, packing, self.settings, cond, generator)
         extra = {"collapse": collapse_figures(sample.x0.detach(), batch, packing)}
+        if self.settings.gan:
+            fake, real = (
+                classifier_logits(self.pipeline, critic, x0.detach(), packing, self.settings, cond, generator)
+                for x0 in (sample.x0, batch.latents)
+            )
+            gan = gan_critic_loss(fake, real)
+            per_sample = per_sample + self.settings.gan_critic_weight * gan
+            extra["gan"] = mean_and_count(gan)
         return per_sample, partial(self.reduce, batch, extra)
 
     def student_sample(self, student, noise, packing, generator, cond) -> StudentSample:

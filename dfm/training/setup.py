@@ -16,6 +16,7 @@ from dfm.config.container import ConfigContainer
 from dfm.config.validate import micro_batches_per_step
 from dfm.models.build import build_meta_chunk, build_model_chunk
 from dfm.models.common.materialise import defer_to_fsdp, init_fsdp_shards
+from dfm.models.common.sample_classifier import add_classifier
 from dfm.parallel.layout import ParallelLayout
 from dfm.platform.optimizer_steps import step_parameters_together
 from dfm.training.buffer_grads import accumulate_into_buffers, skip_sync_alone
@@ -33,10 +34,13 @@ def num_microbatches(cfg: ConfigContainer, layout: ParallelLayout) -> int:
     return micro_batches_per_step(cfg.train, layout)
 
 
-def build_model(cfg: ConfigContainer, layout: ParallelLayout, device: torch.device) -> tuple[list[Any], Any]:
+def build_model(
+    cfg: ConfigContainer, layout: ParallelLayout, device: torch.device, classifier: bool = False
+) -> tuple[list[Any], Any]:
     """Wrapped model chunks on ``device`` (DDP, or Megatron-FSDP with ``ddp.use_megatron_fsdp``) and
     the megatron TransformerConfig they share. Built on the meta device: a rank only ever allocates
-    and initialises what it owns (its TP/PP-local parameters, under FSDP its rows of them)."""
+    and initialises what it owns (its TP/PP-local parameters, under FSDP its rows of them).
+    ``classifier``: with a GAN classifier (a distillation's critic; DDP only, the config refuses FSDP)."""
     ddp_config = megatron_ddp_config(cfg, device)
     if cfg.ddp.use_megatron_fsdp:
         return fully_sharded_chunks(cfg, layout, ddp_config, device)
@@ -53,7 +57,10 @@ def build_model(cfg: ConfigContainer, layout: ParallelLayout, device: torch.devi
             device,
             params_dtype_everywhere=True,
         )
-        chunks.append(with_adapters(chunk, cfg))
+        chunk = with_adapters(chunk, cfg)
+        if classifier:
+            chunk = add_classifier(chunk, cfg.rng.seed, cfg.model.init_method_std)
+        chunks.append(chunk)
     wrapped = [
         DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)

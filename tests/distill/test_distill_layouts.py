@@ -4,8 +4,10 @@ TP=2 with sequence parallelism, CP=2, DP=2 with the distributed optimizer and DP
 players' losses and gradient norms against the one-process run's. And checkpoints of both players resume: the
 one-process run's at TP=2, the FSDP run's under FSDP, to the one-process losses. With the regression loss on (a
 1-step student regressed onto the teacher's ODE samples, test_distill_run.py ``REGRESSION``), TP=2 with SP and
-DP=2 under Megatron-FSDP against its one-process run, the regression loss included. (PP is refused at start-up:
-test_distill_run.py.)"""
+DP=2 under Megatron-FSDP against its one-process run, the regression loss included. With DMD2's GAN loss on
+(test_distill_run.py ``GAN``), TP=2 with SP, CP=2 and DP=2 with the distributed optimizer against its one-process
+run, both GAN losses included, and the one-process GAN checkpoint resumed at CP=2 (the critic's classifier with
+it). (PP is refused at start-up, and the GAN loss under Megatron-FSDP: test_distill_run.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import math
 
 import pytest
 
-from tests.distill.test_distill_run import FLOW, REGRESSION, distill_overrides
+from tests.distill.test_distill_run import FLOW, GAN, REGRESSION, distill_overrides
 from tests.parallel.equivalence import DIST_OPT, FSDP
 from tests.training.entry import read_metrics, run_in_one_launch
 
@@ -27,8 +29,11 @@ LAYOUTS = {
 RESUMES = {"resumed_tp2_sp": ("tp2_sp", "one_ckpt"), "resumed_dp2_fsdp": ("dp2_fsdp", "fsdp_ckpt")}
 # The layouts run again with the regression loss on, against one process with it on.
 REGRESSION_LAYOUTS = ("tp2_sp", "dp2_fsdp")
+# The layouts run again with the GAN loss on (its classifier pools over the gathered tokens under CP and SP).
+GAN_LAYOUTS = ("tp2_sp", "cp2", "dp2_distopt")
 KEYS = ("critic_loss", "critic_grad_norm", "student_loss", "student_grad_norm")
 REGRESSION_KEYS = (*KEYS, "student_regression_loss")
+GAN_KEYS = (*KEYS, "critic_gan_loss", "student_gan_loss")
 # Losses come out equal; the gradient norms' sums run in another order across ranks (measured: <= 1.4e-7 relative).
 REL = 1e-6
 # The regression loss is a mean of squared differences of two fp32 samples near 1: at the student's first step
@@ -44,7 +49,9 @@ def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
     teach = [*FLOW, "train.train_iters=2", f"checkpoint.save={teacher}", f"logger.log_dir={tmp / 'teacher_logs'}"]
     one = [*distill_overrides(teacher), f"checkpoint.save={save}", "checkpoint.save_interval=2"]
     one_regression = [*distill_overrides(teacher), *REGRESSION, f"logger.log_dir={tmp / 'one_regression'}"]
-    run_in_one_launch(1, [teach, [*one, f"logger.log_dir={tmp / 'one'}"], one_regression], tmp / "launch1")
+    gan_save = [f"checkpoint.save={tmp / 'gan_ckpt'}", "checkpoint.save_interval=2"]
+    one_gan = [*distill_overrides(teacher), *GAN, *gan_save, f"logger.log_dir={tmp / 'one_gan'}"]
+    run_in_one_launch(1, [teach, [*one, f"logger.log_dir={tmp / 'one'}"], one_regression, one_gan], tmp / "launch1")
     layouts = [[*distill_overrides(teacher), *extra, f"logger.log_dir={tmp / name}"] for name, extra in LAYOUTS.items()]
     layouts[list(LAYOUTS).index("dp2_fsdp")] += [f"checkpoint.save={tmp / 'fsdp_ckpt'}", "checkpoint.save_interval=2"]
     resumed = [
@@ -60,9 +67,29 @@ def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
         [*distill_overrides(teacher), *REGRESSION, *LAYOUTS[name], f"logger.log_dir={tmp / f'{name}_regression'}"]
         for name in REGRESSION_LAYOUTS
     ]
+    gan = [
+        [*distill_overrides(teacher), *GAN, *LAYOUTS[name], f"logger.log_dir={tmp / f'{name}_gan'}"]
+        for name in GAN_LAYOUTS
+    ]
+    gan_resumed = [
+        *distill_overrides(teacher),
+        *GAN,
+        *LAYOUTS["cp2"],
+        f"checkpoint.load={tmp / 'gan_ckpt'}/iter_0000002",
+        f"logger.log_dir={tmp / 'resumed_cp2_gan'}",
+    ]
     # the FSDP resume after the run that saves it
-    run_in_one_launch(2, [*layouts, *resumed, *regression], tmp / "launch2")
-    names = ("one", *LAYOUTS, *RESUMES, "one_regression", *(f"{name}_regression" for name in REGRESSION_LAYOUTS))
+    run_in_one_launch(2, [*layouts, *resumed, *regression, *gan, gan_resumed], tmp / "launch2")
+    names = (
+        "one",
+        *LAYOUTS,
+        *RESUMES,
+        "one_regression",
+        *(f"{name}_regression" for name in REGRESSION_LAYOUTS),
+        "one_gan",
+        *(f"{name}_gan" for name in GAN_LAYOUTS),
+        "resumed_cp2_gan",
+    )
     return {name: {r["iteration"]: r for r in read_metrics(tmp / name)} for name in names}
 
 
@@ -100,3 +127,24 @@ def test_layout_regresses_like_one_process(runs, layout):
     assert sorted(runs[f"{layout}_regression"]) == [1, 2, 3, 4]
     assert one[4]["student_regression_loss"] is not None and one[4]["student_regression_loss"] > 0
     assert_close(runs[f"{layout}_regression"], one, f"{layout} with regression", REGRESSION_KEYS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", GAN_LAYOUTS)
+def test_layout_trains_the_gan_like_one_process(runs, layout):
+    one = runs["one_gan"]
+    assert sorted(runs[f"{layout}_gan"]) == [1, 2, 3, 4]
+    assert one[4]["student_gan_loss"] is not None and one[1]["critic_gan_loss"] > 0
+    assert_close(runs[f"{layout}_gan"], one, f"{layout} with the GAN loss", GAN_KEYS)
+
+
+@pytest.mark.slow
+def test_gan_checkpoint_resumes_at_another_layout(runs):
+    resumed = runs["resumed_cp2_gan"]
+    assert sorted(resumed) == [3, 4]
+    assert_close(
+        resumed,
+        runs["one_gan"],
+        "GAN resumed at CP=2",
+        lambda i: GAN_KEYS if i == 4 else (*GAN_KEYS[:2], "critic_gan_loss"),
+    )

@@ -26,6 +26,8 @@ FLOW = ["model.pipeline=flow"]
 DISTILL = [*FLOW, "distill.enabled=true", "distill.critic_steps=2", "distill.guidance_scale=2", "train.train_iters=4"]
 # A 1-step student (its every pack regresses) with DMD's regression onto 3-step teacher samples.
 REGRESSION = ["distill.student_timesteps=[1.0]", "distill.regression_weight=0.5", "distill.regression_teacher_steps=3"]
+# DMD2's GAN loss: the critic's classifier trained at weight 0.5, the student's generator loss at 0.2.
+GAN = ["distill.gan_critic_weight=0.5", "distill.gan_student_weight=0.2"]
 
 
 def distill_overrides(teacher: Path) -> list[str]:
@@ -39,14 +41,14 @@ def runs(tmp_path_factory):
     teacher, save = tmp / "teacher", tmp / "distill"
     teach = [*FLOW, "train.train_iters=2", f"checkpoint.save={teacher}", f"logger.log_dir={tmp / 'teacher_logs'}"]
     runs = [teach]
-    for prefix, extra in (("", []), ("regression_", REGRESSION)):
+    for prefix, extra in (("", []), ("regression_", REGRESSION), ("gan_", GAN)):
         save = tmp / f"{prefix}distill"
         straight = [*distill_overrides(teacher), *extra, f"checkpoint.save={save}", "checkpoint.save_interval=2"]
         resumed = [*distill_overrides(teacher), *extra, f"checkpoint.load={save}/iter_0000002"]
         runs += [[*straight, f"logger.log_dir={tmp / f'{prefix}straight'}"]]
         runs += [[*resumed, f"logger.log_dir={tmp / f'{prefix}resumed'}"]]
     run_in_one_launch(1, runs, tmp / "launch")
-    names = ("straight", "resumed", "regression_straight", "regression_resumed")
+    names = tuple(f"{prefix}{run}" for prefix in ("", "regression_", "gan_") for run in ("straight", "resumed"))
     records = {name: {r["iteration"]: r for r in read_metrics(tmp / name)} for name in names}
     return teacher, records
 
@@ -68,13 +70,14 @@ def test_both_players_losses_are_finite_and_logged(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prefix", ["", "regression_"])
+@pytest.mark.parametrize("prefix", ["", "regression_", "gan_"])
 def test_resume_is_exact(runs, prefix):
+    """The GAN run's checkpoint holds the critic's classifier: resumed, its losses go on bitwise too."""
     _, records = runs
     straight, resumed = records[f"{prefix}straight"], records[f"{prefix}resumed"]
     assert sorted(resumed) == [3, 4]
-    keys = ("critic_loss", "critic_grad_norm", "collapse_diversity")
-    student_keys = ("student_loss", "student_grad_norm", "student_regression_loss")
+    keys = ("critic_loss", "critic_grad_norm", "collapse_diversity", "critic_gan_loss")
+    student_keys = ("student_loss", "student_grad_norm", "student_regression_loss", "student_gan_loss")
     for iteration in resumed:
         for key in keys:
             assert resumed[iteration][key] == straight[iteration][key], (key, iteration)  # bitwise on CPU
@@ -97,6 +100,26 @@ def test_the_regression_loss_is_logged_with_the_students_step(runs):
             record["student_regression_loss"] > 0 and record["student_loss"] >= 0.5 * record["student_regression_loss"]
         )
     assert all(math.isfinite(regression[i]["critic_loss"]) for i in regression)
+
+
+@pytest.mark.slow
+def test_the_gan_losses_are_logged_with_each_players_step(runs):
+    """Off (the default): null on every line. On: the critic's classifier loss on every line, the student's
+    generator loss from its first step on (carried until the next); each is part of its player's loss. At
+    the start the classifier knows nothing: its loss is near 2 log 2 (logits near 0), the student's near log 2."""
+    _, records = runs
+    assert all(r["critic_gan_loss"] is None and r["student_gan_loss"] is None for r in records["straight"].values())
+    gan = records["gan_straight"]
+    assert [gan[i]["student_gan_loss"] is None for i in (1, 2, 3, 4)] == [True, False, False, False]
+    assert gan[3]["student_gan_loss"] == gan[2]["student_gan_loss"]
+    assert math.isclose(gan[1]["critic_gan_loss"], 2 * math.log(2), rel_tol=0.1), gan[1]
+    assert math.isclose(gan[2]["student_gan_loss"], math.log(2), rel_tol=0.2), gan[2]
+    for iteration, record in gan.items():
+        assert record["critic_loss"] > 0.5 * record["critic_gan_loss"], record  # flow loss (> 0) + 0.5 x GAN
+        if iteration in (2, 4):
+            assert record["student_loss"] >= 0.2 * record["student_gan_loss"], record
+    # the same draws but for the GAN's: the critic's first step differs from the plain run's by the GAN term
+    assert gan[1]["critic_loss"] != records["straight"][1]["critic_loss"]
 
 
 @pytest.mark.slow
@@ -156,6 +179,12 @@ def test_teacher_is_frozen_and_the_players_learn(runs, tmp_path):
 def test_distillation_refuses_what_it_cannot_run_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"distill.enabled=true .*: {key}="):
         build_config(None, str(TINY), ["distill.enabled=true", *overrides], world_size=2)
+
+
+def test_the_gan_loss_is_refused_under_megatron_fsdp():
+    overrides = ["distill.enabled=true", *FLOW, "checkpoint.pretrained=x", "ddp.use_megatron_fsdp=true", *GAN]
+    with pytest.raises(ConfigError, match="gan_critic_weight > 0.*ddp.use_megatron_fsdp=True"):
+        build_config(None, str(TINY), overrides, world_size=2)
 
 
 def test_distillation_is_accepted_under_megatron_fsdp():

@@ -343,6 +343,8 @@ def test_regression_loss_is_a_masked_mean_squared_distance():
         ({"min_t": 0.0}, "min_t"),
         ({"min_t": 0.5, "max_t": 0.4}, "min_t"),
         ({"regression_weight": -1.0}, "regression_weight"),
+        ({"gan_critic_weight": -1.0}, "gan_critic_weight"),
+        ({"gan_student_weight": 0.1}, "gan_student_weight=0.1 needs distill.gan_critic_weight > 0"),
     ],
 )
 def test_settings_refuse_what_cannot_work(fields, message):

@@ -194,6 +194,31 @@ def test_a_changed_distillation_target_is_refused_naming_the_key(tmp_path, caplo
     assert f"{change}: the new value applies from here on" in caplog.text
 
 
+def gan_on() -> ConfigContainer:
+    cfg = distilling()
+    cfg.distill.gan_critic_weight, cfg.distill.gan_student_weight = 0.3, 0.1
+    return cfg
+
+
+def test_switching_the_gan_loss_on_or_off_is_refused_either_way(tmp_path):
+    """The critic's classifier is in the checkpoint or it is not: no allow_setting_changes gets round that.
+    A checkpoint from before the GAN keys had it off."""
+    for saved, now, held in ((gan_on(), distilling(), "holds a GAN classifier"), (distilling(), gan_on(), "holds no")):
+        now.checkpoint.allow_setting_changes = True
+        with pytest.raises(CheckpointError, match=f"{held}.*distill.gan_critic_weight: checkpoint"):
+            compare_run_settings({"config": config_to_dict(saved)}, tmp_path, now, "mock")
+    before_the_keys = config_to_dict(distilling())
+    for key in ("gan_critic_weight", "gan_student_weight"):
+        del before_the_keys["distill"][key]
+    assert compare_run_settings({"config": before_the_keys}, tmp_path, distilling(), "mock").data_position
+    with pytest.raises(CheckpointError, match="holds no GAN classifier"):
+        compare_run_settings({"config": before_the_keys}, tmp_path, gan_on(), "mock")
+    weaker = gan_on()  # the classifier stays: another weight is another target, refused like the others
+    weaker.distill.gan_student_weight = 0.05
+    with pytest.raises(CheckpointError, match=re.escape("distill.gan_student_weight: checkpoint 0.1, this run 0.05")):
+        compare_run_settings({"config": config_to_dict(gan_on())}, tmp_path, weaker, "mock")
+
+
 def test_the_regression_teachers_steps_count_only_where_the_regression_is_on(tmp_path):
     """Its targets change with the teacher's step count: refused like the other targets while the
     regression is on; ignored while it is off, and absent from checkpoints made before the key."""

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from dfm.data.packed_batch import PackedBatch
 from dfm.models.common.param_names import global_param_name
 from dfm.models.common.recompute import forward_layers, layer_runs
+from dfm.models.common.sample_classifier import CLASSIFIER
 from dfm.parallel.layout import layout_of
 from dfm.parallel.sequence_split import SequenceSplit
 
@@ -126,9 +127,17 @@ class PackedDiffusionModel(MegatronModule):
         """Local parameter name -> its name in the whole (unpipelined, one expert rank) model."""
         return global_param_name(name, self.layer_offset, self.config.num_moe_experts)
 
-    def forward(self, x_in: Tensor, noise_level: Tensor, batch: PackedBatch, extra: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x_in: Tensor,
+        noise_level: Tensor,
+        batch: PackedBatch,
+        extra: Tensor | None = None,
+        classify: bool = False,
+    ) -> Tensor:
         """Under context parallelism each rank runs its share of the tokens (``split``) and the
-        output is gathered: every CP rank returns the whole [S, D]."""
+        output is gathered: every CP rank returns the whole [S, D]. ``classify``: the GAN classifier's
+        logits [N] instead (a distillation's critic, sample_classifier.py)."""
         split = self.layout.pack_split(batch)
         token_ids = split.local(self.conditioning_rows(batch))
         inputs = self.pack_inputs(batch, split, self.condition(noise_level, batch, extra), token_ids)
@@ -136,9 +145,25 @@ class PackedDiffusionModel(MegatronModule):
         hidden = self.run_layers(hidden, inputs)
         if not self.post_process:
             return hidden
+        if classify:
+            return self.classify(hidden, inputs, batch, split)
         out = self.head_output(hidden, inputs, token_ids)
         # The loss is computed on the gathered output by every CP rank alike: keep own rows' grads.
         return split.gather(out, grad_is_partial=False)
+
+    def classify(self, hidden: Tensor, inputs, batch: PackedBatch, split: SequenceSplit) -> Tensor:
+        """The last block's hidden -> the GAN classifier's logits [N], from every latent token of the pack
+        (gathered over CP like the output: each rank keeps its own tokens' gradient, and 1 / CP of the
+        classifier's own)."""
+        features = split.gather(self.latent_hidden(hidden, inputs), grad_is_partial=False)[:, 0]
+        classifier = getattr(self, CLASSIFIER)
+        ids, mask = batch.token_sample_ids(), batch.loss_mask
+        return classifier(features, ids, mask, batch.num_samples, grad_share=1.0 / split.size)
+
+    def latent_hidden(self, hidden: Tensor, inputs) -> Tensor:
+        """The last block's hidden (this SP rank's share) -> this CP rank's latent tokens [s, 1, h]
+        (a family whose sequence also holds text tokens drops them)."""
+        return self.gather_sequence(hidden)
 
     def run_layers(self, hidden: Tensor, inputs) -> Tensor:
         """hidden [s, b, h] through this stage's blocks (recomputed as the config says)."""

@@ -126,7 +126,7 @@ class DiTModel(PackedDiffusionModel):
         return hidden.unsqueeze(1)
 
     def head_output(self, hidden: Tensor, inputs: PackInputs, token_ids: Tensor) -> Tensor:
-        hidden = self.gather_sequence(hidden)
+        hidden = self.latent_hidden(hidden, inputs)
         return self.final_layer(hidden, inputs.cond, token_ids, inputs.tokens_per_sample)[:, 0, : self.patch_dim]
 
     def pack_inputs(

@@ -87,8 +87,11 @@ class FluxModel(PackedDiffusionModel):
         return torch.cat([self.scatter_sequence(text), self.scatter_sequence(image)])
 
     def head_output(self, hidden: Tensor, inputs: FluxPackInputs, token_ids: Tensor) -> Tensor:
-        image = self.gather_sequence(hidden[inputs.num_text :])
-        return self.final_layer(image, inputs.cond, token_ids)[:, 0]
+        return self.final_layer(self.latent_hidden(hidden, inputs), inputs.cond, token_ids)[:, 0]
+
+    def latent_hidden(self, hidden: Tensor, inputs: FluxPackInputs) -> Tensor:
+        """The image tokens (the sequence's second part), gathered over SP."""
+        return self.gather_sequence(hidden[inputs.num_text :])
 
     def pack_inputs(
         self, batch: PackedBatch, split: SequenceSplit, cond: Tensor, token_ids: Tensor | None = None

@@ -5,6 +5,7 @@
         [--grid samples.png]
     python -m digits.distill --clips 500 --out_dir outputs/digits_distill_clips --students 4-step ...
     python -m digits.distill --students 1-step --regression_weight 1 ...   # with DMD's regression loss
+    python -m digits.distill --students 1-step --gan_critic_weight 0.3 --gan_student_weight 0.1 ...  # DMD2's GAN
 
 The teacher is trained as the CI test trains its flow model (conf/digits_tiny.yaml, or reused when
 OUT_DIR/teacher already holds it) and scored at 12 Euler steps with guidance 3: its accuracy is A.
@@ -59,6 +60,9 @@ class DistillRun:
     # DMD's regression onto the teacher's guided Euler samples from the student's noise (0: off)
     regression_weight: float = 0.0
     regression_teacher_steps: int = 12  # TEACHER_SAMPLING's steps
+    # DMD2's GAN loss: the critic's classifier loss and the student's generator loss (0 and 0: off)
+    gan_critic_weight: float = 0.0
+    gan_student_weight: float = 0.0
     config: str = str(CI_CONFIG)  # the teacher's and the students' (clips: CLIP_CONFIG)
 
     def overrides(self, teacher: Path, timesteps: Sequence[float]) -> list[str]:
@@ -72,6 +76,8 @@ class DistillRun:
             f"distill.critic_steps={self.critic_steps}",
             f"distill.regression_weight={self.regression_weight}",
             f"distill.regression_teacher_steps={self.regression_teacher_steps}",
+            f"distill.gan_critic_weight={self.gan_critic_weight}",
+            f"distill.gan_student_weight={self.gan_student_weight}",
             f"optimizer.lr={self.lr}",
             f"train.train_iters={self.iterations}",
             f"checkpoint.save_interval={self.save_interval}",
