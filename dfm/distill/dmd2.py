@@ -133,6 +133,17 @@ def distribution_matching_loss(
     return DistributionMatching(loss, gradient, level, real_elements(packing, x0))
 
 
+def renoised_input(
+    pipe: FlowPipeline, x0: Tensor, packing: Packing, settings: DistillSettings, generator: torch.Generator | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``x0 [S, *]`` re-noised at t ~ U[min_t, max_t] (drawn first, then the noise) as a model's input ->
+    (x_in [S, *], c_noise [N], noise [S, *], level [N])."""
+    level = renoising_levels(settings, packing.num_samples, generator).to(x0.device, at_least_fp32(x0).dtype)
+    noise = fresh_noise(x0, generator)
+    x_in, c_noise = pipe.model_input(x0, noise, level, packing.sample_ids)
+    return x_in, c_noise, noise, level
+
+
 def critic_loss(
     pipe: FlowPipeline,
     critic: Net,
@@ -146,9 +157,7 @@ def critic_loss(
     update leaves the student alone), at the re-noising times of ``distribution_matching_loss``."""
     conditioning = conditioning or Conditioning()
     x0 = x0.detach()
-    level = renoising_levels(settings, packing.num_samples, generator).to(x0.device, at_least_fp32(x0).dtype)
-    noise = fresh_noise(x0, generator)
-    x_in, c_noise = pipe.model_input(x0, noise, level, packing.sample_ids)
+    x_in, c_noise, noise, level = renoised_input(pipe, x0, packing, settings, generator)
     raw_out = critic(x_in, c_noise, **conditioning.cond)
     return pipe.training_loss(raw_out, x0, noise, level, packing.sample_ids, packing.loss_mask)
 
@@ -172,8 +181,7 @@ def classifier_logits(
     """[N] fp32 the critic's GAN logits of ``x0 [S, *]`` re-noised at t ~ U[min_t, max_t] (drawn first, then
     the noise), the levels the critic is trained at; the critic called with ``classify=True``."""
     conditioning = conditioning or Conditioning()
-    level = renoising_levels(settings, packing.num_samples, generator).to(x0.device, at_least_fp32(x0).dtype)
-    x_in, c_noise = pipe.model_input(x0, fresh_noise(x0, generator), level, packing.sample_ids)
+    x_in, c_noise, _, _ = renoised_input(pipe, x0, packing, settings, generator)
     return critic(x_in, c_noise, classify=True, **conditioning.cond)
 
 

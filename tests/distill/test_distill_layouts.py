@@ -34,6 +34,7 @@ GAN_LAYOUTS = ("tp2_sp", "cp2", "dp2_distopt")
 KEYS = ("critic_loss", "critic_grad_norm", "student_loss", "student_grad_norm")
 REGRESSION_KEYS = (*KEYS, "student_regression_loss")
 GAN_KEYS = (*KEYS, "critic_gan_loss", "student_gan_loss")
+EXTRA_KEYS = {"regression": REGRESSION_KEYS, "gan": GAN_KEYS}
 # Losses come out equal; the gradient norms' sums run in another order across ranks (measured: <= 1.4e-7 relative).
 REL = 1e-6
 # The regression loss is a mean of squared differences of two fp32 samples near 1: at the student's first step
@@ -63,14 +64,14 @@ def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
         ]
         for name, (layout, ckpt) in RESUMES.items()
     ]
-    regression = [
-        [*distill_overrides(teacher), *REGRESSION, *LAYOUTS[name], f"logger.log_dir={tmp / f'{name}_regression'}"]
-        for name in REGRESSION_LAYOUTS
-    ]
-    gan = [
-        [*distill_overrides(teacher), *GAN, *LAYOUTS[name], f"logger.log_dir={tmp / f'{name}_gan'}"]
-        for name in GAN_LAYOUTS
-    ]
+
+    def with_loss(extra: list[str], suffix: str, names: tuple[str, ...]) -> list[list[str]]:
+        return [
+            [*distill_overrides(teacher), *extra, *LAYOUTS[name], f"logger.log_dir={tmp / (name + suffix)}"]
+            for name in names
+        ]
+
+    regression, gan = with_loss(REGRESSION, "_regression", REGRESSION_LAYOUTS), with_loss(GAN, "_gan", GAN_LAYOUTS)
     gan_resumed = [
         *distill_overrides(teacher),
         *GAN,
@@ -121,21 +122,15 @@ def test_checkpoint_of_both_players_resumes(runs, resumed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", REGRESSION_LAYOUTS)
-def test_layout_regresses_like_one_process(runs, layout):
-    one = runs["one_regression"]
-    assert sorted(runs[f"{layout}_regression"]) == [1, 2, 3, 4]
-    assert one[4]["student_regression_loss"] is not None and one[4]["student_regression_loss"] > 0
-    assert_close(runs[f"{layout}_regression"], one, f"{layout} with regression", REGRESSION_KEYS)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", GAN_LAYOUTS)
-def test_layout_trains_the_gan_like_one_process(runs, layout):
-    one = runs["one_gan"]
-    assert sorted(runs[f"{layout}_gan"]) == [1, 2, 3, 4]
-    assert one[4]["student_gan_loss"] is not None and one[1]["critic_gan_loss"] > 0
-    assert_close(runs[f"{layout}_gan"], one, f"{layout} with the GAN loss", GAN_KEYS)
+@pytest.mark.parametrize(
+    "loss, layout", [*(("regression", name) for name in REGRESSION_LAYOUTS), *(("gan", name) for name in GAN_LAYOUTS)]
+)
+def test_layout_with_an_extra_loss_trains_like_one_process(runs, loss, layout):
+    """The regression and the GAN loss on, each against its one-process run, the loss terms included."""
+    one, keys, logged = runs[f"one_{loss}"], EXTRA_KEYS[loss], f"student_{loss}_loss"
+    assert sorted(runs[f"{layout}_{loss}"]) == [1, 2, 3, 4]
+    assert one[4][logged] is not None and one[4][logged] > 0
+    assert_close(runs[f"{layout}_{loss}"], one, f"{layout} with the {loss} loss", keys)
 
 
 @pytest.mark.slow
