@@ -175,11 +175,6 @@ def _check_distill(cfg: ConfigContainer) -> None:
         "train.eval_interval": (cfg.train.eval_interval is not None, "has no validation yet"),
         "model.wan_expert": (cfg.model.wan_expert == "both", "trains one model, not both Wan 2.2 experts"),
         "peft.lora_rank": (cfg.peft.enabled, "trains full models, not LoRA adapters, yet"),
-        # The classifier is added to a built chunk; Megatron-FSDP's meta build does not draw it yet.
-        "ddp.use_megatron_fsdp": (
-            cfg.ddp.use_megatron_fsdp and cfg.distill.gan_critic_weight > 0,
-            "with distill.gan_critic_weight > 0 (the GAN loss) does not run under Megatron-FSDP yet",
-        ),
     }
     for key, (refuse, why) in refused.items():
         if refuse:

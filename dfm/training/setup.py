@@ -43,7 +43,7 @@ def build_model(
     ``classifier``: with a GAN classifier (a distillation's critic; DDP only, the config refuses FSDP)."""
     ddp_config = megatron_ddp_config(cfg, device)
     if cfg.ddp.use_megatron_fsdp:
-        return fully_sharded_chunks(cfg, layout, ddp_config, device)
+        return fully_sharded_chunks(cfg, layout, ddp_config, device, classifier)
     chunks, tconfig = [], None
     for vp_stage in vp_stages(layout):
         # bf16/fp16 runs: the plain nn.Linear embedders and final layer too (as megatron's Float16Module
@@ -57,10 +57,7 @@ def build_model(
             device,
             params_dtype_everywhere=True,
         )
-        chunk = with_adapters(chunk, cfg)
-        if classifier:
-            chunk = add_classifier(chunk, cfg.rng.seed, cfg.model.init_method_std)
-        chunks.append(chunk)
+        chunks.append(with_extras(chunk, cfg, classifier))
     wrapped = [
         DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
@@ -84,11 +81,20 @@ def with_adapters(chunk, cfg: ConfigContainer):
     return chunk
 
 
+def with_extras(chunk, cfg: ConfigContainer, classifier: bool):
+    """``chunk`` with what a run adds to the model before it is wrapped: LoRA adapters (``with_adapters``)
+    and, for a distillation's critic with the GAN loss, the classifier (sample_classifier.py)."""
+    chunk = with_adapters(chunk, cfg)
+    return add_classifier(chunk, cfg.rng.seed, cfg.model.init_method_std) if classifier else chunk
+
+
 def vp_stages(layout: ParallelLayout) -> list[int | None]:
     return list(range(layout.chunks_per_stage)) if layout.chunks_per_stage > 1 else [None]
 
 
-def fully_sharded_chunks(cfg: ConfigContainer, layout: ParallelLayout, ddp_config, device: torch.device):
+def fully_sharded_chunks(
+    cfg: ConfigContainer, layout: ParallelLayout, ddp_config, device: torch.device, classifier: bool = False
+):
     """Meta chunks handed to Megatron-FSDP, which allocates this rank's shards (and, one FSDP unit at
     a time, the gathered weights: as in every forward), then this rank's rows are drawn into them."""
     chunks, tconfig = [], None
@@ -97,7 +103,7 @@ def fully_sharded_chunks(cfg: ConfigContainer, layout: ParallelLayout, ddp_confi
             cfg.model, cfg.mixed_precision.precision, vp_stage, layout, params_dtype_everywhere=True, device=device
         )
         tconfig.init_model_with_meta_device = True
-        chunk = fully_sharded(defer_to_fsdp(with_adapters(meta, cfg)), tconfig, ddp_config, device, index > 0)
+        chunk = fully_sharded(defer_to_fsdp(with_extras(meta, cfg, classifier)), tconfig, ddp_config, device, index > 0)
         init_fsdp_shards(chunk, cfg.rng.seed, meta.global_param_name, cfg.model.init_method_std)
         chunks.append(chunk)
     return chunks, tconfig

@@ -30,7 +30,7 @@ RESUMES = {"resumed_tp2_sp": ("tp2_sp", "one_ckpt"), "resumed_dp2_fsdp": ("dp2_f
 # The layouts run again with the regression loss on, against one process with it on.
 REGRESSION_LAYOUTS = ("tp2_sp", "dp2_fsdp")
 # The layouts run again with the GAN loss on (its classifier pools over the gathered tokens under CP and SP).
-GAN_LAYOUTS = ("tp2_sp", "cp2", "dp2_distopt")
+GAN_LAYOUTS = ("tp2_sp", "cp2", "dp2_distopt", "dp2_fsdp")
 KEYS = ("critic_loss", "critic_grad_norm", "student_loss", "student_grad_norm")
 REGRESSION_KEYS = (*KEYS, "student_regression_loss")
 GAN_KEYS = (*KEYS, "critic_gan_loss", "student_gan_loss")

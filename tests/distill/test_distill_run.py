@@ -181,15 +181,10 @@ def test_distillation_refuses_what_it_cannot_run_naming_the_key(overrides, key):
         build_config(None, str(TINY), ["distill.enabled=true", *overrides], world_size=2)
 
 
-def test_the_gan_loss_is_refused_under_megatron_fsdp():
-    overrides = ["distill.enabled=true", *FLOW, "checkpoint.pretrained=x", "ddp.use_megatron_fsdp=true", *GAN]
-    with pytest.raises(ConfigError, match="gan_critic_weight > 0.*ddp.use_megatron_fsdp=True"):
-        build_config(None, str(TINY), overrides, world_size=2)
-
-
-def test_distillation_is_accepted_under_megatron_fsdp():
-    """Megatron-FSDP runs (test_distill_layouts.py); it needs DP >= 2."""
-    overrides = ["distill.enabled=true", *FLOW, "checkpoint.pretrained=x", "ddp.use_megatron_fsdp=true"]
+@pytest.mark.parametrize("extra", [[], GAN])
+def test_distillation_is_accepted_under_megatron_fsdp(extra):
+    """Megatron-FSDP runs, with the GAN loss too (test_distill_layouts.py); it needs DP >= 2."""
+    overrides = ["distill.enabled=true", *FLOW, "checkpoint.pretrained=x", "ddp.use_megatron_fsdp=true", *extra]
     assert build_config(None, str(TINY), overrides, world_size=2).ddp.use_megatron_fsdp
 
 

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dfm.models.common.init import init_params
+
 CLASSIFIER = "gan_classifier"  # the attribute (and state-dict prefix) of the head on a model
 
 
@@ -76,14 +78,13 @@ def per_sample_mean(features: Tensor, sample_ids: Tensor, loss_mask: Tensor, num
 
 
 def add_classifier(model: nn.Module, seed: int, std: float) -> nn.Module:
-    """``model`` (unwrapped, its parameters on their device) with a ``SampleClassifier`` of its width, drawn
-    from its own generator (``seed``): the same on every rank, whatever the layout."""
-    head = SampleClassifier(model.config.hidden_size, model.config.layernorm_epsilon)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for linear in (head.fc1, head.fc2):
-            linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * std)
-            linear.bias.zero_()
+    """``model`` (unwrapped) with a ``SampleClassifier`` of its width, on its parameters' device and dtype.
+    Materialised, it is drawn as every dfm parameter is, from (seed, its global name) (init.py): the same on
+    every rank and layout; on the meta device it is left for Megatron-FSDP's sharded init to draw alike."""
     reference = next(model.parameters())
-    setattr(model, CLASSIFIER, head.to(device=reference.device, dtype=reference.dtype))
+    head = SampleClassifier(model.config.hidden_size, model.config.layernorm_epsilon)
+    head = head.to(device=reference.device, dtype=reference.dtype)
+    if reference.device.type != "meta":
+        init_params(head, seed, lambda name: model.global_param_name(f"{CLASSIFIER}.{name}"), std)
+    setattr(model, CLASSIFIER, head)
     return model
