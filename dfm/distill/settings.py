@@ -33,7 +33,7 @@ class DistillSettings:
     # DMD2 drops it). 0: off.
     regression_weight: float = 0.0
     # DMD2's GAN loss: a classifier on the critic's last hidden states, pooled per sample, tells the pack's
-    # real latents from the student's samples, both re-noised (dfm/distill/classifier.py). The critic's
+    # real latents from the student's samples, both re-noised (dfm/models/common/sample_classifier.py). The critic's
     # step adds ``gan_critic_weight`` times its loss, the student's ``gan_student_weight`` times the
     # non-saturating generator loss through the critic. 0 and 0: off (no classifier is built).
     gan_critic_weight: float = 0.0
