@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from dfm.checkpoint.files import format_bytes
-from dfm.training.memory import RankBytes
+from dfm.training.memory import RankBytes, local_parameter_count
 from dfm.training.memory_plan import (
     BUILD_CHUNK,
     IO_BUFFER,
@@ -26,9 +28,11 @@ from dfm.training.memory_plan import (
     PhasePlan,
     config_plan,
     describe,
+    device_memory,
     layer_activation_bytes,
     own_checkpoint_shard,
     parameter_bytes,
+    report_plan,
     tokens_per_rank,
 )
 
@@ -75,3 +79,14 @@ def describe_distill(plan: DistillPlan, precision: str, device_bytes: int | None
         f"{format_bytes(plan.teacher)} (frozen, {precision}); activations of the student step (the larger)",
         *describe(plan.combined, device_bytes),
     ]
+
+
+def log_distill_plan(cfg, layout, student, device: torch.device) -> None:
+    """Start-up log (rank 0): the plan of a rank holding its share of the three networks (``describe_distill``,
+    the student's share standing for each), with ``log_plan``'s warning when the device's memory is known and
+    the plan does not fit it."""
+    if torch.distributed.get_rank() != 0:
+        return
+    plan, total = distill_plan(cfg, layout, local_parameter_count(student)), device_memory(device)
+    lines = describe_distill(plan, cfg.mixed_precision.precision, total)
+    report_plan("memory plan per rank (a DMD2 distillation)", lines, plan.combined, total)

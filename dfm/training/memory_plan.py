@@ -256,7 +256,13 @@ def log_plan(cfg, layout, share: int, device: torch.device, trainable: int | Non
     before the first step when the device memory is known and the plan does not fit it."""
     plan = config_plan(cfg, layout, share, trainable=trainable)
     total = device_memory(device)
-    logger.info("memory plan per rank (first pipeline stage):\n  %s", "\n  ".join(describe(plan, total)))
+    report_plan("memory plan per rank (first pipeline stage)", describe(plan, total), plan, total)
+
+
+def report_plan(title: str, lines: list[str], plan: PhasePlan, total: int | None) -> None:
+    """Log a plan's ``lines`` under ``title``; warn when the device's ``total`` bytes are known and its peak
+    does not fit them."""
+    logger.info("%s:\n  %s", title, "\n  ".join(lines))
     if total is not None and not plan.fits(total):
         logger.warning(
             "the memory plan's peak %s does not fit this device's %s: expect out-of-memory; shard more "

@@ -36,6 +36,7 @@ from dfm.platform.watchdog import StallWatchdog, stall_timeout
 from dfm.training.buffer_grads import arm
 from dfm.training.data import build_train_loader, build_val_iterator
 from dfm.training.distill_loop import build_distillation
+from dfm.training.distill_memory_plan import log_distill_plan
 from dfm.training.ema import build_ema
 from dfm.training.faults import NonFiniteGuard, PreemptionSignal, step_checks
 from dfm.training.forward_step import DiffusionForwardStep
@@ -184,6 +185,7 @@ def run(context: RunContext, preemption: PreemptionSignal) -> None:
         state, players = build_distillation(
             cfg, layout, device, RecordingIterator(build_train_loader(cfg, layout, context.mock))
         )
+        log_distill_plan(cfg, layout, state.model, device)
         TrainLoop(context, state, players.forward_step, preemption, players).run(resume_or_start(cfg, state))
         return
     model, tconfig = build_model(cfg, layout, device)

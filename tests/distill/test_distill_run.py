@@ -123,12 +123,14 @@ def test_the_gan_losses_are_logged_with_each_players_step(runs):
 
 
 @pytest.mark.slow
-def test_teacher_is_frozen_and_the_players_learn(runs, tmp_path):
+def test_teacher_is_frozen_and_the_players_learn(runs, tmp_path, caplog):
     """Two iterations of the trainer's own loop in this process: the teacher's weights stay those of its
-    checkpoint, with no gradients and in no optimizer; the student's and the critic's weights move."""
+    checkpoint, with no gradients and in no optimizer; the student's and the critic's weights move. The
+    start-up log holds the plan of the three networks."""
     from dfm.platform.distributed import destroy_distributed, initialize_distributed
     from dfm.training.data import build_mock_loader
     from dfm.training.distill_loop import CRITIC, build_distillation
+    from dfm.training.distill_memory_plan import log_distill_plan
     from dfm.training.pretrain import RecordingIterator, RunContext, TrainLoop, finalize_defaults, resume_or_start
 
     teacher_dir, _ = runs
@@ -139,6 +141,10 @@ def test_teacher_is_frozen_and_the_players_learn(runs, tmp_path):
         finalize_defaults(cfg, layout)
         state, players = build_distillation(cfg, layout, device, RecordingIterator(build_mock_loader(cfg, layout)))
         resume_or_start(cfg, state)
+        with caplog.at_level("INFO", logger="dfm.train"):
+            log_distill_plan(cfg, layout, state.model, device)
+        assert "memory plan per rank (a DMD2 distillation)" in caplog.text, caplog.text
+        assert "DMD2: student and critic each" in caplog.text and "teacher weights" in caplog.text, caplog.text
         teacher = players.forward_step.players.teacher
         critic = state.companions[CRITIC]
         before = {name: p.detach().clone() for name, p in teacher.named_parameters()}
