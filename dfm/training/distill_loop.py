@@ -113,9 +113,14 @@ class DistillPlayers:
         return DistillOutcome(critic, student), critic.preempt or (student is not None and student.preempt)
 
     def train(self, loop, role: str, player, packs: list, iteration: int) -> PlayerStep:
-        """One optimizer step of ``player`` (model, optimizer, scheduler) over ``packs``."""
+        """One optimizer step of ``player`` (model, optimizer, scheduler) over ``packs``. Both players' LR
+        schedules count iterations: the student, updated every ``critic_steps``-th one, advances its schedule
+        by ``critic_steps`` an update (warm-up and decay then end where the critic's do)."""
         state = TrainingState(player.model, player.optimizer, player.scheduler, iter(packs))
-        return PlayerStep(*loop.train_model(self.steps[role], state, iteration))
+        step = PlayerStep(*loop.train_model(self.steps[role], state, iteration))
+        if role == STUDENT and step.updated and self.settings.critic_steps > 1:
+            player.scheduler.step(increment=self.settings.critic_steps - 1)
+        return step
 
     def record(self, loop, iteration: int, outcome: DistillOutcome, window) -> dict[str, Any]:
         """One metrics.jsonl line: both players' losses, gradient norms and lrs (the student's from its latest

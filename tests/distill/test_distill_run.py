@@ -125,8 +125,8 @@ def test_the_gan_losses_are_logged_with_each_players_step(runs):
 @pytest.mark.slow
 def test_teacher_is_frozen_and_the_players_learn(runs, tmp_path, caplog):
     """Two iterations of the trainer's own loop in this process: the teacher's weights stay those of its
-    checkpoint, with no gradients and in no optimizer; the student's and the critic's weights move. The
-    start-up log holds the plan of the three networks."""
+    checkpoint, with no gradients and in no optimizer; the student's and the critic's weights move and their
+    LR schedules count the same iterations. The start-up log holds the plan of the three networks."""
     from dfm.platform.distributed import destroy_distributed, initialize_distributed
     from dfm.training.data import build_mock_loader
     from dfm.training.distill_loop import CRITIC, build_distillation
@@ -155,6 +155,8 @@ def test_teacher_is_frozen_and_the_players_learn(runs, tmp_path, caplog):
         loop = TrainLoop(RunContext(cfg, layout, device, True), state, players.forward_step, None, players)
         for iteration in (1, 2):
             loop.step(iteration)
+        # both schedules count iterations: the critic stepped twice, the student once by critic_steps (2)
+        assert state.scheduler.num_steps == critic.scheduler.num_steps == 2
         after = dict(teacher.named_parameters())
         assert all(torch.equal(before[name], after[name]) for name in before)
         assert all(not p.requires_grad and p.grad is None for p in teacher.parameters())
