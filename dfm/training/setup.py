@@ -40,7 +40,7 @@ def build_model(
     """Wrapped model chunks on ``device`` (DDP, or Megatron-FSDP with ``ddp.use_megatron_fsdp``) and
     the megatron TransformerConfig they share. Built on the meta device: a rank only ever allocates
     and initialises what it owns (its TP/PP-local parameters, under FSDP its rows of them).
-    ``classifier``: with a GAN classifier (a distillation's critic; DDP only, the config refuses FSDP)."""
+    ``classifier``: with a GAN classifier (a distillation's critic with the GAN loss on)."""
     ddp_config = megatron_ddp_config(cfg, device)
     if cfg.ddp.use_megatron_fsdp:
         return fully_sharded_chunks(cfg, layout, ddp_config, device, classifier)
