@@ -30,12 +30,20 @@ def masked_mean_per_sample(
     """
     features_per_token = per_token_values[0].numel() if per_token_values.dim() > 1 else 1
     token_sums = per_token_values.reshape(per_token_values.shape[0], -1).sum(dim=1)
-    mask = loss_mask.to(token_sums.dtype)
-    # where() rather than a product: a NaN/inf on a padding token must not leak into the sum.
-    token_sums = torch.where(mask > 0, token_sums * mask, torch.zeros_like(token_sums))
-    sample_ids = sample_ids.to(token_sums.device)
-    sums = torch.zeros(num_samples, dtype=token_sums.dtype, device=token_sums.device)
-    sums = sums.index_add(0, sample_ids, token_sums)
-    real_tokens = torch.zeros_like(sums).index_add(0, sample_ids, mask)
+    sums, real_tokens = masked_sums_per_sample(token_sums, sample_ids, loss_mask, num_samples)
     denominators = real_tokens * features_per_token
     return sums / torch.where(denominators > 0, denominators, torch.ones_like(denominators))
+
+
+def masked_sums_per_sample(
+    values: torch.Tensor, sample_ids: torch.Tensor, loss_mask: torch.Tensor, num_samples: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values [S, *]`` weighted by ``loss_mask [S]`` and summed per sample -> (sums ``[N, *]``, the
+    mask's sum per sample ``[N]``), in ``values``' dtype. Padding tokens contribute nothing, NaN included."""
+    mask = loss_mask.to(device=values.device, dtype=values.dtype)
+    weights = mask.reshape(-1, *([1] * (values.dim() - 1)))
+    # where() rather than a product: a NaN/inf on a padding token must not leak into the sum.
+    weighted = torch.where(weights > 0, values * weights, torch.zeros_like(values))
+    sample_ids = sample_ids.to(values.device)
+    sums = values.new_zeros(num_samples, *values.shape[1:]).index_add(0, sample_ids, weighted)
+    return sums, values.new_zeros(num_samples).index_add(0, sample_ids, mask)

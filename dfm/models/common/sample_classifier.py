@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dfm.diffusion.packed_loss import masked_sums_per_sample
 from dfm.models.common.init import init_params
 
 CLASSIFIER = "gan_classifier"  # the attribute (and state-dict prefix) of the head on a model
@@ -69,12 +70,8 @@ def shared_grad(tensor: Tensor, share: float) -> Tensor:
 
 def per_sample_mean(features: Tensor, sample_ids: Tensor, loss_mask: Tensor, num_samples: int) -> Tensor:
     """[S, h] -> [N, h] fp32: each sample's mean over its real tokens (padding ignored, NaN there included)."""
-    real = (loss_mask > 0).to(features.device)[:, None]
-    values = torch.where(real, features.float(), torch.zeros((), device=features.device))
-    ids = sample_ids.to(features.device)
-    sums = values.new_zeros(num_samples, features.shape[1]).index_add(0, ids, values)
-    counts = values.new_zeros(num_samples).index_add(0, ids, real[:, 0].float())
-    return sums / counts.clamp_min(1.0)[:, None]
+    sums, real_tokens = masked_sums_per_sample(features.float(), sample_ids, loss_mask, num_samples)
+    return sums / real_tokens.clamp_min(1.0)[:, None]
 
 
 def add_classifier(model: nn.Module, seed: int, std: float) -> nn.Module:
