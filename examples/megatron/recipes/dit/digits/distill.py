@@ -55,6 +55,7 @@ class DistillRun:
     iterations: int = 600
     save_interval: int = 100
     lr: float = 5e-4  # student and critic alike (one optimizer section)
+    lr_decay_style: str = "constant"  # both players' schedules, over the run's iterations
     critic_steps: int = 5
     guidance_scale: float = 3.0  # the teacher's, baked into the student
     # DMD's regression onto the teacher's guided Euler samples from the student's noise (0: off)
@@ -79,6 +80,7 @@ class DistillRun:
             f"distill.gan_critic_weight={self.gan_critic_weight}",
             f"distill.gan_student_weight={self.gan_student_weight}",
             f"optimizer.lr={self.lr}",
+            f"scheduler.lr_decay_style={self.lr_decay_style}",
             f"train.train_iters={self.iterations}",
             f"checkpoint.save_interval={self.save_interval}",
         ]
