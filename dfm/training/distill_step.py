@@ -110,8 +110,10 @@ class DistillForwardStep:
         self.seed, self.device = seed, device
         self.regression_teacher_steps = regression_teacher_steps
         self.iteration = 0
-        # Megatron-FSDP gathers the student's weights in every call: its DP ranks must call it equally often.
-        self.common_index = self.largest_over_data_parallel if is_fsdp(players.student) else None
+        # Megatron-FSDP gathers the student's weights in every call, and expert parallelism sends its tokens to
+        # the experts' ranks: either way the data-parallel ranks must call the student equally often.
+        collective_calls = is_fsdp(players.student) or parallel_state.get_expert_model_parallel_world_size() > 1
+        self.common_index = self.largest_over_data_parallel if collective_calls else None
 
     def __call__(self, data_iterator, model):
         batch = next(data_iterator).to(self.device)
@@ -181,8 +183,9 @@ class DistillForwardStep:
         return per_sample, partial(self.reduce, batch, extra)
 
     def student_sample(self, student, noise, packing, generator, cond) -> StudentSample:
-        """The backward-simulated student sample of the pack; under Megatron-FSDP after as many dropped no-grad
-        student calls as keep this rank calling the student as often as its data-parallel peers."""
+        """The backward-simulated student sample of the pack; under Megatron-FSDP or expert parallelism after as
+        many dropped no-grad student calls as keep this rank calling the student as often as its data-parallel
+        peers."""
         if self.common_index is not None:
             self.call_in_step(student, noise, packing, generator, cond)
         return generate_student_sample(self.pipeline, student, noise, packing, self.settings, generator, cond)

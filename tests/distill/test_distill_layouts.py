@@ -7,7 +7,9 @@ one-process run's at TP=2, the FSDP run's under FSDP, to the one-process losses.
 DP=2 under Megatron-FSDP against its one-process run, the regression loss included. With DMD2's GAN loss on
 (test_distill_run.py ``GAN``), TP=2 with SP, CP=2 and DP=2 with the distributed optimizer against its one-process
 run, both GAN losses included, and the one-process GAN checkpoint resumed at CP=2 (the critic's classifier with
-it). (PP is refused at start-up, and the GAN loss under Megatron-FSDP: test_distill_run.py.)"""
+it). A mixture-of-experts student (MovieGen's tiny config) at EP=2 against its one-process run: it hung in
+iteration 1 until its ranks called the student equally often. (PP is refused at start-up, and the GAN loss
+under Megatron-FSDP: test_distill_run.py.)"""
 
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ import math
 import pytest
 
 from tests.distill.test_distill_run import FLOW, GAN, REGRESSION, distill_overrides
-from tests.parallel.equivalence import DIST_OPT, FSDP
-from tests.training.entry import read_metrics, run_in_one_launch
+from tests.parallel.equivalence import DIST_OPT, DP_DATA, EP2, FSDP
+from tests.training.entry import RECIPE_DIR, read_metrics, run_in_one_launch
 
 LAYOUTS = {
     "tp2_sp": ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"],
@@ -143,3 +145,29 @@ def test_gan_checkpoint_resumes_at_another_layout(runs):
         "GAN resumed at CP=2",
         lambda i: GAN_KEYS if i == 4 else (*GAN_KEYS[:2], "critic_gan_loss"),
     )
+
+
+# A mixture-of-experts student (MovieGen, 4 experts, top-2): its experts split over 2 ranks (EP=2, DP=2 with the
+# distributed optimizer), both ranks' packs the one process's two micro-batches.
+MOE = RECIPE_DIR / "conf" / "moviegen_tiny.yaml"
+EP_LAYOUT = [EP2, DIST_OPT, *DP_DATA]
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
+    tmp = tmp_path_factory.mktemp("distill_moe")
+    teacher = tmp / "teacher"
+    teach = [*FLOW, "train.train_iters=2", f"checkpoint.save={teacher}", f"logger.log_dir={tmp / 'teacher_logs'}"]
+    one = [*distill_overrides(teacher), *DP_DATA, f"logger.log_dir={tmp / 'one'}"]
+    run_in_one_launch(1, [teach, one], tmp / "launch1", config=MOE)
+    run_in_one_launch(
+        2, [[*distill_overrides(teacher), *EP_LAYOUT, f"logger.log_dir={tmp / 'ep2'}"]], tmp / "launch2", config=MOE
+    )
+    return {name: {r["iteration"]: r for r in read_metrics(tmp / name)} for name in ("one", "ep2")}
+
+
+@pytest.mark.slow
+def test_moe_student_distils_at_expert_parallel_like_one_process(moe_runs):
+    assert sorted(moe_runs["ep2"]) == [1, 2, 3, 4]
+    assert moe_runs["one"][4]["student_loss"] is not None
+    assert_close(moe_runs["ep2"], moe_runs["one"], "ep2")
