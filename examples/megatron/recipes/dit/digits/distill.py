@@ -65,6 +65,7 @@ class DistillRun:
     gan_critic_weight: float = 0.0
     gan_student_weight: float = 0.0
     config: str = str(CI_CONFIG)  # the teacher's and the students' (clips: CLIP_CONFIG)
+    seed: int = 1234  # the students' runs (rng.seed: their noise, times and data order); the teacher keeps its own
 
     def overrides(self, teacher: Path, timesteps: Sequence[float]) -> list[str]:
         times = ",".join(str(t) for t in timesteps)
@@ -83,6 +84,7 @@ class DistillRun:
             f"scheduler.lr_decay_style={self.lr_decay_style}",
             f"train.train_iters={self.iterations}",
             f"checkpoint.save_interval={self.save_interval}",
+            f"rng.seed={self.seed}",
         ]
 
 
