@@ -91,3 +91,19 @@ def sample_student_latents(
         return student_trajectory(pipeline, net, noise, packing, settings, generator, conditioning)[-1]
 
     return denoised_latents(model, pipeline, batch, cfg.model, integrate, steps, f"{DMD2} student {steps} steps")
+
+
+def sample_as_trained(
+    model: torch.nn.Module,
+    pipeline,
+    batch: PackedBatch,
+    cfg: ConfigContainer,
+    options: SamplingOptions,
+    noise_seed: int,
+) -> torch.Tensor:
+    """A one-sample pack's clean latent [C, T', H', W'] sampled as ``cfg``'s model samples: a DMD2 student over
+    its own timesteps (``dmd2``, unguided; its re-noising continues the stream of ``draw_noise(shape,
+    noise_seed)``, the pack's starting noise), any other model with ``options``."""
+    if is_student(cfg):
+        return sample_student_latent(model, pipeline, batch, cfg, DMD2, noise_seed)
+    return sample_latents(model, pipeline, batch, cfg.model, options)[0]

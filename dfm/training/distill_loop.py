@@ -29,6 +29,7 @@ from dfm.training.distill_step import COLLAPSE_KEYS, CRITIC, STUDENT, DistillFor
 from dfm.training.losses import is_loss_reporting_rank, reduce_loss_and_tokens
 from dfm.training.metrics_log import finite_or_none, fmt
 from dfm.training.setup import build_model, build_optimizer
+from dfm.training.validation import level_record, losses_per_level
 
 
 @dataclass
@@ -155,6 +156,16 @@ class DistillPlayers:
             "student_lr": loop.state.optimizer.param_groups[0]["lr"],
             **{key: value if math.isfinite(value) else None for key, value in zip(COLLAPSE_KEYS, collapse)},
         }
+
+    @staticmethod
+    def validation_losses(loop, packs: list, levels: list[float]) -> dict[str, float]:
+        """The critic's validation losses on ``packs`` at ``levels`` (``val_loss_critic``, ``val_loss_critic_t<k>``),
+        beside the student's (the loop's ``val_loss``): the critic denoises the student's samples, so its loss
+        on data tells how far they are from the data. Collectives: every rank calls it."""
+        critic = loop.state.companions[CRITIC].model
+        means = losses_per_level(loop.val_forward_step, packs, critic, levels, loop.device)
+        record = level_record(levels, means)
+        return {f"val_loss_critic{key.removeprefix('val_loss')}": record[key] for key in record if key != "val_levels"}
 
     @staticmethod
     def mean_over_packs(losses: list[dict], key: str, device: torch.device) -> float | None:

@@ -85,7 +85,8 @@ class MetricsLog:
 
     def write_validation(self, record: dict[str, Any]) -> None:
         """One line of <log_dir>/validation.jsonl (val loss, per level ``val_loss_t<k>`` at ``val_levels``,
-        where the generated sample went); TensorBoard / W&B get ``validation/loss`` and ``validation/loss_t<k>``."""
+        where the generated sample went); TensorBoard / W&B get ``validation/loss`` and ``validation/loss_t<k>``
+        (a distillation's critic: ``validation/loss_critic`` and ``validation/loss_critic_t<k>``)."""
         if not self.enabled:
             return
         with self.path.with_name("validation.jsonl").open("a") as f:
@@ -97,11 +98,12 @@ class MetricsLog:
             f"{level:.3g}:{fmt(record[f'val_loss_t{k}'])}" for k, level in enumerate(record.get("val_levels", []))
         )
         logger.info(
-            "validation at iter %d | val loss %s | per level %s | sample %s%s",
+            "validation at iter %d | val loss %s | per level %s | sample %s%s%s",
             record["iteration"],
             fmt(record["val_loss"]),
             per_level or "n/a",
             record["generation"],
+            "" if "val_loss_critic" not in record else f" | critic val loss {fmt(record['val_loss_critic'])}",
             "".join(f" | {k} {fmt(v)}" for k, v in measured.items()),
         )
 

@@ -358,6 +358,8 @@ class TrainLoop:
             )
             samples = self.decoded_samples(iteration, first_sample_text(packs[0])[1])
         record = {"iteration": iteration, **level_record(levels, means), "generation": str(path) if path else None}
+        if self.players is not None:  # a distillation: the critic's losses too
+            record |= self.players.validation_losses(self, packs, levels)
         if samples:
             record |= {"samples": [str(s.path) for s in samples], **measure(self.cfg.validation.metrics, samples)}
         self.metrics.write_validation(record)

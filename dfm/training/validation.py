@@ -19,7 +19,7 @@ from dfm.config.container import ConfigContainer
 from dfm.data.packed_batch import PackedBatch
 from dfm.diffusion.pipeline import DiffusionPipeline, SamplingOptions
 from dfm.inference.generation_batch import draw_noise, generation_batch
-from dfm.inference.sampling import sample_latent
+from dfm.inference.student import sample_as_trained
 from dfm.training.losses import reduce_loss_and_tokens
 from dfm.training.setup import schedule_model_and_data
 from dfm.training.staged_model import sampling_model
@@ -96,10 +96,10 @@ def generate_validation_sample(
         return None
     dp_rank = parallel_state.get_data_parallel_rank()
     text, shape = first_sample_text(batch)
-    noise = draw_noise(shape, seed=cfg.rng.seed + dp_rank)
-    gen_batch = generation_batch(noise, text, cfg.model, multiples=multiples).to(device)
+    seed = cfg.rng.seed + dp_rank
+    gen_batch = generation_batch(draw_noise(shape, seed), text, cfg.model, multiples=multiples).to(device)
     options = SamplingOptions(steps=cfg.train.eval_sampling_steps)
-    latent = sample_latent(sampling_model(model), pipeline, gen_batch, cfg.model, options)
+    latent = sample_as_trained(sampling_model(model), pipeline, gen_batch, cfg, options, seed)
     if not writes_samples():
         return None
     path = Path(cfg.checkpoint.save) / "validation_generation" / f"iter_{iteration:07d}_dp{dp_rank}.pt"

@@ -31,7 +31,7 @@ from dfm.inference.encoders import (
 from dfm.inference.generate import prompt_batch
 from dfm.inference.generation_batch import draw_noise, latent_shape_for
 from dfm.inference.media import to_uint8_frames, write_media
-from dfm.inference.sampling import sample_latent
+from dfm.inference.student import sample_as_trained
 
 logger = logging.getLogger("dfm.validation")
 
@@ -95,7 +95,7 @@ def generate_samples(
     for k, prompt in enumerate(v.prompts):
         noise = draw_noise(latent_shape(cfg, encoders, k, default_shape), v.seed + k)
         batch = prompt_batch(prompt, noise, encoders, cfg.model, {}, multiples).to(device)  # FLUX: + pooled text
-        latent = sample_latent(model, pipeline, batch, cfg.model, options)
+        latent = sample_as_trained(model, pipeline, batch, cfg, options, v.seed + k)
         video = encoders.vae.decode(latent.unsqueeze(0).to(device))[0]  # [3, T, H, W] in [-1, 1]
         samples.append(DecodedSample(prompt, to_uint8_frames(video), None))
     return samples

@@ -3,12 +3,15 @@
 A flow teacher is trained for 2 iterations through the real entry point (``--mock``, the tiny DiT); then
 distilled for 4 iterations (``critic_steps=2``: the student steps at 2 and 4, the critic at every one;
 teacher guidance 2, so the unconditional pass runs) saving at 2, and resumed from that checkpoint; the same
-for a 1-step student with the regression loss on (``REGRESSION``). All five runs share one launch (tests/training/entry.py ``run_in_one_launch``). The teacher's freezing is checked in
-this process on the trainer's own objects; the refusals on the config the entry point builds.
+for a 1-step student with the regression loss on (``REGRESSION``) and with the GAN loss (``GAN``); and a run
+with validation (``VALIDATION``). All eight runs share one launch (tests/training/entry.py
+``run_in_one_launch``). The teacher's freezing is checked in this process on the trainer's own objects; the
+refusals on the config the entry point builds.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -17,8 +20,12 @@ import torch
 
 from dfm.config.errors import ConfigError
 from dfm.config.loader import build_config
+from dfm.diffusion.registry import pipeline_from_config
 from dfm.distill import Packing
 from dfm.distill.collapse import same_shape_samples
+from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
+from dfm.inference.generation_batch import draw_noise, generation_batch
+from dfm.inference.student import DMD2, sample_student_latent
 from dfm.parallel import ParallelLayout
 from tests.training.entry import TINY, read_metrics, run_in_one_launch
 
@@ -28,6 +35,16 @@ DISTILL = [*FLOW, "distill.enabled=true", "distill.critic_steps=2", "distill.gui
 REGRESSION = ["distill.student_timesteps=[1.0]", "distill.regression_weight=0.5", "distill.regression_teacher_steps=3"]
 # DMD2's GAN loss: the critic's classifier trained at weight 0.5, the student's generator loss at 0.2.
 GAN = ["distill.gan_critic_weight=0.5", "distill.gan_student_weight=0.2"]
+# Validation every 2 iterations: both players' losses at 2 levels, the student's sample of the first validation
+# pack's text, and a decoded prompt (tiny random encoders).
+PROMPT = "a red cat"
+VALIDATION = [
+    "train.eval_interval=2",
+    "train.eval_iters=1",
+    "train.eval_noise_bins=2",
+    f'validation.prompts=["{PROMPT}"]',
+    "validation.tiny_random_encoders=true",
+]
 
 
 def distill_overrides(teacher: Path) -> list[str]:
@@ -47,15 +64,17 @@ def runs(tmp_path_factory):
         resumed = [*distill_overrides(teacher), *extra, f"checkpoint.load={save}/iter_0000002"]
         runs += [[*straight, f"logger.log_dir={tmp / f'{prefix}straight'}"]]
         runs += [[*resumed, f"logger.log_dir={tmp / f'{prefix}resumed'}"]]
+    validated = [*distill_overrides(teacher), *VALIDATION, f"checkpoint.save={tmp / 'validated_ckpt'}"]
+    runs += [[*validated, f"logger.log_dir={tmp / 'validated'}"]]
     run_in_one_launch(1, runs, tmp / "launch")
     names = tuple(f"{prefix}{run}" for prefix in ("", "regression_", "gan_") for run in ("straight", "resumed"))
     records = {name: {r["iteration"]: r for r in read_metrics(tmp / name)} for name in names}
-    return teacher, records
+    return teacher, records, tmp
 
 
 @pytest.mark.slow
 def test_both_players_losses_are_finite_and_logged(runs):
-    _, records = runs
+    _, records, _ = runs
     straight = records["straight"]
     assert sorted(straight) == [1, 2, 3, 4]
     for iteration, record in straight.items():
@@ -73,7 +92,7 @@ def test_both_players_losses_are_finite_and_logged(runs):
 @pytest.mark.parametrize("prefix", ["", "regression_", "gan_"])
 def test_resume_is_exact(runs, prefix):
     """The GAN run's checkpoint holds the critic's classifier: resumed, its losses go on bitwise too."""
-    _, records = runs
+    _, records, _ = runs
     straight, resumed = records[f"{prefix}straight"], records[f"{prefix}resumed"]
     assert sorted(resumed) == [3, 4]
     keys = ("critic_loss", "critic_grad_norm", "collapse_diversity", "critic_gan_loss")
@@ -89,7 +108,7 @@ def test_resume_is_exact(runs, prefix):
 def test_the_regression_loss_is_logged_with_the_students_step(runs):
     """Off (the default): null on every line. On (a 1-step student): finite and positive from the student's
     first step on, carried like its loss until the next; part of the student's loss, not of the critic's."""
-    _, records = runs
+    _, records, _ = runs
     assert all(record["student_regression_loss"] is None for record in records["straight"].values())
     regression = records["regression_straight"]
     assert [regression[i]["student_regression_loss"] is None for i in (1, 2, 3, 4)] == [True, False, False, False]
@@ -107,7 +126,7 @@ def test_the_gan_losses_are_logged_with_each_players_step(runs):
     """Off (the default): null on every line. On: the critic's classifier loss on every line, the student's
     generator loss from its first step on (carried until the next); each is part of its player's loss. At
     the start the classifier knows nothing: its loss is near 2 log 2 (logits near 0), the student's near log 2."""
-    _, records = runs
+    _, records, _ = runs
     assert all(r["critic_gan_loss"] is None and r["student_gan_loss"] is None for r in records["straight"].values())
     gan = records["gan_straight"]
     assert [gan[i]["student_gan_loss"] is None for i in (1, 2, 3, 4)] == [True, False, False, False]
@@ -123,6 +142,42 @@ def test_the_gan_losses_are_logged_with_each_players_step(runs):
 
 
 @pytest.mark.slow
+def test_validation_logs_both_players_losses_and_the_students_pictures(runs):
+    """train.eval_interval in a distillation: the student's and the critic's losses per level (two models: other
+    numbers), and the prompt's decoded sample, at every evaluation."""
+    _, _, tmp = runs
+    lines = [json.loads(line) for line in (tmp / "validated" / "validation.jsonl").read_text().splitlines()]
+    assert [record["iteration"] for record in lines] == [2, 4]
+    for record in lines:
+        keys = [f"val_loss{player}{level}" for player in ("", "_critic") for level in ("", "_t0", "_t1")]
+        assert all(math.isfinite(record[key]) for key in keys), record
+        assert record["val_loss_critic_t0"] != record["val_loss_t0"], record
+        (picture,) = record["samples"]
+        assert Path(picture).is_file() and Path(picture).name.endswith(".png")
+
+
+@pytest.mark.slow
+def test_the_validation_sample_is_the_students_own(runs):
+    """The latent validation generated at iteration 4 is what the saved student samples at its own timesteps
+    (the dmd2 sampler, as inference_dit_model.py samples a student) from the same noise and text."""
+    from dfm.platform.distributed import destroy_distributed, initialize_distributed
+
+    _, _, tmp = runs
+    saved = torch.load(tmp / "validated_ckpt" / "validation_generation" / "iter_0000004_dp0.pt")
+    directory = checkpoint_directory(tmp / "validated_ckpt")
+    cfg = single_process_config(checkpoint_config(directory))
+    initialize_distributed()
+    try:
+        model = load_model(cfg, directory, torch.device("cpu"))
+        noise = draw_noise(tuple(saved["latent"].shape), cfg.rng.seed)
+        batch = generation_batch(noise, saved["text"], cfg.model)
+        latent = sample_student_latent(model, pipeline_from_config(cfg), batch, cfg, DMD2, cfg.rng.seed)
+    finally:
+        destroy_distributed()
+    torch.testing.assert_close(latent, saved["latent"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_teacher_is_frozen_and_the_players_learn(runs, tmp_path, caplog):
     """Two iterations of the trainer's own loop in this process: the teacher's weights stay those of its
     checkpoint, with no gradients and in no optimizer; the student's and the critic's weights move and their
@@ -133,7 +188,7 @@ def test_teacher_is_frozen_and_the_players_learn(runs, tmp_path, caplog):
     from dfm.training.distill_memory_plan import log_distill_plan
     from dfm.training.pretrain import RecordingIterator, RunContext, TrainLoop, finalize_defaults, resume_or_start
 
-    teacher_dir, _ = runs
+    teacher_dir, _, _ = runs
     device = initialize_distributed()
     try:
         cfg = build_config(None, str(TINY), [*distill_overrides(teacher_dir), f"logger.log_dir={tmp_path}"])
@@ -181,7 +236,6 @@ def test_teacher_is_frozen_and_the_players_learn(runs, tmp_path, caplog):
             "model.pipeline_model_parallel_size",
         ),
         ([*FLOW, "checkpoint.pretrained=x", "optimizer.ema_decay=0.99"], "optimizer.ema_decay"),
-        ([*FLOW, "checkpoint.pretrained=x", "train.eval_interval=2"], "train.eval_interval"),
     ],
 )
 def test_distillation_refuses_what_it_cannot_run_naming_the_key(overrides, key):
