@@ -171,7 +171,6 @@ def _check_distill(cfg: ConfigContainer) -> None:
         "checkpoint.pretrained": (not cfg.checkpoint.pretrained, "needs checkpoint.pretrained=DIR, the teacher"),
         # The student's sample must pass through the whole teacher and critic: not the stage split of a loss.
         layout.key("pp"): (layout.pp > 1, f"does not support {layout.key('pp')} > 1 yet"),
-        "optimizer.ema_decay": (cfg.optimizer.ema_decay is not None, "keeps no EMA of the student yet"),
         "model.wan_expert": (cfg.model.wan_expert == "both", "trains one model, not both Wan 2.2 experts"),
         "peft.lora_rank": (cfg.peft.enabled, "trains full models, not LoRA adapters, yet"),
     }

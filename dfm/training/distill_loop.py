@@ -26,6 +26,7 @@ from dfm.diffusion.registry import pipeline_from_config
 from dfm.models.build import build_model_chunk
 from dfm.parallel.layout import ParallelLayout
 from dfm.training.distill_step import COLLAPSE_KEYS, CRITIC, STUDENT, DistillForwardStep, Players
+from dfm.training.ema import build_ema
 from dfm.training.losses import is_loss_reporting_rank, reduce_loss_and_tokens
 from dfm.training.metrics_log import finite_or_none, fmt
 from dfm.training.setup import build_model, build_optimizer
@@ -78,7 +79,8 @@ def build_distillation(
     critic, critic_tconfig = build_model(cfg, layout, device, classifier=cfg.distill.settings().gan)
     critic_optimizer, critic_scheduler = build_optimizer(cfg, critic, critic_tconfig)
     companion = Companion(critic, critic_optimizer, critic_scheduler)
-    state = TrainingState(student, optimizer, scheduler, loader, companions={CRITIC: companion})
+    ema = build_ema(student, cfg.optimizer.ema_decay)  # the student's (optimizer.ema_decay), updated at its steps
+    state = TrainingState(student, optimizer, scheduler, loader, ema, companions={CRITIC: companion})
     players = Players(student[0], critic[0], frozen_teacher(cfg, layout, device))
     pipeline, settings = pipeline_from_config(cfg), cfg.distill.settings()
     steps = {
@@ -109,6 +111,8 @@ class DistillPlayers:
         if self.settings.updates_student(iteration - 1):
             student = self.train(loop, STUDENT, loop.state, packs, iteration)
             self.last_student = (iteration, student)
+            if student.updated and loop.state.ema is not None:
+                loop.update_ema()
         critic = self.train(loop, CRITIC, loop.state.companions[CRITIC], packs, iteration)
         loop.guard.record(critic.updated and (student is None or student.updated), iteration)
         return DistillOutcome(critic, student), critic.preempt or (student is not None and student.preempt)

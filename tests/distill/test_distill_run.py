@@ -4,9 +4,9 @@ A flow teacher is trained for 2 iterations through the real entry point (``--moc
 distilled for 4 iterations (``critic_steps=2``: the student steps at 2 and 4, the critic at every one;
 teacher guidance 2, so the unconditional pass runs) saving at 2, and resumed from that checkpoint; the same
 for a 1-step student with the regression loss on (``REGRESSION``) and with the GAN loss (``GAN``); and a run
-with validation (``VALIDATION``). All eight runs share one launch (tests/training/entry.py
-``run_in_one_launch``). The teacher's freezing is checked in this process on the trainer's own objects; the
-refusals on the config the entry point builds.
+with validation (``VALIDATION``), and one keeping the student's EMA with its resume. All ten runs share one
+launch (tests/training/entry.py ``run_in_one_launch``). The teacher's freezing is checked in this process on
+the trainer's own objects; the refusals on the config the entry point builds.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ GAN = ["distill.gan_critic_weight=0.5", "distill.gan_student_weight=0.2"]
 # Validation every 2 iterations: both players' losses at 2 levels, the student's sample of the first validation
 # pack's text, and a decoded prompt (tiny random encoders).
 PROMPT = "a red cat"
+# The student's EMA (optimizer.ema_decay), updated at its steps (iterations 2 and 4).
+EMA_DECAY = 0.75
 VALIDATION = [
     "train.eval_interval=2",
     "train.eval_iters=1",
@@ -66,6 +68,10 @@ def runs(tmp_path_factory):
         runs += [[*resumed, f"logger.log_dir={tmp / f'{prefix}resumed'}"]]
     validated = [*distill_overrides(teacher), *VALIDATION, f"checkpoint.save={tmp / 'validated_ckpt'}"]
     runs += [[*validated, f"logger.log_dir={tmp / 'validated'}"]]
+    ema = [*distill_overrides(teacher), f"optimizer.ema_decay={EMA_DECAY}", "checkpoint.save_interval=2"]
+    runs += [[*ema, f"checkpoint.save={tmp / 'ema_ckpt'}", f"logger.log_dir={tmp / 'ema'}"]]
+    resumed_ema = [f"checkpoint.load={tmp / 'ema_ckpt'}/iter_0000002", f"checkpoint.save={tmp / 'ema_resumed_ckpt'}"]
+    runs += [[*ema, *resumed_ema, f"logger.log_dir={tmp / 'ema_resumed'}"]]
     run_in_one_launch(1, runs, tmp / "launch")
     names = tuple(f"{prefix}{run}" for prefix in ("", "regression_", "gan_") for run in ("straight", "resumed"))
     records = {name: {r["iteration"]: r for r in read_metrics(tmp / name)} for name in names}
@@ -177,6 +183,39 @@ def test_the_validation_sample_is_the_students_own(runs):
     torch.testing.assert_close(latent, saved["latent"], rtol=1e-5, atol=1e-5)
 
 
+def checkpoint_weights(directory: Path, use_ema: bool) -> dict[str, torch.Tensor]:
+    """The student's weights (or its EMA) of the checkpoint ``directory``, loaded as inference loads them."""
+    from dfm.platform.distributed import destroy_distributed, initialize_distributed
+
+    cfg = single_process_config(checkpoint_config(checkpoint_directory(directory)))
+    initialize_distributed()
+    try:
+        model = load_model(cfg, checkpoint_directory(directory), torch.device("cpu"), use_ema=use_ema)
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.slow
+def test_the_students_ema_follows_its_steps_and_resumes_exactly(runs):
+    """optimizer.ema_decay in a distillation: the student's EMA starts at the teacher's weights and is updated
+    at each student step only (2 and 4: d * ema + (1 - d) * w); a run resumed at 2 ends with the same EMA."""
+    teacher_dir, _, tmp = runs
+    teacher = checkpoint_weights(teacher_dir / "iter_0000002", use_ema=False)
+    student = {i: checkpoint_weights(tmp / "ema_ckpt" / f"iter_{i:07d}", use_ema=False) for i in (2, 4)}
+    ema = {i: checkpoint_weights(tmp / "ema_ckpt" / f"iter_{i:07d}", use_ema=True) for i in (2, 4)}
+    resumed = checkpoint_weights(tmp / "ema_resumed_ckpt" / "iter_0000004", use_ema=True)
+    moved = 0
+    for name, start in teacher.items():
+        after_2 = EMA_DECAY * start + (1 - EMA_DECAY) * student[2][name]
+        torch.testing.assert_close(ema[2][name], after_2, rtol=1e-6, atol=1e-7, msg=name)
+        after_4 = EMA_DECAY * ema[2][name] + (1 - EMA_DECAY) * student[4][name]
+        torch.testing.assert_close(ema[4][name], after_4, rtol=1e-6, atol=1e-7, msg=name)
+        assert torch.equal(resumed[name], ema[4][name]), name
+        moved += int(not torch.equal(ema[4][name], student[4][name]))
+    assert moved > 0
+
+
 @pytest.mark.slow
 def test_teacher_is_frozen_and_the_players_learn(runs, tmp_path, caplog):
     """Two iterations of the trainer's own loop in this process: the teacher's weights stay those of its
@@ -235,7 +274,6 @@ def test_teacher_is_frozen_and_the_players_learn(runs, tmp_path, caplog):
             [*FLOW, "checkpoint.pretrained=x", "model.pipeline_model_parallel_size=2"],
             "model.pipeline_model_parallel_size",
         ),
-        ([*FLOW, "checkpoint.pretrained=x", "optimizer.ema_decay=0.99"], "optimizer.ema_decay"),
     ],
 )
 def test_distillation_refuses_what_it_cannot_run_naming_the_key(overrides, key):
