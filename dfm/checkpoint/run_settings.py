@@ -28,6 +28,7 @@ from typing import Any
 
 from dfm.checkpoint.errors import CheckpointError
 from dfm.config.container import ConfigContainer
+from dfm.config.distill import shifted_times
 from dfm.config.loader import config_to_dict
 
 logger = logging.getLogger("dfm.checkpoint")
@@ -209,11 +210,14 @@ def distill_differences(saved: dict, now: dict, *groups: tuple[str, ...]) -> tup
 
 def resolved_distill(config: dict, key: str, value: Any) -> Any:
     """The teacher's step count for the regression targets matters only where the regression is on
-    (checkpoints from before the key, which had it off, lack it); a GAN weight a checkpoint lacks was 0."""
+    (checkpoints from before the key, which had it off, lack it); a GAN weight a checkpoint lacks was 0; the
+    student's timesteps compare as trained at (after ``distill.timestep_shift``)."""
     if key == "distill.regression_teacher_steps" and not value_at(config, "distill.regression_weight"):
         return None
     if key.startswith("distill.gan_") and value is None:  # saved before the GAN loss existed: it was off
         return 0.0
+    if key == "distill.student_timesteps":  # the times trained at: shifted (a checkpoint without the key: as given)
+        return shifted_times(value, value_at(config, "distill.timestep_shift") or 1.0)
     return value
 
 

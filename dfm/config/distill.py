@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dfm.diffusion.samplers import shift_timesteps
 from dfm.distill.settings import DistillSettings
 
 
@@ -18,7 +19,18 @@ class DistillConfig(DistillSettings):
 
     enabled: bool = False
     regression_teacher_steps: int = 12  # the digits teacher's scored sampling: 12 Euler steps
+    # ``student_timesteps`` as given, then shifted t -> s t / (1 + (s - 1) t) (flow.shift's map): Wan's
+    # [1, 0.75, 0.5, 0.25] at its sampling shift 5 are [1, 0.9375, 0.833, 0.625]. 1: used as given.
+    timestep_shift: float = 1.0
 
     def settings(self) -> DistillSettings:
-        """The DMD2 settings as the config holds them now, checked (ValueError names the key)."""
-        return DistillSettings(**{item.name: getattr(self, item.name) for item in dataclasses.fields(DistillSettings)})
+        """The DMD2 settings as the config holds them now, checked (ValueError names the key); the student's
+        timesteps shifted by ``timestep_shift``."""
+        values = {item.name: getattr(self, item.name) for item in dataclasses.fields(DistillSettings)}
+        values["student_timesteps"] = shifted_times(self.student_timesteps, self.timestep_shift)
+        return DistillSettings(**values)
+
+
+def shifted_times(times: list[float], shift: float) -> list[float]:
+    """The student's timesteps ``times`` under the flow shift ``shift`` (1: themselves)."""
+    return [float(shift_timesteps(t, shift)) for t in times] if shift != 1.0 else list(times)

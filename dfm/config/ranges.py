@@ -161,6 +161,7 @@ RANGES: dict[str, Range] = {
     "distill.regression_teacher_steps": COUNT,
     "distill.gan_critic_weight": NON_NEGATIVE,
     "distill.gan_student_weight": NON_NEGATIVE,
+    "distill.timestep_shift": POSITIVE,
 }
 
 

@@ -294,6 +294,16 @@ def test_distillation_is_off_by_default_and_its_settings_are_checked():
         build_config(None, str(TINY), ["distill.student_timesteps=[0.5]"])
 
 
+def test_the_timestep_shift_maps_the_students_times_and_must_be_positive():
+    """Training, inference and export read the times through ``settings()``: shifted there, once."""
+    base = ["distill.enabled=true", *FLOW, "checkpoint.pretrained=x"]
+    cfg = build_config(None, str(TINY), [*base, "distill.timestep_shift=3"], world_size=1)
+    assert cfg.distill.settings().student_timesteps == [1.0, 0.9, 0.75, 0.5]  # 3t / (1 + 2t)
+    assert cfg.distill.student_timesteps == [1.0, 0.75, 0.5, 0.25]  # the config keeps what was given
+    with pytest.raises(ConfigError, match="distill.timestep_shift"):
+        build_config(None, str(TINY), [*base, "distill.timestep_shift=0"], world_size=1)
+
+
 def test_same_shape_samples_takes_the_most_common_shape():
     """Samples 0 and 2 share a shape (2 tokens each, one padding token in sample 2); sample 1 has its own."""
     ids = torch.tensor([0, 0, 1, 1, 1, 2, 2])

@@ -238,6 +238,24 @@ def test_the_regression_teachers_steps_count_only_where_the_regression_is_on(tmp
         assert compare_run_settings({"config": saved}, tmp_path, off, "mock").data_position
 
 
+WAN_SHIFTED = [1.0, 0.9375, 0.8333333333333334, 0.625]  # [1, 0.75, 0.5, 0.25] at shift 5
+
+
+def test_the_students_timesteps_compare_as_trained_at_after_the_shift(tmp_path):
+    """distill.timestep_shift maps the given times: the same times spelled out resume; the unshifted ones (a
+    checkpoint from before the key) are another student, refused naming both."""
+    shifted, spelled = distilling(), distilling()
+    shifted.distill.timestep_shift = 5.0
+    spelled.distill.student_timesteps = list(WAN_SHIFTED)
+    assert shifted.distill.settings().student_timesteps == WAN_SHIFTED
+    assert compare_run_settings({"config": config_to_dict(shifted)}, tmp_path, spelled, "mock").data_position
+    before_the_key = config_to_dict(distilling())
+    del before_the_key["distill"]["timestep_shift"]
+    change = f"distill.student_timesteps: checkpoint [1.0, 0.75, 0.5, 0.25], this run {WAN_SHIFTED}"
+    with pytest.raises(CheckpointError, match=re.escape(change)):
+        compare_run_settings({"config": before_the_key}, tmp_path, shifted, "mock")
+
+
 @pytest.mark.parametrize("key, value", [("min_t", 0.1), ("max_t", 0.9), ("critic_steps", 2)])
 def test_a_changed_distillation_schedule_is_logged_and_applied(tmp_path, caplog, key, value):
     cfg = distilling()
