@@ -22,6 +22,10 @@ class DistillConfig(DistillSettings):
     # ``student_timesteps`` as given, then shifted t -> s t / (1 + (s - 1) t) (flow.shift's map): Wan's
     # [1, 0.75, 0.5, 0.25] at its sampling shift 5 are [1, 0.9375, 0.833, 0.625]. 1: used as given.
     timestep_shift: float = 1.0
+    # A warning on the console when the student's diversity (``collapse_diversity``, its samples' pairwise
+    # distance over the data's) falls below this fraction of the teacher's (its guided ODE samples of the run's
+    # first packs, measured once at the run's first iteration). 0: off, and the teacher is not sampled.
+    collapse_warning: float = 0.5
 
     def settings(self) -> DistillSettings:
         """The DMD2 settings as the config holds them now, checked (ValueError names the key); the student's

@@ -162,6 +162,7 @@ RANGES: dict[str, Range] = {
     "distill.gan_critic_weight": NON_NEGATIVE,
     "distill.gan_student_weight": NON_NEGATIVE,
     "distill.timestep_shift": POSITIVE,
+    "distill.collapse_warning": NON_NEGATIVE,
 }
 
 

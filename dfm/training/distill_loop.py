@@ -9,6 +9,7 @@ the student first takes one. The critic is saved as a companion of the student i
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from dfm.training.losses import is_loss_reporting_rank, reduce_loss_and_tokens
 from dfm.training.metrics_log import finite_or_none, fmt
 from dfm.training.setup import build_model, build_optimizer
 from dfm.training.validation import level_record, losses_per_level
+
+logger = logging.getLogger("dfm.train")
 
 
 @dataclass
@@ -89,16 +92,19 @@ def build_distillation(
         )
         for role in (STUDENT, CRITIC)
     }
-    return state, DistillPlayers(settings, steps)
+    return state, DistillPlayers(settings, steps, cfg.distill.collapse_warning)
 
 
 class DistillPlayers:
     """The training loop's hook for a distillation: ``step`` trains the players of one iteration on the same
     packs, ``record`` and ``console_line`` make its metrics line."""
 
-    def __init__(self, settings, steps: dict[str, DistillForwardStep]):
+    def __init__(self, settings, steps: dict[str, DistillForwardStep], collapse_warning: float = 0.0):
         self.settings, self.steps = settings, steps
         self.last_student: tuple[int, PlayerStep] | None = None  # the latest student step, logged until the next
+        self.collapse_warning = collapse_warning  # distill.collapse_warning: 0, off
+        self.teacher_diversity: float | None = None  # measured at the run's first iteration
+        self.warned = False  # the student is below the warning's bar (warned once until it recovers)
 
     @property
     def forward_step(self) -> DistillForwardStep:
@@ -107,6 +113,8 @@ class DistillPlayers:
     def step(self, loop, iteration: int) -> tuple[DistillOutcome, bool]:
         """-> (the iteration's steps, preempt). ``updates_student`` counts from 0, the loop from 1."""
         packs = [next(loop.state.loader) for _ in range(loop.n_micro)]
+        if self.collapse_warning > 0 and self.teacher_diversity is None:
+            self.teacher_diversity = self.measure_teacher_diversity(packs, loop.device)
         student = None
         if self.settings.updates_student(iteration - 1):
             student = self.train(loop, STUDENT, loop.state, packs, iteration)
@@ -159,7 +167,34 @@ class DistillPlayers:
             "critic_lr": loop.state.companions[CRITIC].optimizer.param_groups[0]["lr"],
             "student_lr": loop.state.optimizer.param_groups[0]["lr"],
             **{key: value if math.isfinite(value) else None for key, value in zip(COLLAPSE_KEYS, collapse)},
+            "teacher_diversity": self.teacher_diversity,
         }
+
+    def measure_teacher_diversity(self, packs: list, device: torch.device) -> float | None:
+        """The teacher's ``collapse_diversity`` on ``packs``: the mean over packs (with two samples of a shape)
+        and DP ranks; None where no pack has. A collective: every rank calls it."""
+        figures = [self.steps[CRITIC].teacher_figures(pack)[3] for pack in packs]
+        stats = [{"d": torch.stack([d, torch.ones_like(d)]) if d.isfinite() else torch.zeros(2)} for d in figures]
+        return self.mean_over_packs(stats, "d", device)
+
+    def warn_if_collapsing(self, record: dict[str, Any]) -> None:
+        """A warning when the logged ``collapse_diversity`` is below ``collapse_warning`` times the teacher's
+        (once, until it is above again)."""
+        diversity, teacher = record.get("collapse_diversity"), self.teacher_diversity
+        if not self.collapse_warning or diversity is None or not teacher:
+            return
+        below = diversity < self.collapse_warning * teacher
+        if below and not self.warned:
+            logger.warning(
+                "iteration %d: the student's sample diversity %.3g is below %g of the teacher's (%.3g): it may be "
+                "collapsing onto fewer modes (DMD is mode-seeking; see distill.gan_* and distill.regression_weight, "
+                "docs/distillation.md)",
+                record["iteration"],
+                diversity,
+                self.collapse_warning,
+                teacher,
+            )
+        self.warned = below
 
     @staticmethod
     def validation_losses(loop, packs: list, levels: list[float]) -> dict[str, float]:
@@ -197,4 +232,5 @@ class DistillPlayers:
             f"lr critic {r['critic_lr']:.3g} student {r['student_lr']:.3g} | skipped {r['skipped_iterations']} | "
             f"{r['step_time_s'] * 1000:.0f} ms/it | {fmt(r['tokens_per_sec_per_gpu'])} tok/s/gpu | collapse "
             + " ".join(f"{key.removeprefix('collapse_')} {fmt(r[key])}" for key in COLLAPSE_KEYS)
+            + ("" if r.get("teacher_diversity") is None else f" (teacher's diversity {fmt(r['teacher_diversity'])})")
         )

@@ -165,6 +165,17 @@ class DistillForwardStep:
         )
         return self.pipeline.sample(self.players.teacher, noise, packing.sample_ids, options, cond.cond, cond.uncond)
 
+    def teacher_figures(self, batch: PackedBatch) -> torch.Tensor:
+        """[4] ``COLLAPSE_KEYS`` of the teacher's guided ODE samples (``teacher_sample``) of ``batch`` from noise of
+        its own generator (seed, the pack's first sample index): the reference the student's diversity is
+        compared with (``DistillPlayers.teacher_diversity``)."""
+        batch = batch.to(self.device)
+        packing = Packing(batch.token_sample_ids(), batch.loss_mask, batch.num_samples)
+        noise = fresh_noise(batch.latents, pack_generator(self.seed, 0, "teacher", batch))
+        with torch.no_grad():
+            x0 = self.teacher_sample(noise, packing, conditioning(batch, self.settings.guidance_scale))
+        return collapse_figures(x0, batch, packing)
+
     def critic_loss(self, critic, batch, packing, noise, generator, cond):
         """The critic's flow-matching loss on a student sample made without grad (plus, with the GAN loss on, the
         classifier's loss on that sample against the pack's data latents), and that sample's collapse figures."""

@@ -398,6 +398,8 @@ class TrainLoop:
         if self.players is not None:
             record = self.players.record(self, iteration, outcome, window)
             self.metrics.write(record, self.players.console_line(record))
+            if self.metrics.enabled:
+                self.players.warn_if_collapsing(record)
             return
         losses, grad_norm = outcome
         loss, _ = reduce_loss_and_tokens(losses, self.device)

@@ -23,10 +23,12 @@ from dfm.config.loader import build_config
 from dfm.diffusion.registry import pipeline_from_config
 from dfm.distill import Packing
 from dfm.distill.collapse import same_shape_samples
+from dfm.distill.settings import DistillSettings
 from dfm.inference.checkpoint_loading import checkpoint_config, checkpoint_directory, load_model, single_process_config
 from dfm.inference.generation_batch import draw_noise, generation_batch
 from dfm.inference.student import DMD2, sample_student_latent
 from dfm.parallel import ParallelLayout
+from dfm.training.distill_loop import DistillPlayers
 from tests.training.entry import TINY, read_metrics, run_in_one_launch
 
 FLOW = ["model.pipeline=flow"]
@@ -92,6 +94,27 @@ def test_both_players_losses_are_finite_and_logged(runs):
         assert record["student_loss"] is None or math.isfinite(record["student_loss"])
         assert record["collapse_std"] > 0 and record["collapse_diversity"] > 0, record
     assert straight[4]["student_loss"] != straight[2]["student_loss"]
+    # The teacher's diversity, measured once at the first iteration: the same number on every line.
+    assert len({record["teacher_diversity"] for record in straight.values()}) == 1
+    assert straight[1]["teacher_diversity"] > 0
+
+
+def test_a_collapsing_student_is_warned_about_once_until_it_recovers(caplog):
+    """distill.collapse_warning: below that fraction of the teacher's diversity, one warning; again only after
+    the student was above it in between; never at 0 (off)."""
+    players = DistillPlayers(DistillSettings(), {}, collapse_warning=0.5)
+    players.teacher_diversity = 0.8
+    with caplog.at_level("WARNING", logger="dfm.train"):
+        for iteration, diversity in enumerate([0.6, 0.3, 0.2, 0.5, 0.35, None], start=1):
+            players.warn_if_collapsing({"iteration": iteration, "collapse_diversity": diversity})
+    warned = [record.getMessage() for record in caplog.records]
+    assert len(warned) == 2 and warned[0].startswith("iteration 2: the student's sample diversity 0.3 is below 0.5")
+    assert warned[1].startswith("iteration 5:") and "teacher's (0.8)" in warned[1]
+    caplog.clear()
+    off = DistillPlayers(DistillSettings(), {}, collapse_warning=0.0)
+    off.teacher_diversity = 0.8
+    off.warn_if_collapsing({"iteration": 1, "collapse_diversity": 0.01})
+    assert not caplog.records
 
 
 @pytest.mark.slow
