@@ -12,7 +12,13 @@ from pathlib import Path
 
 import torch
 
-from dfm.data.encoders import CLIPPooledEncoder, T5TextEncoder, VideoVAE, build_tiny_random_encoders
+from dfm.data.encoders import (
+    CLIPPooledEncoder,
+    T5TextEncoder,
+    VideoVAE,
+    build_tiny_random_encoders,
+    tiny_encoder_paths,
+)
 
 
 @dataclass
@@ -56,18 +62,22 @@ def load_encoders(sources: EncoderSources, max_text_len: int, device: torch.devi
 
 
 def tiny_random_encoders(
-    model_cfg, out_dir: str | Path, max_text_len: int, device: torch.device, seed: int = 0
+    model_cfg, out_dir: str | Path, max_text_len: int, device: torch.device, seed: int = 0, build: bool = True
 ) -> Encoders:
     """Tiny random T5 (width text_embed_dim), VAE (in_channels latents; FLUX's for FLUX, else Wan's)
-    and, for FLUX, CLIP (width pooled_text_dim), saved under ``out_dir``."""
+    and, for FLUX, CLIP (width pooled_text_dim), saved under ``out_dir`` (``build=False``: loaded from there,
+    as another process saved them)."""
     flux = uses_pooled_text(model_cfg)
-    paths = build_tiny_random_encoders(
-        out_dir,
-        seed,
-        text_dim=model_cfg.text_embed_dim,
-        latent_channels=model_cfg.in_channels,
-        pooled_dim=model_cfg.pooled_text_dim or 16,
-    )
+    if build:
+        paths = build_tiny_random_encoders(
+            out_dir,
+            seed,
+            text_dim=model_cfg.text_embed_dim,
+            latent_channels=model_cfg.in_channels,
+            pooled_dim=model_cfg.pooled_text_dim or 16,
+        )
+    else:
+        paths = tiny_encoder_paths(out_dir)
     sources = EncoderSources(
         t5=str(paths.t5_dir),
         vae=str(paths.flux_vae_dir if flux else paths.wan_vae_dir),

@@ -60,8 +60,16 @@ def encoder_sources(cfg: ConfigContainer) -> EncoderSources:
 def validation_encoders(cfg: ConfigContainer, device: torch.device) -> Encoders:
     """The text encoder and VAE of ``validation`` (tiny random ones under the log folder if asked)."""
     if cfg.validation.tiny_random_encoders:
+        # Rank 0 saves them (transformers saves a model from the main process only), the others load its files.
         folder = Path(cfg.logger.log_dir) / "validation" / ".tiny_random_encoders"
-        encoders = tiny_random_encoders(cfg.model, folder, cfg.model.max_text_len, device, cfg.validation.seed)
+        distributed = torch.distributed.is_initialized()
+        first = not distributed or torch.distributed.get_rank() == 0
+        if first:
+            encoders = tiny_random_encoders(cfg.model, folder, cfg.model.max_text_len, device, cfg.validation.seed)
+        if distributed:
+            torch.distributed.barrier()
+        if not first:
+            encoders = tiny_random_encoders(cfg.model, folder, cfg.model.max_text_len, device, build=False)
     else:
         encoders = load_encoders(encoder_sources(cfg), cfg.model.max_text_len, device)
     check_encoders_match(encoders, cfg.model)

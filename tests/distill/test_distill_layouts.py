@@ -13,11 +13,13 @@ under Megatron-FSDP: test_distill_run.py.)"""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
-from tests.distill.test_distill_run import FLOW, GAN, REGRESSION, distill_overrides
+from tests.distill.test_distill_run import FLOW, GAN, REGRESSION, VALIDATION, distill_overrides
 from tests.parallel.equivalence import DIST_OPT, DP_DATA, EP2, FSDP
 from tests.training.entry import RECIPE_DIR, read_metrics, run_in_one_launch
 
@@ -54,7 +56,9 @@ def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
     one_regression = [*distill_overrides(teacher), *REGRESSION, f"logger.log_dir={tmp / 'one_regression'}"]
     gan_save = [f"checkpoint.save={tmp / 'gan_ckpt'}", "checkpoint.save_interval=2"]
     one_gan = [*distill_overrides(teacher), *GAN, *gan_save, f"logger.log_dir={tmp / 'one_gan'}"]
-    run_in_one_launch(1, [teach, [*one, f"logger.log_dir={tmp / 'one'}"], one_regression, one_gan], tmp / "launch1")
+    one_validated = [*distill_overrides(teacher), *VALIDATION, f"logger.log_dir={tmp / 'one_validated'}"]
+    launch1 = [teach, [*one, f"logger.log_dir={tmp / 'one'}"], one_regression, one_gan, one_validated]
+    run_in_one_launch(1, launch1, tmp / "launch1")
     layouts = [[*distill_overrides(teacher), *extra, f"logger.log_dir={tmp / name}"] for name, extra in LAYOUTS.items()]
     layouts[list(LAYOUTS).index("dp2_fsdp")] += [f"checkpoint.save={tmp / 'fsdp_ckpt'}", "checkpoint.save_interval=2"]
     resumed = [
@@ -81,8 +85,9 @@ def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
         f"checkpoint.load={tmp / 'gan_ckpt'}/iter_0000002",
         f"logger.log_dir={tmp / 'resumed_cp2_gan'}",
     ]
+    validated = [*distill_overrides(teacher), *VALIDATION, *LAYOUTS["cp2"], f"logger.log_dir={tmp / 'cp2_validated'}"]
     # the FSDP resume after the run that saves it
-    run_in_one_launch(2, [*layouts, *resumed, *regression, *gan, gan_resumed], tmp / "launch2")
+    run_in_one_launch(2, [*layouts, *resumed, *regression, *gan, gan_resumed, validated], tmp / "launch2")
     names = (
         "one",
         *LAYOUTS,
@@ -93,7 +98,11 @@ def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
         *(f"{name}_gan" for name in GAN_LAYOUTS),
         "resumed_cp2_gan",
     )
-    return {name: {r["iteration"]: r for r in read_metrics(tmp / name)} for name in names}
+    records = {name: {r["iteration"]: r for r in read_metrics(tmp / name)} for name in names}
+    for name in ("one_validated", "cp2_validated"):
+        lines = (tmp / name / "validation.jsonl").read_text().splitlines()
+        records[name] = {record["iteration"]: record for record in map(json.loads, lines)}
+    return records
 
 
 def assert_close(run: dict[int, dict], reference: dict[int, dict], case: str, keys=KEYS) -> None:
@@ -133,6 +142,19 @@ def test_layout_with_an_extra_loss_trains_like_one_process(runs, loss, layout):
     assert sorted(runs[f"{layout}_{loss}"]) == [1, 2, 3, 4]
     assert one[4][logged] is not None and one[4][logged] > 0
     assert_close(runs[f"{layout}_{loss}"], one, f"{layout} with the {loss} loss", keys)
+
+
+@pytest.mark.slow
+def test_validation_at_cp2_equals_one_process(runs):
+    """A distillation's validation at CP=2 (the ranks sample together; tiny encoders saved by rank 0, loaded by
+    the other): both players' losses per level as in one process, and the prompt's picture written."""
+    one, cp2 = runs["one_validated"], runs["cp2_validated"]
+    assert sorted(cp2) == sorted(one) == [2, 4]
+    keys = [f"val_loss{player}{level}" for player in ("", "_critic") for level in ("", "_t0", "_t1")]
+    assert_close(cp2, one, "validation at CP=2", keys)
+    for record in cp2.values():
+        (picture,) = record["samples"]
+        assert Path(picture).is_file()
 
 
 @pytest.mark.slow

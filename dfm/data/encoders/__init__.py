@@ -2,7 +2,7 @@
 
 from dfm.data.encoders.clip import CLIPPooledEncoder
 from dfm.data.encoders.t5 import T5TextEncoder
-from dfm.data.encoders.tiny import TinyEncoderPaths, build_tiny_random_encoders, is_tiny_random
+from dfm.data.encoders.tiny import TinyEncoderPaths, build_tiny_random_encoders, is_tiny_random, tiny_encoder_paths
 from dfm.data.encoders.vae import VideoVAE
 
 __all__ = [
@@ -12,4 +12,5 @@ __all__ = [
     "TinyEncoderPaths",
     "build_tiny_random_encoders",
     "is_tiny_random",
+    "tiny_encoder_paths",
 ]

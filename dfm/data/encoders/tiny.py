@@ -133,18 +133,23 @@ def build_tiny_kl_vae(out_dir: Path, seed: int, latent_channels: int, **normalis
     return _save_tiny(out_dir, seed, "AutoencoderKL", lambda: AutoencoderKL(**config))
 
 
-def build_tiny_random_encoders(
-    out_dir: str | Path, seed: int = 0, text_dim: int = 32, latent_channels: int = 4, pooled_dim: int = 16
-) -> TinyEncoderPaths:
-    """Build and save a tiny T5 (ByT5 tokenizer), CLIP, and Wan, KL and FLUX VAEs under ``out_dir``."""
+def tiny_encoder_paths(out_dir: str | Path) -> TinyEncoderPaths:
+    """Where ``build_tiny_random_encoders`` saves each encoder under ``out_dir``."""
     out_dir = Path(out_dir)
-    paths = TinyEncoderPaths(
+    return TinyEncoderPaths(
         t5_dir=out_dir / "t5",
         wan_vae_dir=out_dir / "vae_wan",
         kl_vae_dir=out_dir / "vae_kl",
         flux_vae_dir=out_dir / "vae_flux",
         clip_dir=out_dir / "clip",
     )
+
+
+def build_tiny_random_encoders(
+    out_dir: str | Path, seed: int = 0, text_dim: int = 32, latent_channels: int = 4, pooled_dim: int = 16
+) -> TinyEncoderPaths:
+    """Build and save a tiny T5 (ByT5 tokenizer), CLIP, and Wan, KL and FLUX VAEs under ``out_dir``."""
+    paths = tiny_encoder_paths(out_dir)
     build_tiny_t5(paths.t5_dir, seed, text_dim)
     build_tiny_wan_vae(paths.wan_vae_dir, seed, latent_channels)
     build_tiny_kl_vae(paths.kl_vae_dir, seed, latent_channels)
