@@ -27,8 +27,10 @@ from dfm.training.memory_plan import (
     Activations,
     PhasePlan,
     config_plan,
+    ddp_layout,
     describe,
     device_memory,
+    ema_bytes,
     layer_activation_bytes,
     own_checkpoint_shard,
     parameter_bytes,
@@ -60,8 +62,11 @@ def distill_plan(cfg, layout, share: int, samples_per_pack: int = 1) -> DistillP
     tokens, text_tokens = tokens_per_rank(cfg, layout, samples_per_pack)
     no_grad_call = max(layer_activation_bytes(cfg.model, tokens, text_tokens))
     activations = student_step_activations(player.activations, no_grad_call)
+    # The student's EMA (optimizer.ema_decay) once: the critic keeps none.
+    ema, ema_shard = ema_bytes(cfg, share, ddp_layout(cfg), layout.dp * layout.cp)
+    checkpoint_io += ema + ema_shard
     combined = PhasePlan(
-        state.params + BUILD_CHUNK, state, activations, player.fsdp_units, checkpoint_io, checkpoint_io
+        state.params + BUILD_CHUNK, state, activations, player.fsdp_units, checkpoint_io, checkpoint_io, ema
     )
     return DistillPlan(player, teacher, combined)
 

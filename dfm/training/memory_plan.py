@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -157,10 +158,11 @@ class PhasePlan:
     fsdp_units: int
     save: int
     load: int
+    ema: int = 0  # the EMA weights' copy (optimizer.ema_decay), held through every phase after the build
 
     @property
     def train(self) -> int:
-        return int(self.state.total + self.activations.saved + self.activations.working + self.fsdp_units)
+        return int(self.state.total + self.ema + self.activations.saved + self.activations.working + self.fsdp_units)
 
     def peak(self) -> int:
         return max(self.build, self.train, self.save, self.load)
@@ -189,8 +191,8 @@ def rank_plan(
 ) -> PhasePlan:
     """The plan of a rank holding ``share`` parameters (its TP / PP slice before data-parallel sharding),
     ``trainable`` of them trained (LoRA: the adapters; None: all)."""
-    ddp, model_cfg = cfg.ddp, cfg.model
-    name = layout_name(ddp.use_megatron_fsdp, ddp.data_parallel_sharding_strategy, ddp.use_distributed_optimizer)
+    model_cfg = cfg.model
+    name = ddp_layout(cfg)
     shards = layout.dp * layout.cp
     per = parameter_bytes(cfg)
     state = state_formula(share, per, name, shards, trainable)
@@ -198,8 +200,25 @@ def rank_plan(
     activations = activation_bytes(model_cfg, tokens, text_tokens, in_flight, slice(0, stage_layers))
     block = share // max(stage_layers, 1)
     fsdp = 2 * block * per.params + block * per.grads if name == "optim_grads_params" else 0
-    checkpoint_io = state.total + own_checkpoint_shard(share, per, shards, trainable) + IO_BUFFER
-    return PhasePlan(state.params + BUILD_CHUNK, state, activations, fsdp, checkpoint_io, checkpoint_io)
+    ema, ema_shard = ema_bytes(cfg, share, name, shards)
+    checkpoint_io = state.total + ema + own_checkpoint_shard(share, per, shards, trainable) + ema_shard + IO_BUFFER
+    return PhasePlan(state.params + BUILD_CHUNK, state, activations, fsdp, checkpoint_io, checkpoint_io, ema)
+
+
+def ddp_layout(cfg) -> str:
+    """The ``ddp`` section's state layout, by ``memory.layout_name``'s names."""
+    ddp = cfg.ddp
+    return layout_name(ddp.use_megatron_fsdp, ddp.data_parallel_sharding_strategy, ddp.use_distributed_optimizer)
+
+
+def ema_bytes(cfg, share: int, layout: str, shards: int) -> tuple[int, int]:
+    """(held, the rank's own share of a checkpoint's) bytes of the fp32 EMA of the rank's parameters when
+    ``optimizer.ema_decay`` keeps one (dfm/training/ema.py): of its ``share`` (TP / PP slice), or under
+    Megatron-FSDP's full sharding of its rows only; (0, 0) without."""
+    if cfg.optimizer.ema_decay is None:
+        return 0, 0
+    held = 4 * (math.ceil(share / shards) if layout == "optim_grads_params" else share)
+    return held, held if layout == "optim_grads_params" else held // shards
 
 
 def tokens_per_rank(cfg, layout, samples_per_pack: int = 1) -> tuple[int, int]:
@@ -220,7 +239,9 @@ def describe(plan: PhasePlan, device_bytes: int | None) -> list[str]:
     a = plan.activations
     lines = [
         f"build {format_bytes(plan.build)} (the rank's parameters + one init chunk <= {format_bytes(BUILD_CHUNK)})",
-        f"training step {format_bytes(plan.train)}: {plan.state.describe()}; activations saved "
+        f"training step {format_bytes(plan.train)}: {plan.state.describe()}"
+        + (f", EMA {format_bytes(plan.ema)}" if plan.ema else "")
+        + "; activations saved "
         f"{format_bytes(int(a.saved))}, backward working set {format_bytes(int(a.working))}, "
         f"FSDP gathered units {format_bytes(plan.fsdp_units)}",
         f"save {format_bytes(plan.save)}, load {format_bytes(plan.load)} (state + the rank's own checkpoint "
@@ -276,8 +297,7 @@ def report_plan(title: str, lines: list[str], plan: PhasePlan, total: int | None
 def log_memory(cfg, layout, model, optimizer) -> None:
     """Start-up log (rank 0): every rank's measured bytes, the formula for rank 0's share (the same
     figures, unrounded, in ``<log_dir>/memory_per_rank.json``), then the plan (``log_plan``)."""
-    ddp = cfg.ddp
-    name = layout_name(ddp.use_megatron_fsdp, ddp.data_parallel_sharding_strategy, ddp.use_distributed_optimizer)
+    name = ddp_layout(cfg)
     measured = measured_bytes(model, optimizer, cfg.optimizer.optimizer)
     counts = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(

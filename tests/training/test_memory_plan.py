@@ -133,3 +133,36 @@ def test_distillation_plan_counts_two_trained_networks_and_a_frozen_teacher(prec
     one_block = max(layer_activation_bytes(cfg.model, *tokens_per_rank(cfg, layout)))
     assert plan.combined.activations.saved == plan.player.activations.saved
     assert plan.player.activations.working == 0 and plan.combined.activations.working == one_block
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_an_ema_adds_its_fp32_copy_to_every_phase_after_the_build(fsdp):
+    """optimizer.ema_decay: 4 bytes a held parameter (the rank's whole share, or its rows under Megatron-FSDP's
+    full sharding) in the training step, and that plus the rank's share of the saved EMA in save and load; a
+    distillation counts the student's once (the critic keeps none)."""
+    from dfm.config.container import ConfigContainer
+    from dfm.parallel.layout import ParallelLayout
+    from dfm.training.distill_memory_plan import distill_plan
+    from dfm.training.memory_plan import config_plan
+
+    cfg = ConfigContainer()
+    cfg.train.global_batch_size = 2
+    if fsdp:
+        cfg.ddp.use_megatron_fsdp, cfg.ddp.data_parallel_sharding_strategy = True, "optim_grads_params"
+    else:
+        cfg.ddp.use_distributed_optimizer = True
+    layout = ParallelLayout.from_config(cfg.model, 2)
+    share = 10**9
+    without = config_plan(cfg, layout, share)
+    cfg.optimizer.ema_decay = 0.999
+    with_ema = config_plan(cfg, layout, share)
+    held = 4 * share // 2 if fsdp else 4 * share
+    saved_share = held if fsdp else held // 2
+    assert with_ema.ema == held and without.ema == 0
+    assert with_ema.train - without.train == held
+    assert with_ema.save - without.save == with_ema.load - without.load == held + saved_share
+    assert with_ema.build == without.build
+    cfg.distill.enabled = True
+    distilled = distill_plan(cfg, layout, share)
+    cfg.optimizer.ema_decay = None
+    assert distilled.combined.train - distill_plan(cfg, layout, share).combined.train == held
