@@ -10,15 +10,20 @@ The processes the rank forked write theirs too (dfm/platform/child_stacks.py) an
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import fcntl
 import os
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 from dfm.platform.child_stacks import ask_children_for_stacks
 
 STALL_EXIT_CODE = 3
+DUMP_LOCK_WAIT_S = 10.0  # the longest a rank waits for another's dump before writing its own anyway
 GPU_DEFAULT_S = 30 * 60.0  # train.stall_timeout_s=null on GPUs; on CPUs null is off (steps vary too much there)
 
 
@@ -62,9 +67,37 @@ class StallWatchdog:
 
 def dump_stacks(message: str) -> None:
     """``message``, then every thread's Python stack, to stderr (``faulthandler``: works while the main
-    thread is stuck in C code or a collective), then those of the processes it forked (a checkpoint writer)."""
-    sys.stderr.write(message + "\n")
-    sys.stderr.flush()
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    sys.stderr.flush()
-    ask_children_for_stacks()
+    thread is stuck in C code or a collective), then those of the processes it forked (a checkpoint writer).
+    One process of the node at a time (``one_dump_at_a_time``): ranks that share a log write their dumps
+    whole instead of interleaved character by character."""
+    with one_dump_at_a_time():
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        ask_children_for_stacks()
+
+
+@contextlib.contextmanager
+def one_dump_at_a_time(wait_s: float = DUMP_LOCK_WAIT_S):
+    """Hold the node's stack-dump lock (an advisory ``flock`` on a file in the temp folder) for the block; after
+    ``wait_s`` without it, or without a lock file, dump anyway: a dump must never be what keeps a rank alive."""
+    path = Path(tempfile.gettempdir()) / f"dfm-stack-dumps-{os.getuid()}.lock"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 PARENT = """
 import ctypes, os, subprocess, sys, time
@@ -32,3 +33,37 @@ def test_a_forked_child_writes_its_stacks_on_request():
     assert result.stdout == "True True\n", result.stdout + result.stderr
     assert "Python stacks of the child processes" in result.stderr
     assert "in stuck_in_the_writer" in result.stderr, result.stderr  # the child's stuck frame
+
+
+DUMPER = """
+import sys, time
+from dfm.platform.watchdog import dump_stacks
+name = sys.argv[1]
+def nest(depth):
+    if depth:
+        return nest(depth - 1)
+    start = float(sys.argv[2])  # both processes dump at the same instant
+    while time.time() < start:
+        pass
+    dump_stacks("dump of " + name)
+exec(f"def frame_of_{name}(): nest(60)")
+globals()[f"frame_of_{name}"]()
+"""
+
+
+def test_ranks_sharing_a_log_write_their_dumps_whole(tmp_path):
+    """Two ranks' simultaneous dumps into one log (as two ranks' stderr under one launcher) come one after the
+    other, each in one piece, instead of interleaved character by character (seen in the stall test's log)."""
+    log = tmp_path / "stderr"
+    with log.open("w") as shared:
+        start = str(time.time() + 5.0)  # after both have started
+        command = [sys.executable, "-c", DUMPER]
+        procs = [subprocess.Popen([*command, f"rank{r}", start], stderr=shared) for r in range(2)]
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    text = log.read_text()
+    for rank in ("rank0", "rank1"):
+        assert f"dump of {rank}\n" in text and f"in frame_of_{rank}\n" in text, text
+        start = text.index(f"dump of {rank}")
+        other = "rank1" if rank == "rank0" else "rank0"
+        piece = text[start : text.index(f"in frame_of_{rank}\n")]
+        assert f"frame_of_{other}" not in piece and text.count("in nest\n") == 2 * 61, text[:2000]
