@@ -145,13 +145,24 @@ def test_one_kernel_call_per_query_length(monkeypatch, case, calls):
     assert (plan.groups[0].q.strided is not None) == (case != "mixed")
 
 
-def test_plan_built_once_per_pack():
+def test_plan_built_once_per_pack_shape():
     (query, key, value), params = inputs_for("mixed")
     plan = segment_plan(params, query.shape[0], key.shape[0], query.device)
     assert segment_plan(params, query.shape[0], key.shape[0], query.device) is plan
-    _, other = inputs_for("mixed")
-    params.host = other  # another pack's host bounds: a new plan
-    assert segment_plan(params, query.shape[0], key.shape[0], query.device) is not plan
+    _, same_shape = inputs_for("mixed")  # another pack laid out alike (the next step's): the same plan
+    assert segment_plan(same_shape, query.shape[0], key.shape[0], query.device) is plan
+    (query, key, _), other = inputs_for("mixed_padded")
+    params.host = other  # another pack's host bounds: a new plan, its own
+    changed = segment_plan(params, query.shape[0], key.shape[0], query.device)
+    assert changed is not plan
+    assert [g.q.length for g in changed.groups] == [g.q.length for g in plan_segments(*mixed_padded_segments()).groups]
+
+
+def mixed_padded_segments():
+    q_lens, q_padded, kv_lens, kv_padded = CASES["mixed_padded"]
+    starts = [sum(q_padded[:i]) for i in range(len(q_padded))]
+    kv_starts = [sum(kv_padded[:i]) for i in range(len(kv_padded))]
+    return list(zip(starts, q_lens, kv_starts, kv_lens)), sum(q_padded), sum(kv_padded), "cpu", kv_padded
 
 
 def test_saves_inputs_output_and_log_sum_exp_only():

@@ -5,12 +5,13 @@ side whose segments are equally long at a regular stride (every clip 32 tokens, 
 strided view of the pack's rows, no copy; otherwise its rows are gathered by index. Key lengths
 that differ within a group (captions) are padded to the group's longest with a -inf mask: read from
 each segment's own padding rows when the pack has them (one-shape packs, packing.py), else the
-segment's last key repeated. Built
-once per pack from the host segments and kept on ``params`` (every layer gets the same object).
+segment's last key repeated. Built once per pack shape from the host segments (``plan_of_shape``)
+and kept on ``params`` (every layer gets the same object).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -99,23 +100,33 @@ def plan_segments(
 
 
 def segment_plan(params: PackedSeqParams, q_total: int, kv_total: int, device: torch.device) -> SegmentPlan | None:
-    """The plan of ``params``' non-empty segments (None: there are none), built once per pack."""
-
-    def build() -> SegmentPlan | None:
-        q_starts, q_lens = segment_bounds(params, "q")
-        kv_starts, kv_lens = segment_bounds(params, "kv")
-        kv_rooms = segment_rooms(params, "kv")
-        kept = [i for i, (nq, nk) in enumerate(zip(q_lens, kv_lens)) if nq and nk]
-        segments = [(q_starts[i], q_lens[i], kv_starts[i], kv_lens[i]) for i in kept]
-        rooms = [kv_rooms[i] for i in kept]
-        return plan_segments(segments, q_total, kv_total, device, rooms) if segments else None
-
+    """The plan of ``params``' non-empty segments (None: there are none), built once per pack shape."""
     host = host_segments(params)
     bounds = tuple(id(getattr(host, f"cu_seqlens_{name}")) for name in ("q", "q_padded", "kv", "kv_padded"))
     # The host tensors are kept with the plan, so their ids stay theirs while it is cached.
     key = (q_total, kv_total, device, bounds)
     held = (host.cu_seqlens_q, host.cu_seqlens_q_padded, host.cu_seqlens_kv, host.cu_seqlens_kv_padded)
-    return cached_per_pack(params, "segment_plan", key, lambda: (held, build()))[1]
+    return cached_per_pack(
+        params, "segment_plan", key, lambda: (held, plan_of_shape(params, q_total, kv_total, device))
+    )[1]
+
+
+def plan_of_shape(params: PackedSeqParams, q_total: int, kv_total: int, device: torch.device) -> SegmentPlan | None:
+    """``segment_plan`` for a pack laid out like ``params``: packs of one shape (a data set of one
+    clip size, every step) share one plan, made once (~0.35 ms an attention kind on 64 clips)."""
+    q_starts, q_lens = segment_bounds(params, "q")
+    kv_starts, kv_lens = segment_bounds(params, "kv")
+    shape = (tuple(q_starts), tuple(q_lens), tuple(kv_starts), tuple(kv_lens), tuple(segment_rooms(params, "kv")))
+    return _plan_of_bounds(shape, q_total, kv_total, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_of_bounds(shape: tuple[tuple[int, ...], ...], q_total: int, kv_total: int, device: torch.device):
+    q_starts, q_lens, kv_starts, kv_lens, kv_rooms = shape
+    kept = [i for i, (nq, nk) in enumerate(zip(q_lens, kv_lens)) if nq and nk]
+    segments = [(q_starts[i], q_lens[i], kv_starts[i], kv_lens[i]) for i in kept]
+    rooms = [kv_rooms[i] for i in kept]
+    return plan_segments(segments, q_total, kv_total, device, rooms) if segments else None
 
 
 def merged_heads(x: Tensor) -> Tensor:
