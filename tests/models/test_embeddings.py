@@ -7,6 +7,7 @@ from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_
 from dfm.data.patchify import num_tokens, patch_grid, patchify, unpatchify
 from dfm.models.common.embeddings import (
     FactorizedLearned3DEmbedding,
+    SincosTable,
     TimestepEmbedder,
     rope_3d_freqs,
     sincos_3d,
@@ -61,6 +62,19 @@ def test_sincos_3d_is_fixed_and_distinguishes_positions():
     assert emb.shape == (24, 48)
     assert torch.equal(emb, sincos_3d(pos, 48))
     assert torch.cdist(emb, emb).add(torch.eye(24)).min() > 0  # no two positions collide
+
+
+def test_sincos_table_is_kept_while_the_positions_stay():
+    table = SincosTable()
+    pos = patch_grid(2, 3, 4)
+    first = table(pos, pos.clone(), 48)
+    assert torch.equal(first, sincos_3d(pos, 48))
+    assert table(pos.clone(), pos.clone(), 48) is first  # the next pack laid out alike: kept
+    other = patch_grid(2, 4, 3)
+    assert torch.equal(table(other, other, 48), sincos_3d(other, 48))  # other positions: made again
+    assert torch.equal(table(other, other, 24), sincos_3d(other, 24))  # another width too
+    longer = patch_grid(3, 4, 3)
+    assert torch.equal(table(longer, longer, 24), sincos_3d(longer, 24))
 
 
 def test_learned_3d_is_a_sum_of_per_axis_tables_and_checks_limits():

@@ -71,6 +71,24 @@ def sincos_3d(pos_ids: torch.Tensor, hidden_size: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+class SincosTable:
+    """``sincos_3d`` of the last pack's positions, kept while the packs' positions stay the same: data of
+    one clip size makes the table once, not every step (~25 small ops, 0.3-0.6 ms on 2048 tokens on the
+    CPU). Compared on the host copy of the positions (no device sync)."""
+
+    def __init__(self):
+        self.key: tuple | None = None
+        self.table: torch.Tensor | None = None
+
+    def __call__(self, pos_ids: torch.Tensor, host_pos_ids: torch.Tensor, hidden_size: int) -> torch.Tensor:
+        """pos_ids [S, 3] (its host copy alike) -> [S, hidden]."""
+        key = (hidden_size, pos_ids.device, host_pos_ids.shape)
+        if self.key is None or self.key[1:] != key or not torch.equal(self.key[0], host_pos_ids):
+            self.table = sincos_3d(pos_ids, hidden_size)
+            self.key = (host_pos_ids, *key)
+        return self.table
+
+
 class FactorizedLearned3DEmbedding(nn.Module):
     """Learnable absolute embedding: table_t[t] + table_h[h] + table_w[w] -> [S, hidden]."""
 

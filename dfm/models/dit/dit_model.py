@@ -18,6 +18,7 @@ from dfm.models.attention.rope_tables import RotaryTables
 from dfm.models.attention.segments import PackedSegments
 from dfm.models.common.embeddings import (
     FactorizedLearned3DEmbedding,
+    SincosTable,
     TimestepEmbedder,
     rope_3d_freqs,
     sincos_3d,
@@ -69,6 +70,10 @@ def packed_seq_params(batch: PackedBatch, cross: bool, split: SequenceSplit | No
 class DiTModel(PackedDiffusionModel):
     """Packed DiT: (x_in [S, D], c_noise [N], batch, class labels [N] | None) -> raw prediction [S, D]."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sincos_table = SincosTable()  # not a module: no parameters, nothing saved
+
     @property
     def cross(self) -> bool:
         """Text-conditioned (cross-attention) blocks."""
@@ -114,13 +119,19 @@ class DiTModel(PackedDiffusionModel):
         return cond
 
     def embed(self, x_local: Tensor, batch: PackedBatch, split: SequenceSplit) -> Tensor:
-        return self.scatter_sequence(self.embed_patches(x_local, split.local(batch.pos_ids)))
+        host_pos_ids = batch.host_view().pos_ids if split.size == 1 else None
+        return self.scatter_sequence(self.embed_patches(x_local, split.local(batch.pos_ids), host_pos_ids))
 
-    def embed_patches(self, x_in: Tensor, pos_ids: Tensor) -> Tensor:
-        """[S, D] -> [S, 1, h] with absolute positions added when configured."""
+    def embed_patches(self, x_in: Tensor, pos_ids: Tensor, host_pos_ids: Tensor | None = None) -> Tensor:
+        """[S, D] -> [S, 1, h] with absolute positions added when configured; ``host_pos_ids``: the host
+        copy of pos_ids [S, 3], given when the sincos table may be kept for the next pack."""
         hidden = self.x_embedder(x_in.to(self.x_embedder.weight.dtype))
         if self.model_cfg.pos_embedding == "sincos3d":
-            hidden = hidden + sincos_3d(pos_ids, hidden.shape[-1]).to(hidden.dtype)
+            if host_pos_ids is None:
+                table = sincos_3d(pos_ids, hidden.shape[-1])
+            else:
+                table = self.sincos_table(pos_ids, host_pos_ids, hidden.shape[-1])
+            hidden = hidden + table.to(hidden.dtype)
         elif self.model_cfg.pos_embedding == "learned3d":
             hidden = hidden + self.pos_embedder(pos_ids)
         return hidden.unsqueeze(1)
