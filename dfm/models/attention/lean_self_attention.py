@@ -8,6 +8,8 @@
 * RoPE without q / k norms: the value is copied out of the fused QKV output, which is then freed
   (a view of it would keep all three of q, k, v alive beside the rotated q and k).
 
+* megatron's forward without its inference / offload branches for a plain call (lean_forward.py).
+
 Values are megatron's: the same norm kernel and the same RoPE products, in the same dtype.
 """
 
@@ -17,6 +19,7 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 from torch import Tensor, nn
 
+from dfm.models.attention.lean_forward import PlainAttentionForward
 from dfm.models.attention.qk_norm_rope import qk_norm_rope
 from dfm.models.attention.rope_tables import RotaryTables, apply_rotary
 
@@ -33,7 +36,7 @@ def fusable_norm(norm) -> bool:
     return isinstance(norm, nn.RMSNorm) and norm.weight is not None and norm.eps is not None
 
 
-class LeanSelfAttention(SelfAttention):
+class LeanSelfAttention(PlainAttentionForward, SelfAttention):
     """hidden [s, b, h] -> ([s, b, h], bias), like SelfAttention; ``rotary_pos_emb`` may be RotaryTables."""
 
     rotary: RotaryTables | None = None

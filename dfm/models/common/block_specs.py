@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-from megatron.core.transformer.attention import (
-    CrossAttention,
-    CrossAttentionSubmodules,
-    SelfAttention,
-    SelfAttentionSubmodules,
-)
+from megatron.core.transformer.attention import CrossAttentionSubmodules, SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from dfm.models.attention.lean_forward import PlainCrossAttention
 from dfm.models.attention.modules import BackendModules
 from dfm.models.common.activation_mlp import ActivationMLP
 from dfm.models.common.adaln import QKRMSNorm
@@ -29,11 +25,13 @@ def self_attention_spec(modules: BackendModules, qk_layernorm: bool, module: typ
 
 
 def cross_attention_spec(modules: BackendModules) -> ModuleSpec:
-    """Queries from the hidden states, keys / values from the text context."""
+    """Queries from the hidden states, keys / values from the text context (megatron's CrossAttention)."""
     submodules = CrossAttentionSubmodules(
         modules.column_linear, modules.column_linear, modules.core_attention, modules.row_linear
     )
-    return ModuleSpec(module=CrossAttention, params={"attn_mask_type": AttnMaskType.no_mask}, submodules=submodules)
+    return ModuleSpec(
+        module=PlainCrossAttention, params={"attn_mask_type": AttnMaskType.no_mask}, submodules=submodules
+    )
 
 
 def mlp_spec(modules: BackendModules, num_moe_experts: int | None) -> ModuleSpec:

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
-from megatron.core.transformer.attention import CrossAttention, CrossAttentionSubmodules
+from megatron.core.transformer.attention import CrossAttentionSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor, nn
 
+from dfm.models.attention.lean_forward import PlainCrossAttention
 from dfm.models.attention.lean_self_attention import LeanSelfAttention
 from dfm.models.common.init import normal_init
 from dfm.models.common.row_modulation import ModulationRows
@@ -75,7 +76,7 @@ class WanCrossAttentionSubmodules(CrossAttentionSubmodules):
     k_layernorm: ModuleSpec | type | None = None
 
 
-class WanCrossAttention(CrossAttention):
+class WanCrossAttention(PlainCrossAttention):
     """megatron's CrossAttention with q/k norms (megatron applies them in self-attention only)."""
 
     def __init__(self, config, submodules: WanCrossAttentionSubmodules, layer_number: int, **kwargs):
