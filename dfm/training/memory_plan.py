@@ -50,10 +50,6 @@ BUILD_CHUNK = 256 * 2**20  # the meta-device build's largest materialised chunk
 IO_BUFFER = 256 * 2**20  # one bounded staging / read buffer of the sharded save and load
 RECOMPUTE_TOKEN_H = 2.0  # a recomputed layer keeps its bf16 input
 RECOMPUTE_ACTIVATION_TOKEN_FFN = 2.0  # model.recompute_activation: the activation output (fc2's input) is not kept
-# The DiT family's final layer on a pack of one sample length broadcasts its scale rows instead of keeping
-# a bf16 per-token copy (FinalLayer's per_row): the plan counts the copy (mixed packs), ``one_length`` not.
-ONE_LENGTH_HEAD_TOKEN_H = 2.0
-ONE_LENGTH_HEADS = ("dit_adaln", "dit_cross", "stdit", "moviegen")
 logger = logging.getLogger("dfm.train")
 DEVICE_RESERVE = 0.10  # CUDA context, NCCL buffers and allocator fragmentation: a fit leaves 10% free
 
@@ -79,13 +75,16 @@ class Coefficients:
 # fitted by least squares to the per-layer count at five (hidden, FFN, text) sizes.
 # FLUX re-counted after its lean blocks (the same pieces; hidden 256, FFN 2h and 4h, 2 x 128 image +
 # 32 text tokens).
+# The final layer (FinalLayer: norm and modulation as the blocks', norm_recompute.py) keeps neither the normed
+# tensor nor a per-token scale: ``outside_token_h`` 4 (DiT family, FLUX) to 6 (MovieGen) bytes lower than
+# before (2026-11-29), for packs of one length and mixed ones alike.
 FAMILY = {
-    "dit_adaln": Coefficients(21.1, 3.9, 0.0, 8.5, 0.0),
-    "dit_cross": Coefficients(35.5, 3.7, 4.7, 8.4, 4.6),
-    "stdit": Coefficients(48.4, 3.7, 4.7, 8.4, 4.6),
-    "moviegen": Coefficients(33.0, 6.0, 4.7, 10.4, 4.6),
+    "dit_adaln": Coefficients(21.1, 3.9, 0.0, 4.5, 0.0),
+    "dit_cross": Coefficients(35.5, 3.7, 4.7, 4.4, 4.6),
+    "stdit": Coefficients(48.4, 3.7, 4.7, 4.4, 4.6),
+    "moviegen": Coefficients(33.0, 6.0, 4.7, 4.4, 4.6),
     "wan": Coefficients(34.3, 4.0, 6.2, 8.4, 4.6),
-    "flux": Coefficients(24.4, 4.0, 0.0, 8.5, 3.0, single_token_h=18.3, single_token_ffn=4.0),
+    "flux": Coefficients(24.4, 4.0, 0.0, 4.5, 3.0, single_token_h=18.3, single_token_ffn=4.0),
 }
 # HunyuanVideo 1.5's blocks are FLUX's double-stream blocks: FLUX's coefficients (not counted apart).
 FAMILY["hunyuan_video15"] = FAMILY["flux"]
@@ -123,13 +122,10 @@ class Activations:
     working: float  # the backward's extra: the recomputed chunk's full activations
 
 
-def activation_bytes(  # noqa: PLR0913 - the plan's inputs, each a number
-    model_cfg, tokens: int, text_tokens: int, in_flight: int = 1, stage_layers=None, one_length: bool = False
-) -> Activations:
+def activation_bytes(model_cfg, tokens: int, text_tokens: int, in_flight: int = 1, stage_layers=None) -> Activations:
     """Activations of one rank: ``tokens`` video and ``text_tokens`` text tokens per micro-batch on it,
     ``in_flight`` micro-batches held at once (pipeline warm-up), the blocks ``stage_layers`` (a slice;
-    default all) on this stage; ``one_length``: every pack holds samples of one length (the plan's default
-    counts mixed packs, which keep a little more)."""
+    default all) on this stage."""
     c = FAMILY[model_cfg.architecture]
     layers = layer_activation_bytes(model_cfg, tokens, text_tokens)[stage_layers or slice(None)]
     h = model_cfg.hidden_size
@@ -139,10 +135,7 @@ def activation_bytes(  # noqa: PLR0913 - the plan's inputs, each a number
     # uniform: one kept input per chunk of ``chunk`` blocks; block: each of the first blocks alone.
     inputs = -(-n_recomputed // chunk) if n_recomputed and model_cfg.recompute_method != "block" else n_recomputed
     kept = sum(layers[n_recomputed:]) + inputs * joint * RECOMPUTE_TOKEN_H * h
-    outside_token_h = c.outside_token_h
-    if one_length and model_cfg.architecture in ONE_LENGTH_HEADS:
-        outside_token_h -= ONE_LENGTH_HEAD_TOKEN_H
-    outside = tokens * outside_token_h * h + text_tokens * c.outside_text_h * h
+    outside = tokens * c.outside_token_h * h + text_tokens * c.outside_text_h * h
     # The backward recomputes one checkpointed chunk at a time (block: one block).
     working = max(layers[:chunk], default=0.0) * (1 if model_cfg.recompute_method == "block" else chunk)
     return Activations(saved=in_flight * (kept + outside), working=working)

@@ -27,12 +27,12 @@ def test_every_rung_builds_a_valid_config(ladder):
 
 def test_every_rung_names_a_known_variant_and_variants_undo_their_patch():
     from dfm.models import attention as packed_attention
-    from dfm.models.common import adaln
-    from dfm.models.common import final_layer as dit_model
+    from dfm.models.common import adaln, row_modulation
 
     patched = [
         (adaln, "rows_to_tokens"),
-        (dit_model, "rows_to_tokens"),
+        (adaln, "sum_rows_by_one_hot_gemm"),
+        (row_modulation, "sum_rows_by_one_hot_gemm"),
         (adaln.AdaLNModulation, "forward"),
         (packed_attention, "document_block_mask"),
         (packed_attention, "flex_document_attention"),

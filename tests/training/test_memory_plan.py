@@ -22,8 +22,7 @@ FAMILIES = {
     "flux": dict(qk_layernorm=True),
 }
 # (hidden, layers, text tokens per sample, video latent [T, H, W], FFN multiple): neither is a size the
-# coefficients were counted at. ``measure`` packs samples of one video shape: the formula counts it so
-# (``one_length``).
+# coefficients were counted at.
 SIZES = {"small": (48, 2, 12, (2, 8, 8), 4), "larger": (160, 3, 20, (3, 8, 12), 3)}
 
 
@@ -37,7 +36,7 @@ def test_activation_formula_matches_saved_tensors(family, size):
     hidden, layers, text_len, video, ffn = SIZES[size]
     cfg = model_config(family, hidden, layers, text_len, ffn)
     measured, tokens, text_tokens = measure(cfg, video)
-    predicted = activation_bytes(cfg, tokens, text_tokens, one_length=True).saved
+    predicted = activation_bytes(cfg, tokens, text_tokens).saved
     assert abs(predicted / measured - 1) < 0.15, f"{family} {size}: formula {predicted:.0f}, measured {measured}"
 
 
@@ -46,7 +45,7 @@ def test_recompute_activation_drops_the_mlp_activation_output(family):
     hidden, layers, text_len, video, ffn = SIZES["larger"]
     cfg = model_config(family, hidden, layers, text_len, ffn, recompute_activation=True)
     measured, tokens, text_tokens = measure(cfg, video)
-    predicted = activation_bytes(cfg, tokens, text_tokens, one_length=True).saved
+    predicted = activation_bytes(cfg, tokens, text_tokens).saved
     assert abs(predicted / measured - 1) < 0.15, f"{family}: formula {predicted:.0f}, measured {measured}"
 
 
@@ -56,7 +55,7 @@ def test_recompute_keeps_each_layer_input(size):
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     cfg = model_config("dit_cross", hidden, layers, text_len, ffn, **recompute)
     measured, tokens, text_tokens = measure(cfg, video)
-    predicted = activation_bytes(cfg, tokens, text_tokens, one_length=True).saved
+    predicted = activation_bytes(cfg, tokens, text_tokens).saved
     assert abs(predicted / measured - 1) < 0.15, f"{size}: formula {predicted:.0f}, measured {measured}"
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dfm.models.common.adaln import AdaLNNorm, modulate, rows_to_tokens
+from dfm.models.common.adaln import AdaLNNorm
 from dfm.models.common.init import zero_init
-from dfm.models.common.row_modulation import by_row
+from dfm.models.common.norm_recompute import norm_modulate_rows
 
 
 class FinalLayer(nn.Module):
@@ -20,13 +20,9 @@ class FinalLayer(nn.Module):
         self.linear = zero_init(nn.Linear(hidden_size, out_features))
 
     def forward(self, hidden: Tensor, cond: Tensor, token_sample_ids: Tensor, per_row: int = 0) -> Tensor:
-        """hidden [s, b, h], cond [N, h] -> [s, b, out]. ``per_row`` > 0: the tokens are N runs of that
-        many in sample order, so each sample's row broadcasts over its run (no per-token copy, whose
-        gather and index_add backward cost ~0.6 ms a step on the digits-video rung's 2048 tokens)."""
-        rows = self.adaln(F.silu(cond))
-        if per_row:
-            normed = self.norm(hidden)
-            shift, scale = rows[:, None, None].chunk(2, dim=-1)
-            return self.linear(modulate(by_row(normed, per_row), shift, scale).view_as(normed))
-        shift, scale = rows_to_tokens(rows, token_sample_ids).unsqueeze(1).chunk(2, dim=-1)
-        return self.linear(modulate(self.norm(hidden), shift, scale))
+        """hidden [s, b, h], cond [N, h], token_sample_ids [s] -> [s, b, out]. The norm and modulation as
+        in the blocks (norm_recompute.py): each sample's shift / scale row reaches its tokens inside the
+        op (``per_row`` > 0: the tokens are N runs of that many in sample order, rows broadcast)."""
+        shift, scale = self.adaln(F.silu(cond)).chunk(2, dim=-1)
+        rms = isinstance(self.norm, nn.RMSNorm)
+        return self.linear(norm_modulate_rows(hidden, shift, scale, token_sample_ids, self.norm.eps, rms, per_row))
