@@ -15,9 +15,10 @@ from dfm.diffusion.pipeline import DiffusionPipeline, null_dropped_context
 from dfm.diffusion.timestep_experts import EXPERTS, expert_of
 
 
-def sample_noise_generator(seed: int, iteration: int, sample_index: int) -> torch.Generator:
-    """Noise for a sample depends only on (seed, iteration, global sample index): layout independent."""
-    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{iteration}:{sample_index}".encode()))
+def seed_for_sample(generator: torch.Generator, seed: int, iteration: int, sample_index: int) -> torch.Generator:
+    """``generator`` reseeded for one sample: its noise depends only on (seed, iteration, global sample
+    index), layout independent. Reseeding resets all of a generator's state (the same draws as a new one)."""
+    return generator.manual_seed(zlib.crc32(f"{seed}:{iteration}:{sample_index}".encode()))
 
 
 def draw_pack_noise(
@@ -32,8 +33,9 @@ def draw_pack_noise(
     lengths = batch.host_sample_lengths()
     noise = torch.zeros(batch.latents.shape, dtype=torch.float32)
     draws, drop_draws = [], []
+    reused = torch.Generator()
     for start, length, index in zip(starts, lengths, batch.sample_index.tolist()):
-        generator = sample_noise_generator(seed, iteration, index)
+        generator = seed_for_sample(reused, seed, iteration, index)
         draws.append(pipeline.level_draws(1, generator))
         torch.randn((length, noise.shape[1]), generator=generator, out=noise[start : start + length])
         drop_draws.append(torch.rand(1, generator=generator))
