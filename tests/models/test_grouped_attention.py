@@ -158,6 +158,22 @@ def test_plan_built_once_per_pack_shape():
     assert [g.q.length for g in changed.groups] == [g.q.length for g in plan_segments(*mixed_padded_segments()).groups]
 
 
+def test_packs_whose_captions_fit_the_longest_share_one_plan_masked_per_pack():
+    """One-shape packs pad each caption to the pack's longest: the next pack, other caption lengths,
+    reuses the plan's rows (no new plan) with its own key mask, and attends as per-segment SDPA does."""
+    q_lens, kv_padded = [4] * 5, [5] * 5
+    first = segments(q_lens, q_lens, [2, 5, 1, 3, 5], kv_padded, kind=PackedSegments)
+    second = segments(q_lens, q_lens, [5, 4, 5, 1, 2], kv_padded, kind=PackedSegments)
+    plans = [segment_plan(params, 20, 25, torch.device("cpu")) for params in (first, second)]
+    assert plans[0].groups[0].kv is plans[1].groups[0].kv and plans[0].groups[0].kv.strided is not None
+    masks = [plan.groups[0].mask[:, 0, 0].sum(-1).tolist() for plan in plans]
+    assert masks == [[2, 5, 1, 3, 5], [5, 4, 5, 1, 2]]
+    inputs = (rand(20, 1, 2, 4), rand(25, 1, 2, 4, seed=1), rand(25, 1, 2, 4, seed=2))
+    assert_same_forward_backward(
+        lambda *t: sdpa_per_segment(*t, second, SCALE), lambda *t: sdpa_segment_loop(*t, second, SCALE), inputs
+    )
+
+
 def mixed_padded_segments():
     q_lens, q_padded, kv_lens, kv_padded = CASES["mixed_padded"]
     starts = [sum(q_padded[:i]) for i in range(len(q_padded))]

@@ -11,6 +11,7 @@ and kept on ``params`` (every layer gets the same object).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ class Group:
     q: Rows
     kv: Rows
     mask: Tensor | None  # [n, 1, 1, kv.length] bool, False on keys padded to the group's longest
+    members: tuple[int, ...] = ()  # the group's segments: their places in the planned list
     additive: dict = field(default_factory=dict, repr=False)  # dtype -> the mask as 0 / -inf
 
     def bias(self, dtype: torch.dtype) -> Tensor | None:
@@ -78,18 +80,16 @@ def plan_segments(
 ) -> SegmentPlan:
     """Group ``segments`` (non-empty, disjoint query ranges) by query length; ``kv_rooms``: each
     segment's padded kv extent (the rows it owns), when known (unknown: 0, owning none)."""
-    by_length: dict[int, list[tuple[Segment, int]]] = {}
-    for segment, room in zip(segments, kv_rooms or [0] * len(segments)):
-        by_length.setdefault(segment[1], []).append((segment, room))
+    by_length: dict[int, list[tuple[int, Segment, int]]] = {}
+    for place, (segment, room) in enumerate(zip(segments, kv_rooms or [0] * len(segments))):
+        by_length.setdefault(segment[1], []).append((place, segment, room))
     groups, reads = [], []
     for members in by_length.values():
-        q0, nq, k0, nk = (list(column) for column in zip(*(segment for segment, _ in members)))
-        room = [r for _, r in members]
-        mask = None
-        if len(set(nk)) > 1:
-            mask = (torch.arange(max(nk)) < torch.tensor(nk)[:, None])[:, None, None]
-            mask = mask.to(device, non_blocking=True)
-        group = Group(_rows(q0, nq, device), _rows(k0, nk, device, room), mask)
+        q0, nq, k0, nk = (list(column) for column in zip(*(segment for _, segment, _ in members)))
+        room = [r for _, _, r in members]
+        mask = key_mask(nk, max(nk), device)
+        places = tuple(place for place, _, _ in members)
+        group = Group(_rows(q0, nq, device), _rows(k0, nk, device, room), mask, places)
         groups.append(group)
         # The kv rows each segment's slots read: its own, unless padded slots re-read its last key.
         repeats = mask is not None and group.kv.strided is None
@@ -111,13 +111,40 @@ def segment_plan(params: PackedSeqParams, q_total: int, kv_total: int, device: t
     )[1]
 
 
+def key_mask(lengths: list[int], length: int, device: torch.device) -> Tensor | None:
+    """[n, 1, 1, length] bool, True on each segment's first ``lengths[i]`` keys; None when all are ``length`` long."""
+    if all(n == length for n in lengths):
+        return None
+    mask = (torch.arange(length) < torch.tensor(lengths)[:, None])[:, None, None]
+    return mask.to(device, non_blocking=True)
+
+
 def plan_of_shape(params: PackedSeqParams, q_total: int, kv_total: int, device: torch.device) -> SegmentPlan | None:
     """``segment_plan`` for a pack laid out like ``params``: packs of one shape (a data set of one
-    clip size, every step) share one plan, made once (~0.35 ms an attention kind on 64 clips)."""
+    clip size, every step) share one plan, made once (~0.35 ms an attention kind on 64 clips).
+
+    When every key segment has room for the pack's longest (captions padded to the longest), each
+    reads its own rows up to that length whatever its real length: the plan is the one of a pack whose
+    keys are all that long (shared by every pack laid out alike), with this pack's key mask."""
     q_starts, q_lens = segment_bounds(params, "q")
     kv_starts, kv_lens = segment_bounds(params, "kv")
-    shape = (tuple(q_starts), tuple(q_lens), tuple(kv_starts), tuple(kv_lens), tuple(segment_rooms(params, "kv")))
-    return _plan_of_bounds(shape, q_total, kv_total, device)
+    rooms = segment_rooms(params, "kv")
+    longest = max(kv_lens, default=0)
+    own_rows = min(q_lens, default=0) > 0 and min(kv_lens) > 0 and min(rooms) >= longest
+    read = (longest,) * len(kv_lens) if own_rows else tuple(kv_lens)
+    plan = _plan_of_bounds(
+        (tuple(q_starts), tuple(q_lens), tuple(kv_starts), read, tuple(rooms)), q_total, kv_total, device
+    )
+    return with_key_lengths(plan, kv_lens) if own_rows else plan
+
+
+def with_key_lengths(plan: SegmentPlan, kv_lengths: list[int]) -> SegmentPlan:
+    """``plan`` (every segment planned with all its keys real) with the real key lengths' masks."""
+    groups = []
+    for group in plan.groups:
+        mask = key_mask([kv_lengths[place] for place in group.members], group.kv.length, group.kv.index.device)
+        groups.append(group if mask is None else dataclasses.replace(group, mask=mask, additive={}))
+    return dataclasses.replace(plan, groups=groups)
 
 
 @functools.lru_cache(maxsize=64)
