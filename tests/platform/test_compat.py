@@ -185,3 +185,47 @@ def test_the_foreach_gradient_norm_is_megatrons_fallback_norm_bit_for_bit():
         return args
 
     assert foreach_l2_norm(fused) is fused
+
+
+def test_the_grad_norm_alone_is_megatrons_without_the_one_rank_reduce(monkeypatch):
+    """``grad-norm-alone``: megatron's L2 norm bit for bit (its fallback norm, squared, rooted), the group's
+    all-reduce left out on a group of one rank and made on a larger one."""
+    import megatron.core.optimizer.clip_grads as clip_grads
+
+    from dfm.platform.compat.optimizer import l2_grad_norm_alone_skips_the_reduce, multi_tensor_l2_norm
+
+    monkeypatch.setattr(clip_grads, "l2_norm_impl", multi_tensor_l2_norm)
+    reduced = []
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: group)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None, group=None: reduced.append(group))
+    norm = l2_grad_norm_alone_skips_the_reduce(clip_grads.get_grad_norm_fp32)
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=gen) * 10.0**k for n, k in [(7, -3), (300, 0), (41, 2)]]
+    expected = (multi_tensor_l2_norm(0, None, [grads], False)[0] ** 2.0).item() ** 0.5
+    assert norm(grads, grad_stats_parallel_group=1) == expected and reduced == []
+    assert norm(grads, grad_stats_parallel_group=2) == expected and reduced == [2]
+    assert norm([], grad_stats_parallel_group=1) == 0.0
+
+
+def test_clipping_scales_as_megatron_and_checks_the_dtype():
+    """``clip-grads-dtype-check``: grads scaled in place by max_norm / (total + 1e-6) as megatron's
+    ``local_multi_tensor_scale`` does (bit for bit), untouched when that is >= 1; a non-fp32 grad refused."""
+    import megatron.core.optimizer.clip_grads as clip_grads
+
+    from dfm.platform.compat.optimizer import clip_checking_dtypes
+
+    clip = clip_checking_dtypes(clip_grads.clip_grad_by_total_norm_fp32)
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3, 2))]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    before = [param.grad.clone() for param in params]
+    clip(params, max_norm=1.0, total_norm=0.5)
+    assert all(torch.equal(param.grad, grad) for param, grad in zip(params, before))
+    clip(params, max_norm=1.0, total_norm=4.0)
+    coeff = 1.0 / (4.0 + 1.0e-6)
+    assert all(torch.equal(param.grad, grad * coeff) for param, grad in zip(params, before))
+    half = torch.nn.Parameter(torch.randn(4).half())
+    half.grad = torch.randn(4).half()
+    params.append(half)
+    with pytest.raises(AssertionError, match="float16"):
+        clip(params, max_norm=1.0, total_norm=4.0)

@@ -218,12 +218,17 @@ OPTIMIZER = (
         replace=optimizer.with_cuda_type_names,
     ),
     Patch(
-        name="cuda-type-names:clip-grads",
+        name="clip-grads-dtype-check",
         module="megatron.core.optimizer.clip_grads",
         attribute="clip_grad_by_total_norm_fp32",
-        why="asserts param.grad.type() == 'torch.cuda.FloatTensor'",
-        relies_on=("assert param.grad.type() == 'torch.cuda.FloatTensor'",),
-        replace=optimizer.with_cuda_type_names,
+        why="asserts param.grad.type() == 'torch.cuda.FloatTensor', and walks every gradient when nothing is clipped",
+        relies_on=(
+            "assert param.grad.type() == 'torch.cuda.FloatTensor'",
+            "clip_coeff = max_norm / (total_norm + 1.0e-6)",
+            "if clip_coeff < 1.0:",
+            "multi_tensor_applier( multi_tensor_scale_impl, dummy_overflow_buf, [grads, grads], clip_coeff )",
+        ),
+        replace=optimizer.clip_checking_dtypes,
         also_bound_in=("megatron.core.optimizer.optimizer",),
     ),
     Patch(
@@ -235,6 +240,20 @@ OPTIMIZER = (
         replace=optimizer.foreach_l2_norm,
         site="get_grad_norm_fp32",
         cpu_only=False,
+    ),
+    Patch(
+        name="grad-norm-alone",
+        module="megatron.core.optimizer.clip_grads",
+        attribute="get_grad_norm_fp32",
+        why="all-reduces the squared norm over its group even when the group is this one rank",
+        relies_on=(
+            "grad_norm, _ = multi_tensor_applier( l2_norm_impl, dummy_overflow_buf, [grads_for_norm],",
+            "total_norm = grad_norm**norm_type",
+            "torch.distributed.all_reduce( total_norm, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group )",
+            "total_norm = total_norm.item() ** (1.0 / norm_type)",
+        ),
+        replace=optimizer.l2_grad_norm_alone_skips_the_reduce,
+        also_bound_in=("megatron.core.optimizer.optimizer", "megatron.core.optimizer.layer_wise_optimizer"),
     ),
 )
 
