@@ -37,7 +37,7 @@ def draw_pack_noise(
     for start, length, index in zip(starts, lengths, batch.sample_index.tolist()):
         generator = seed_for_sample(reused, seed, iteration, index)
         draws.append(pipeline.level_draws(1, generator))
-        torch.randn((length, noise.shape[1]), generator=generator, out=noise[start : start + length])
+        noise[start : start + length].normal_(generator=generator)  # randn's draws, without its out= resize
         drop_draws.append(torch.rand(1, generator=generator))
     columns = tuple(torch.cat(column) for column in zip(*draws))
     level = pipeline.levels_from_draws(columns, tokens=lengths)
