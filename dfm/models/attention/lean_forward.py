@@ -2,7 +2,7 @@
 
 megatron's forward serves KV-cache inference, flash decode, fused-QKV RoPE, activation offloading and
 output gates besides the plain call: each call walks those checks, NVTX ranges and context managers
-(~0.15 ms a call on the CPU, 0.7 ms of the digits-video rung's 60 ms step). A plain call (none of
+(0.4-0.7 % of the digits-video rung's step on the CPU, alternated A/Bs). A plain call (none of
 those asked for) runs here as megatron would run it: q / k / v from ``get_query_key_value_tensors``,
 the core attention (checkpointed when the config says), the output projection. Anything else goes to
 megatron's forward unchanged.
@@ -41,8 +41,10 @@ class PlainAttentionForward:
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if thd:  # megatron's THD kernels take [t, np, hn]
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
-        attend = self._checkpointed_attention_forward if self.checkpoint_core_attention and self.training else None
-        attend = attend or self.core_attention
+        if self.checkpoint_core_attention and self.training:
+            attend = self._checkpointed_attention_forward
+        else:
+            attend = self.core_attention
         out = attend(
             query,
             key,
@@ -62,7 +64,6 @@ class PlainAttentionForward:
         return not (
             config.attention_output_gate
             or config.flash_decode
-            or config.no_rope_freq
             or (config.fused_single_qkv_rope and self.attention_type != "cross")
             or self.offload_qkv_linear
             or self.offload_core_attention

@@ -57,23 +57,18 @@ def foreach_l2_norm(original):
     return multi_tensor_l2_norm if original is local_multi_tensor_l2_norm else original
 
 
-def _is_dtensor(tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
 def l2_grad_norm_alone_skips_the_reduce(original):
     """megatron's ``get_grad_norm_fp32`` for the L2 norm of plain (not DTensor) gradients: the same norm
     (``l2_norm_impl``, squared, summed over the group, its square root), with the all-reduce left out where
     the group is this one rank (a gloo call of ~0.1 ms on the CPU) and no ``no_grad`` block per gradient
     (``to_local_if_dtensor``'s, ~2 us each). Other norms and DTensor gradients (Megatron-FSDP) go to megatron's."""
     import megatron.core.optimizer.clip_grads as clip_grads
+    from torch.distributed.tensor import DTensor
 
     def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
         if isinstance(grads_for_norm, torch.Tensor):
             grads_for_norm = [grads_for_norm]
-        if float(norm_type) != 2.0 or any(_is_dtensor(grad) for grad in grads_for_norm):
+        if float(norm_type) != 2.0 or any(isinstance(grad, DTensor) for grad in grads_for_norm):
             return original(grads_for_norm, norm_type, grad_stats_parallel_group)
         if grads_for_norm:
             flag = torch.zeros(1, dtype=torch.int)
@@ -93,6 +88,7 @@ def clip_checking_dtypes(original):
     when that is below 1, as its ``local_multi_tensor_scale`` does), the fp32 check made on the dtype:
     megatron asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``, which a CPU gradient fails. Nothing
     is walked when there is nothing to scale (megatron checks every gradient's type first, ~0.3 ms a step)."""
+    from torch.distributed.tensor import DTensor
 
     def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
         clip_coeff = max_norm / (total_norm + 1.0e-6)
@@ -106,7 +102,7 @@ def clip_checking_dtypes(original):
             grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
             if grad is not None:
                 assert grad.dtype in allowed, f"gradient of dtype {grad.dtype}, not one of {allowed}"
-                grads.append((grad.to_local() if _is_dtensor(grad) else grad).detach())
+                grads.append((grad.to_local() if isinstance(grad, DTensor) else grad).detach())
         torch._foreach_mul_(grads, clip_coeff)
 
     return clip_grad_by_total_norm_fp32
