@@ -15,12 +15,13 @@
 # Parts: env (wheels, versions, GPU, torch API probes) | tests (pytest -m gpu) | accept (h4096-8k-L6 and
 # xl2-256-img, dfm vs reference) | mix (mixed/fixed rungs) | backends (flex, sdpa) | compiled |
 # variants (rows summed by index_add instead of the one-hot GEMM, cuDNN on uniform packs: before/after pairs with accept's rungs) |
-# recompiles | profile. Some parts only: PARTS="accept mix" bash scripts/gpu/lease.sh.
+# recompiles | profile (the default order: profile right after accept). Parts run in the order PARTS names them; some only, or
+# another order: PARTS="env accept profile" bash scripts/gpu/lease.sh.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
 BUDGET=${LEASE_BUDGET_S:-540}
-PARTS=${PARTS:-env tests accept mix backends compiled variants recompiles profile}
+PARTS=${PARTS:-env tests accept profile mix digits backends compiled variants recompiles}
 WORK=$(mktemp -d /tmp/lease.XXXXXX)
 mkdir -p "$OUT"
 rm -f "$OUT/parts.tar" "$OUT/summary.txt"
@@ -82,14 +83,21 @@ bench() {  # bench PART STEPS WARMUP RUNGS [run_benchmarks options]
 export -f install environment gpu_tests bench
 export OUT WORK LADDER
 
-part env 120 environment
-part tests 200 gpu_tests
-part accept 150 bench accept 5 3 h4096-8k-L6,xl2-256-img
-part mix 150 bench mix 4 2 cross-1k-img-fixed,cross-256-img-fixed,cross-2k-video-fixed,cross-4k-video-fixed,cross-16k-mix-packed
-part backends 150 bench backends 3 2 h4096-8k-L6-flex,xl2-256-img-flex,cross-16k-mix-flex,xl2-256-img-sdpa
-part compiled 150 bench compiled 3 2 h4096-8k-L6-compiled,xl2-256-img-compiled
-part variants 150 bench variants 3 2 h4096-8k-L6-rows-index-add,xl2-256-img-rows-index-add,h4096-8k-L6-uniform-cudnn,xl2-256-img-uniform-cudnn
-part digits 90 bench digits 4 2 digits-video-x16,digits-video-moviegen-x16
-part recompiles 90 python3 -m benchmarks.recompiles --packs 50
-part profile 120 python3 -m benchmarks.profile_rung --ladder "$LADDER" --rung h4096-8k-L6 --out "$WORK/profile"
+# One part by name: its cap and command. Parts run in the order PARTS names them.
+run_part() {
+    case $1 in
+        env) part env 120 environment ;;
+        tests) part tests 200 gpu_tests ;;
+        accept) part accept 150 bench accept 5 3 h4096-8k-L6,xl2-256-img ;;
+        mix) part mix 150 bench mix 4 2 cross-1k-img-fixed,cross-256-img-fixed,cross-2k-video-fixed,cross-4k-video-fixed,cross-16k-mix-packed ;;
+        backends) part backends 150 bench backends 3 2 h4096-8k-L6-flex,xl2-256-img-flex,cross-16k-mix-flex,xl2-256-img-sdpa ;;
+        compiled) part compiled 150 bench compiled 3 2 h4096-8k-L6-compiled,xl2-256-img-compiled ;;
+        variants) part variants 150 bench variants 3 2 h4096-8k-L6-rows-index-add,xl2-256-img-rows-index-add,h4096-8k-L6-uniform-cudnn,xl2-256-img-uniform-cudnn ;;
+        digits) part digits 90 bench digits 4 2 digits-video-x16,digits-video-moviegen-x16 ;;
+        recompiles) part recompiles 90 python3 -m benchmarks.recompiles --packs 50 ;;
+        profile) part profile 120 python3 -m benchmarks.profile_rung --ladder "$LADDER" --rung h4096-8k-L6 --out "$WORK/profile" ;;
+        *) echo "$1: no such part" | tee -a "$OUT/summary.txt" ;;
+    esac
+}
+for name in $PARTS; do run_part "$name"; done
 echo "lease: done after $SECONDS s; $OUT: $(ls "$OUT" | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
