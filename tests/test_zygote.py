@@ -29,6 +29,8 @@ if action == "kill":
 if action == "media":  # wandb's temporary folder, made when the server imported wandb
     from wandb.sdk.data_types._private import MEDIA_TMP
     print(MEDIA_TMP.name, os.path.isdir(MEDIA_TMP.name))
+if action == "env":
+    print(sorted(os.environ))
 if action == "sleep":
     import signal, time
     signal.signal(signal.SIGTERM, lambda *_: (print("stopping", flush=True), sys.exit(3)))
@@ -153,3 +155,23 @@ def test_a_pid_and_a_status_in_one_read_are_two_replies():
         server.close()
         with pytest.raises(ConnectionError):
             read_reply(replies)
+
+
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_the_server_knows_whether_its_forks_could_use_cuda(monkeypatch, poisoned):
+    """On a GPU machine an import that asked the CUDA runtime for its devices marks every fork unable to use
+    CUDA (the training smoke tests failed so on an H200, 2026-11-29): the server then serves no one, and
+    each script runs as a plain process."""
+    import torch
+
+    from tests.zygote import forked_children_can_use_cuda
+
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: poisoned)
+    assert forked_children_can_use_cuda() is not poisoned
+
+
+def test_the_server_asks_nvml_for_devices_while_importing_only(script, tmp_path):
+    result = run([script, "env"], cwd=tmp_path)
+    assert result.returncode == 0 and report(result)["torch_loaded"], result.stderr
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in result.stdout

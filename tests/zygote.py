@@ -62,6 +62,10 @@ PRELOAD = (  # what a tiny training run imports, heaviest first (python -X impor
     "megatron.energon",
 )
 PR_SET_PDEATHSIG = 1
+# With it set, torch.cuda.is_available() / device_count() ask NVML rather than the CUDA runtime, whose
+# cudaGetDeviceCount marks every later fork unable to use CUDA ("Cannot re-initialize CUDA in forked
+# subprocess"): set for the server's imports only.
+NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 START_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 30.0
 
@@ -127,9 +131,15 @@ def serve(path: str) -> None:
     defaults = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD)}
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     startup_env = dict(os.environ)
+    os.environ[NVML_CUDA_CHECK] = "1"
     preload()
+    os.environ.pop(NVML_CUDA_CHECK)
+    if NVML_CUDA_CHECK in startup_env:
+        os.environ[NVML_CUDA_CHECK] = startup_env[NVML_CUDA_CHECK]
     if threading.active_count() != 1:
         raise SystemExit(f"zygote: importing started threads {threading.enumerate()}: forking is unsafe")
+    if not forked_children_can_use_cuda():  # the test side then runs every script as a plain process
+        raise SystemExit("zygote: the imports initialised CUDA, which a forked child cannot use")
     gc.collect()
     gc.freeze()  # a child's garbage collections leave the shared pages shared
     # What importing set (megatron: TORCHINDUCTOR_CACHE_DIR), as it would in a fresh process.
@@ -208,6 +218,17 @@ def preload() -> None:
                 pass
     finally:
         atexit.register = register
+
+
+def forked_children_can_use_cuda() -> bool:
+    """Whether a child forked now may initialise CUDA (torch marks children bad once the parent touched it)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda._is_compiled():
+        return True
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 def own_exit_hooks() -> None:

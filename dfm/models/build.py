@@ -21,26 +21,39 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def resolve_attention_backend(requested: str, device: torch.device | str) -> str:
+HALF_PRECISIONS = ("bf16", "fp16")  # what torch's flash kernels (varlen) take
+
+
+def resolve_attention_backend(requested: str, device: torch.device | str, precision: str = "bf16") -> str:
     """'auto' -> for a model on a CUDA ``device``: TE when it imports, else torch's varlen flash kernel
-    (every dfm mask is a segment mask), else FlexAttention; on any other device: per-segment SDPA.
+    (every dfm mask is a segment mask) in bf16 / fp16, else FlexAttention (fp32 runs too); on any other
+    device: per-segment SDPA.
 
     The device the model runs on decides, not the host: a model converted or checked on the CPU of a
     GPU machine runs SDPA."""
+    if requested == "varlen" and precision not in HALF_PRECISIONS:
+        raise ValueError(
+            f"model.attention_backend=varlen runs torch's flash kernel, which takes bf16 or fp16, not {precision} "
+            "(mixed_precision.precision): set model.attention_backend=auto or flex"
+        )
     if requested != "auto":
         return requested
     if torch.device(device).type == "cuda":
         if transformer_engine_available():
             return "te"
-        return "varlen" if varlen_available(device) else "flex"
+        return "varlen" if varlen_usable(device, precision) else "flex"
     return "sdpa"
 
 
-def layer_spec_for(model_cfg, layout: ParallelLayout, device: torch.device | str = "cpu"):
+def varlen_usable(device: torch.device | str, precision: str) -> bool:
+    return precision in HALF_PRECISIONS and varlen_available(device)
+
+
+def layer_spec_for(model_cfg, layout: ParallelLayout, device: torch.device | str = "cpu", precision: str = "bf16"):
     """The family's layer spec on the attention backend ``model_cfg`` resolves to on ``device``."""
     family = family_of(model_cfg)
-    backend = resolve_attention_backend(model_cfg.attention_backend, device)
-    backend = family.attention_backend(model_cfg, backend, layout, varlen_available(device))
+    backend = resolve_attention_backend(model_cfg.attention_backend, device, precision)
+    backend = family.attention_backend(model_cfg, backend, layout, varlen_usable(device, precision))
     return family.layer_spec(model_cfg, backend_modules(backend))
 
 
@@ -62,7 +75,7 @@ def build_model(
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = family.model(
         tconfig,
-        layer_spec_for(model_cfg, layout, device),
+        layer_spec_for(model_cfg, layout, device, precision),
         model_cfg,
         pre_process=pre,
         post_process=post,

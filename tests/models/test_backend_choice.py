@@ -44,6 +44,16 @@ def test_auto_resolves_from_the_device(gpu_host, monkeypatch):
     assert build.resolve_attention_backend("flex", "cpu") == "flex"
 
 
+def test_fp32_on_cuda_takes_flex_and_varlen_asks_for_half_precision(gpu_host, monkeypatch):
+    """torch's flash kernels take bf16 / fp16 only: auto gave varlen to the fp32 digits rungs on an H200
+    (2026-11-29), whose first step raised 'FlashAttention only support fp16 and bf16 data type'."""
+    monkeypatch.setattr(build, "transformer_engine_available", lambda: False)
+    assert build.resolve_attention_backend("auto", "cuda:0", "fp32") == "flex"
+    assert build.resolve_attention_backend("auto", "cuda:0", "fp16") == "varlen"
+    with pytest.raises(ValueError, match="varlen .* takes bf16 or fp16, not fp32"):
+        build.resolve_attention_backend("varlen", "cuda:0", "fp32")
+
+
 def test_conversion_and_generation_on_the_cpu_of_a_gpu_host_use_sdpa(gpu_host, tmp_path):
     cfg = get_recipe("dit_tiny")
     assert cfg.model.attention_backend == "auto"
@@ -59,6 +69,8 @@ def test_a_cpu_training_build_on_a_gpu_host_uses_sdpa(gpu_host, monkeypatch):
     cfg = get_recipe("dit_tiny")
     seen = []
     resolve = build.resolve_attention_backend
-    monkeypatch.setattr(build, "resolve_attention_backend", lambda req, dev: seen.append(dev) or resolve(req, dev))
+    monkeypatch.setattr(
+        build, "resolve_attention_backend", lambda req, dev, prec: seen.append(dev) or resolve(req, dev, prec)
+    )
     chunks, _ = setup.build_model(cfg, ParallelLayout.from_config(cfg.model, 1), torch.device("cpu"))
     assert backends(chunks[0]) == {"sdpa"} and seen == [torch.device("cpu")]

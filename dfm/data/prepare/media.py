@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from imageio_ffmpeg import get_ffmpeg_exe
 from PIL import Image
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp"})
@@ -92,6 +91,8 @@ def read_video(path: Path, num_frames: int, frame_stride: int, temporal_compress
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
     decoded = (num_frames - 1) * frame_stride + 1  # the frames ffmpeg decodes, the last one kept
+    from imageio_ffmpeg import get_ffmpeg_exe  # a 68 MB binary wheel: only decoding videos needs it
+
     command = [get_ffmpeg_exe(), "-nostdin", "-hide_banner", "-nostats", "-i", str(path), "-frames:v", str(decoded)]
     command += ["-pix_fmt", "rgb24", "-c:v", "ppm", "-f", "image2pipe", "-"]
     with tempfile.TemporaryFile() as log:  # a file, not a pipe: a long log cannot stall ffmpeg
