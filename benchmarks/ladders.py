@@ -162,8 +162,7 @@ def gpu_ladder() -> list[Rung]:
             "h4096-8k-L6-compiled", model(4096, 32, 6) + h4096 + ["model.compile=true"] + one_8k_video, reference=False
         ),
         *variant_pair("rows-index-add", "rows_index_add"),
-        *variant_pair("uniform-sdpa", "uniform_segments_sdpa", flex),
-        *variant_pair("uniform-cudnn", "uniform_segments_cudnn", flex),
+        *variant_pair("uniform-varlen", "uniform_packs_varlen"),
         Rung("cross-64k-video", cross + data(65536, [], [[16, 128, 128]], 0.0, packs_per_step=1)),
         Rung(
             "cross-64k-video-L12",

@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-import torch
-
 
 @contextlib.contextmanager
 def _patched(module, name: str, value) -> Iterator[None]:
@@ -48,63 +46,19 @@ def rows_index_add() -> contextlib.AbstractContextManager:
     return stack
 
 
-def _uniform_segments_sdpa(fast_kernels_only: bool) -> contextlib.AbstractContextManager:
-    """A pack whose segments are all one length with no padding (one 8k video, 64 same-size
-    images) runs as one batched SDPA call instead of FlexAttention. The lengths are read from the
-    pack's host segments (no sync) and cached on the params like the block mask.
-    ``fast_kernels_only``: q/k/v made contiguous ``[N, heads, s, d]`` and SDPA limited to cuDNN /
-    flash, so it cannot fall back to the math or mem-efficient kernel unnoticed (it raises)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def uniform_packs_varlen() -> contextlib.AbstractContextManager:
+    """Before the landed batched call (H200, 2026-11-29): uniform packs through torch's varlen kernel like
+    any other, instead of one batched SDPA call (cuDNN's kernels on Hopper)."""
+    from dfm.models.attention import varlen
 
-    from dfm.data.packed_batch import segment_lengths
-    from dfm.models import attention as packed_attention
-
-    flex = packed_attention.flex_document_attention
-
-    def uniform_length(params, side: str, total: int):
-        key = f"_dfm_uniform_{side}"
-        if not hasattr(params, key):
-            host = packed_attention.host_segments(params)
-            real, padded = getattr(host, f"cu_seqlens_{side}"), getattr(host, f"cu_seqlens_{side}_padded")
-            lengths = segment_lengths(real).tolist()
-            same = len(set(lengths)) == 1 and (padded is None or torch.equal(padded, real)) and sum(lengths) == total
-            setattr(params, key, lengths[0] if same else None)
-        return getattr(params, key)
-
-    def attention(query, key, value, params, scale):
-        nq, nk = uniform_length(params, "q", query.shape[0]), uniform_length(params, "kv", key.shape[0])
-        if nq is None or nk is None:
-            return flex(query, key, value, params, scale)
-        heads, dim = query.shape[2], query.shape[3]
-        q = query.reshape(-1, nq, heads, dim).transpose(1, 2)
-        k, v = (t.reshape(-1, nk, heads, dim).transpose(1, 2) for t in (key, value))
-        if not fast_kernels_only:
-            return F.scaled_dot_product_attention(q, k, v, scale=scale).transpose(1, 2).reshape(query.shape)
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-            out = F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(), scale=scale)
-        return out.transpose(1, 2).reshape(query.shape)
-
-    return _patched(packed_attention, "flex_document_attention", attention)
-
-
-def uniform_segments_sdpa() -> contextlib.AbstractContextManager:
-    """Candidate: uniform packs as one batched SDPA call, SDPA's own kernel choice."""
-    return _uniform_segments_sdpa(fast_kernels_only=False)
-
-
-def uniform_segments_cudnn() -> contextlib.AbstractContextManager:
-    """Candidate: the same with contiguous q/k/v and only cuDNN / flash allowed (the measured
-    1.01x of ``uniform_segments_sdpa`` suggests SDPA did not pick cuDNN on strided views)."""
-    return _uniform_segments_sdpa(fast_kernels_only=True)
+    return _patched(varlen, "batched_sdpa", varlen.torch_varlen_attn)
 
 
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "default": contextlib.nullcontext,
     "flex_mask_per_call": flex_mask_per_call,
     "rows_index_add": rows_index_add,
-    "uniform_segments_sdpa": uniform_segments_sdpa,
-    "uniform_segments_cudnn": uniform_segments_cudnn,
+    "uniform_packs_varlen": uniform_packs_varlen,
 }
 
 

@@ -14,7 +14,8 @@
 #
 # Parts: env (wheels, versions, GPU, torch API probes) | tests (pytest -m gpu) | accept (h4096-8k-L6 and
 # xl2-256-img, dfm vs reference) | mix (mixed/fixed rungs) | backends (flex, sdpa) | compiled |
-# variants (rows summed by index_add instead of the one-hot GEMM, cuDNN on uniform packs: before/after pairs with accept's rungs) |
+# variants (rows summed by index_add instead of the one-hot GEMM, uniform packs through varlen instead of one
+# batched SDPA call: before/after pairs with accept's rungs) |
 # recompiles | profile (the default order: profile right after accept). Parts run in the order PARTS names them; some only, or
 # another order: PARTS="env accept profile" bash scripts/gpu/lease.sh.
 set -uo pipefail
@@ -92,7 +93,7 @@ run_part() {
         mix) part mix 150 bench mix 4 2 cross-1k-img-fixed,cross-256-img-fixed,cross-2k-video-fixed,cross-4k-video-fixed,cross-16k-mix-packed ;;
         backends) part backends 150 bench backends 3 2 h4096-8k-L6-flex,xl2-256-img-flex,cross-16k-mix-flex,xl2-256-img-sdpa ;;
         compiled) part compiled 150 bench compiled 3 2 h4096-8k-L6-compiled,xl2-256-img-compiled ;;
-        variants) part variants 150 bench variants 3 2 h4096-8k-L6-rows-index-add,xl2-256-img-rows-index-add,h4096-8k-L6-uniform-cudnn,xl2-256-img-uniform-cudnn ;;
+        variants) part variants 150 bench variants 3 2 h4096-8k-L6-rows-index-add,xl2-256-img-rows-index-add,h4096-8k-L6-uniform-varlen,xl2-256-img-uniform-varlen ;;
         digits) part digits 90 bench digits 4 2 digits-video-x16,digits-video-moviegen-x16 ;;
         recompiles) part recompiles 90 python3 -m benchmarks.recompiles --packs 50 ;;
         profile) part profile 120 python3 -m benchmarks.profile_rung --ladder "$LADDER" --rung h4096-8k-L6 --out "$WORK/profile" ;;

@@ -87,20 +87,19 @@ def test_mixed_vs_fixed_compares_the_same_work_at_each_shapes_fixed_speed():
     assert mixed_vs_fixed(mixed, [mixed, fixed[0]]) is None  # a shape without its fixed rung yet
 
 
-@pytest.mark.parametrize("variant", ["uniform_segments_sdpa", "uniform_segments_cudnn"])
-def test_uniform_segment_variants_attend_like_the_per_segment_reference(variant):
-    """Their batched call (cuDNN/flash on GPU; the CPU's flash kernel here) equals SDPA per segment."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+def test_the_uniform_packs_varlen_variant_sends_uniform_packs_to_the_varlen_kernel(monkeypatch):
+    """The 'before' of the landed batched call: a uniform pack reaches torch's varlen kernel (a stand-in
+    here: the kernel is CUDA's) instead of ``batched_sdpa``, and the result is the same."""
+    from dfm.models.attention import varlen
+    from tests.models._helpers import segments
+    from tests.models.test_packed_attention import reference_varlen_attn
 
-    from dfm.models import attention as packed_attention
-
-    cu = torch.tensor([0, 16, 32, 48], dtype=torch.int32)
-    params = packed_attention.PackedSegments(
-        qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu
-    )
+    calls = []
+    monkeypatch.setattr(varlen, "torch_varlen_attn", lambda *a: calls.append(1) or reference_varlen_attn(*a))
+    params = segments([16, 16, 16], [16, 16, 16], [16, 16, 16], [16, 16, 16])
     q, k, v = (torch.randn(48, 1, 2, 8) for _ in range(3))
-    expected = packed_attention.sdpa_per_segment(q, k, v, params, scale=0.3)
-    with apply_variant(variant):
-        got = packed_attention.flex_document_attention(q, k, v, params, 0.3)
+    expected = varlen.varlen_document_attention(q, k, v, params, 0.3)
+    with apply_variant("uniform_packs_varlen"):
+        got = varlen.varlen_document_attention(q, k, v, params, 0.3)
+    assert calls == [1]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert isinstance(params, PackedSeqParams) and params._dfm_uniform_q == 16

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dfm.models.attention import flex_document_attention, sdpa_per_segment
+from dfm.models.attention import flex_document_attention, sdpa_per_segment, varlen
 from dfm.models.attention.varlen import VarlenSegments, varlen_document_attention
 from tests.models._helpers import segments, segments_on
 
@@ -59,7 +59,11 @@ CASES = {
     "self_padded": ([5, 9, 3], [8, 12, 4], [5, 9, 3], [8, 12, 4]),
     "cross_text_lengths": ([5, 9, 3], [8, 12, 4], [2, 7, 4], [2, 7, 4]),
     "cross_padded_text": ([6, 1, 10], [6, 4, 10], [3, 5, 1], [4, 8, 2]),
+    # uniform packs (varlen runs them as one batched SDPA call): same-size images; padded queries, whole keys
+    "uniform_self": ([6, 6, 6], [6, 6, 6], [6, 6, 6], [6, 6, 6]),
+    "uniform_cross_padded_queries": ([5, 5], [8, 8], [4, 4], [4, 4]),
 }
+UNIFORM = {"uniform_self", "uniform_cross_padded_queries"}
 
 
 @pytest.mark.parametrize("backend", list(KERNELS))
@@ -100,13 +104,39 @@ def test_varlen_pads_head_dims_the_flash_kernel_cannot_take(monkeypatch):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_varlen_runs_uniform_packs_as_one_batched_sdpa_call(case, monkeypatch):
+    """A pack with one segment length per side and no key padding takes ``batched_sdpa`` (SDPA runs on
+    the CPU too: checked here against the dense reference, gradients included); any other takes torch's
+    varlen kernel (CUDA only: a stand-in records the call)."""
+    q_lens, q_padded, kv_lens, kv_padded = CASES[case]
+    params = segments(q_lens, q_padded, kv_lens, kv_padded)
+    calls = []
+    monkeypatch.setattr(varlen, "torch_varlen_attn", lambda *a: calls.append(1) or reference_varlen_attn(*a))
+    gen = torch.Generator().manual_seed(0)
+    inputs = [
+        torch.randn(sum(n), 1, HEADS, HEAD_DIM, generator=gen, requires_grad=True)
+        for n in (q_padded, kv_padded, kv_padded)
+    ]
+    out = varlen.varlen_document_attention(*inputs, params, 0.3)
+    assert varlen.varlen_segments(params, sum(q_padded), sum(kv_padded), out.device).uniform == (case in UNIFORM)
+    assert calls == ([] if case in UNIFORM else [1])
+    expected = dense_reference(*inputs, params, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for got, want in zip(
+        torch.autograd.grad(out.square().sum(), inputs), torch.autograd.grad(expected.square().sum(), inputs)
+    ):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("head_dim", [64, 12])
 @pytest.mark.parametrize("case", list(CASES))
 def test_varlen_flash_matches_per_segment_sdpa_bf16(case, head_dim):
-    """torch's varlen flash kernel vs per-segment SDPA, forward and backward, bf16, at head dim 64 and
-    at 12 (no multiple of 8: zero-padded for the kernel, as the tiny Wan configs need)."""
+    """torch's varlen flash kernel (batched SDPA on the uniform cases) vs per-segment SDPA, forward and
+    backward, bf16, at head dim 64 and at 12 (no multiple of 8: zero-padded for the kernel, as the tiny
+    Wan configs need)."""
     q_lens, q_padded, kv_lens, kv_padded = CASES[case]
     gen = torch.Generator(device="cuda").manual_seed(0)
     shape = dict(device="cuda", dtype=torch.bfloat16)

@@ -11,6 +11,11 @@ would cost a gather and a scatter per call; instead the padding becomes segments
 
 Boundaries are built on the host from the pack's host copy (no device sync) and cached on the
 params object, which every layer of a forward shares.
+
+A pack whose segments all have one length on each side (one 8k video, 64 same-size images: no key
+padding) runs as one batched SDPA call instead, as a plain PyTorch DiT would: on Hopper SDPA picks
+cuDNN's flash kernels, whose backward took half the varlen (FlashAttention-2) backward's time at 8k
+tokens (H200, 2026-11-29, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class VarlenSegments:
     cu_k: Tensor
     max_q: int
     max_k: int
+    uniform: bool = False  # every query segment one length, every key segment one length, none empty
 
 
 def varlen_boundaries(
@@ -70,11 +76,13 @@ def varlen_segments(params: PackedSeqParams, q_total: int, k_total: int, device:
         q_starts, _ = segment_bounds(params, "q")
         k_starts, k_lengths = segment_bounds(params, "kv")
         cu_q, cu_k = varlen_boundaries(q_starts, q_total, k_starts, k_lengths, k_total)
+        q_lengths, k_lengths = ({b - a for a, b in zip(cu, cu[1:])} for cu in (cu_q, cu_k))
         return VarlenSegments(
             cu_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
             cu_k=torch.tensor(cu_k, dtype=torch.int32).to(device, non_blocking=True),
-            max_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
-            max_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
+            max_q=max(q_lengths),
+            max_k=max(k_lengths),
+            uniform=len(q_lengths) == len(k_lengths) == 1 and 0 not in q_lengths | k_lengths,
         )
 
     return cached_per_pack(params, "varlen", (q_total, k_total, device), build)
@@ -102,6 +110,15 @@ def torch_varlen_attn(query: Tensor, key: Tensor, value: Tensor, segments: Varle
     return varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k)
 
 
+def batched_sdpa(query: Tensor, key: Tensor, value: Tensor, segments: VarlenSegments, scale: float) -> Tensor:
+    """The kernel for uniform ``segments``: q [t, np, hn] as [N, np, s, hn] (views), one SDPA call, SDPA's
+    own kernel choice (it pads head dims itself) -> [t, np, hn]."""
+    n = segments.cu_q.numel() - 1
+    q, k, v = (t.view(n, -1, *t.shape[1:]).transpose(1, 2) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    return out.transpose(1, 2).reshape(query.shape)
+
+
 def varlen_available(device: torch.device | str) -> bool:
     """Whether this torch has the variable-length flash kernel and ``device`` is a CUDA device to run it.
 
@@ -120,13 +137,14 @@ def varlen_document_attention(
 ) -> Tensor:
     """query [sq, 1, np, hn], key/value [sk, 1, np, hn] -> [sq, 1, np, hn]; padding rows are 0.
 
-    ``attn(q [t, np, hn], k, v, segments, scale)`` is the kernel, torch's by default
-    (tests pass a reference with the same contract where CUDA is missing).
+    ``attn(q [t, np, hn], k, v, segments, scale)`` is the kernel: by default ``batched_sdpa`` for a
+    uniform pack, else torch's varlen kernel (tests pass a reference with the same contract where CUDA
+    is missing).
     """
-    attn = attn or torch_varlen_attn
     if query.shape[1] != 1:
         raise ValueError(f"packed attention expects one pack per micro-batch (b == 1), got b = {query.shape[1]}")
     segments = varlen_segments(params, query.shape[0], key.shape[0], query.device)
+    attn = attn or (batched_sdpa if segments.uniform else torch_varlen_attn)
     q, k, v = (t.squeeze(1) for t in (query, key, value))
     out = attn(q, k, v, segments, scale).unsqueeze(1)
     return out * query_is_real(params, query.shape[0], query.device).to(out.dtype)
