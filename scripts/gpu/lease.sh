@@ -71,7 +71,7 @@ part() {
 environment() { install && python3 -m benchmarks.lease env "$OUT/environment.json"; }
 gpu_tests() {
     local files
-    files=$(grep -rlE "pytest.mark.gpu|pytestmark = GPU" tests --include='test_*.py' | sort)
+    files=$(grep -rlE "pytest.mark.gpu|pytestmark = GPU|@gpu_test" tests --include='test_*.py' | sort)
     python3 -m pytest -m gpu -v -rA --durations=15 -p no:cacheprovider --junitxml="$WORK/tests/junit.xml" $files
 }
 bench() {  # bench PART STEPS WARMUP RUNGS [run_benchmarks options]
