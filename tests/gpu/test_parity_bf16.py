@@ -1,4 +1,4 @@
-"""Wan and FLUX in bf16 on the device against diffusers in bf16, tiny random models built here.
+"""Wan, FLUX and HunyuanVideo 1.5 in bf16 on the device against diffusers in bf16, tiny random models built here.
 
 Both bf16 runs (dfm's and diffusers') are compared with diffusers in fp32 on the same device and the
 same inputs (rounded to bf16 once, so input rounding is no one's error): dfm passes when
@@ -22,6 +22,7 @@ import dataclasses
 import pytest
 import torch
 
+from dfm.convert import hunyuan
 from dfm.convert.flux import diffusers_outputs, verification_pack
 from dfm.convert.wan import (
     dfm_sample_outputs,
@@ -35,6 +36,8 @@ from dfm.data.packing import pack_samples
 from tests._parity import converted_model
 from tests.flux._tiny import dfm_config_and_weights, tiny_diffusers_flux
 from tests.gpu._device import DEVICE, cuda_only, gpu_test
+from tests.hunyuan._tiny import dfm_config_and_weights as hunyuan_config_and_weights
+from tests.hunyuan._tiny import tiny_diffusers_hunyuan
 from tests.wan._tiny import TEXT_LEN, TINY, dfm_wan_of, tiny_diffusers_wan, tiny_model_config
 
 # The parity tests need the device; the tolerance's own test is plain arithmetic and runs everywhere.
@@ -130,6 +133,46 @@ def test_flux_bf16_matches_diffusers_bf16(backend):
     with single_process_world(cfg.rng.seed):
         model = converted_model(cfg, weights, "bf16").eval().to(DEVICE, torch.bfloat16)
         packed = model(batch.latents, t, batch, guidance).float()
+    starts = batch.host_view().cu_seqlens_q_padded.tolist()
+    ours = [packed[start : start + r.shape[0]] for start, r in zip(starts, references)]
+    scale = max(float(r.abs().max()) for r in references)
+    assert_bf16_parity(max_abs_diff(ours, references), max_abs_diff(theirs, references), scale)
+
+
+def rounded_floats(batch, dtype: torch.dtype):
+    """``batch`` on the device, its floating tensors rounded to bf16 once and held in ``dtype``."""
+    batch = batch.to(DEVICE)
+    floats = {
+        f.name: rounded(value, dtype)
+        for f in dataclasses.fields(batch)
+        if isinstance(value := getattr(batch, f.name), torch.Tensor) and value.is_floating_point()
+    }
+    return dataclasses.replace(batch, **floats)
+
+
+@gpu_test
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_hunyuan_bf16_matches_diffusers_bf16(backend):
+    """A mixed pack of text- and image-to-video clips with Qwen and ByT5 captions of their own lengths."""
+    reference = tiny_diffusers_hunyuan()
+    cfg, weights = hunyuan_config_and_weights(reference)
+    cfg.model.attention_backend = backend
+    pack, _ = hunyuan.verification_pack(cfg.model)
+    # Noise levels exact in bf16: diffusers' pipeline hands the timestep over in the model's dtype.
+    c_noise = torch.tensor([512.0, 256.0, 128.0, 64.0, 768.0, 896.0])[: pack.num_samples].to(DEVICE)
+
+    def run_diffusers(dtype):
+        reference.to(DEVICE, dtype)
+        return [
+            out.float() for out in hunyuan.diffusers_outputs(reference, rounded_floats(pack, dtype), c_noise.to(dtype))
+        ]
+
+    references, theirs = run_diffusers(torch.float32), run_diffusers(torch.bfloat16)
+    batch = rounded_floats(pack, torch.float32)
+    with single_process_world(cfg.rng.seed):
+        model = converted_model(cfg, weights, "bf16").eval().to(DEVICE, torch.bfloat16)
+        packed = model(batch.latents, c_noise, batch).float()
     starts = batch.host_view().cu_seqlens_q_padded.tolist()
     ours = [packed[start : start + r.shape[0]] for start, r in zip(starts, references)]
     scale = max(float(r.abs().max()) for r in references)
