@@ -36,3 +36,25 @@ def test_unpack_puts_the_parts_under_results_and_reports_the_targets(tmp_path):
     printed = lease.report(target)
     assert "h4096-8k-L6: 300.0 TFLOP/s/GPU (target >= 520), dfm/ref 1.00" in printed
     assert "| h4096-8k-L6 | default |" in printed and "GPU tests: not run" in printed
+
+
+def test_the_lease_collects_every_file_with_gpu_tests():
+    """lease.sh finds its test files by grep; a file marking its GPU tests another way would silently drop
+    out of every lease (the bf16 parity tests did, 2026-11-29)."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = (root / "scripts/gpu/lease.sh").read_text()
+    pattern = re.search(r'grep -rlE "([^"]+)" tests', script).group(1)
+    found = subprocess.run(
+        ["grep", "-rlE", pattern, "tests", "--include=test_*.py"], cwd=root, capture_output=True, text=True
+    ).stdout.split()
+    uses_gpu_marks = {
+        str(path.relative_to(root))
+        for path in (root / "tests").rglob("test_*.py")
+        if re.search(r"mark\.gpu\b|from tests\.gpu\._device import .*\b(GPU|gpu_test)\b", path.read_text())
+        and path.name != "test_lease.py"
+    }
+    assert uses_gpu_marks <= set(found), sorted(uses_gpu_marks - set(found))
