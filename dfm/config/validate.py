@@ -118,6 +118,11 @@ def micro_batches_per_step(train: TrainConfig, layout: ParallelLayout) -> int:
 
 
 def _check_precision(cfg: ConfigContainer) -> None:
+    if cfg.model.attention_backend == "varlen" and cfg.mixed_precision.precision not in ("bf16", "fp16"):
+        raise ConfigError(
+            "model.attention_backend=varlen runs torch's flash kernel, which takes bf16 or fp16, not "
+            f"mixed_precision.precision={cfg.mixed_precision.precision}: set model.attention_backend=auto or flex"
+        )
     if cfg.mixed_precision.fp8 is not None:
         # Refused rather than ignored: fp8 needs TE's fp8_autocast around the DiT layers, which
         # is not wired (no GPU with Transformer Engine to prove it on).

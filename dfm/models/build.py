@@ -27,15 +27,10 @@ HALF_PRECISIONS = ("bf16", "fp16")  # what torch's flash kernels (varlen) take
 def resolve_attention_backend(requested: str, device: torch.device | str, precision: str = "bf16") -> str:
     """'auto' -> for a model on a CUDA ``device``: TE when it imports, else torch's varlen flash kernel
     (every dfm mask is a segment mask) in bf16 / fp16, else FlexAttention (fp32 runs too); on any other
-    device: per-segment SDPA.
+    device: per-segment SDPA. A training config asking for varlen in fp32 is refused by validate_config.
 
     The device the model runs on decides, not the host: a model converted or checked on the CPU of a
     GPU machine runs SDPA."""
-    if requested == "varlen" and precision not in HALF_PRECISIONS:
-        raise ValueError(
-            f"model.attention_backend=varlen runs torch's flash kernel, which takes bf16 or fp16, not {precision} "
-            "(mixed_precision.precision): set model.attention_backend=auto or flex"
-        )
     if requested != "auto":
         return requested
     if torch.device(device).type == "cuda":

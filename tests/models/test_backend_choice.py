@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dfm.config.errors import ConfigError
 from dfm.config.recipes import get_recipe
+from dfm.config.validate import validate_config
 from dfm.convert.pretrained import save_pretrained_checkpoint
 from dfm.convert.weights import converted_model
 from dfm.inference.checkpoint_loading import load_model, single_process_config
@@ -50,8 +52,10 @@ def test_fp32_on_cuda_takes_flex_and_varlen_asks_for_half_precision(gpu_host, mo
     monkeypatch.setattr(build, "transformer_engine_available", lambda: False)
     assert build.resolve_attention_backend("auto", "cuda:0", "fp32") == "flex"
     assert build.resolve_attention_backend("auto", "cuda:0", "fp16") == "varlen"
-    with pytest.raises(ValueError, match="varlen .* takes bf16 or fp16, not fp32"):
-        build.resolve_attention_backend("varlen", "cuda:0", "fp32")
+    cfg = get_recipe("dit_tiny")
+    cfg.model.attention_backend = "varlen"
+    with pytest.raises(ConfigError, match="varlen .* takes bf16 or fp16, not mixed_precision.precision=fp32"):
+        validate_config(cfg)
 
 
 def test_conversion_and_generation_on_the_cpu_of_a_gpu_host_use_sdpa(gpu_host, tmp_path):
