@@ -115,7 +115,7 @@ def batched_sdpa(query: Tensor, key: Tensor, value: Tensor, segments: VarlenSegm
     own kernel choice (it pads head dims itself) -> [t, np, hn]."""
     n = segments.cu_q.numel() - 1
     q, k, v = (t.view(n, -1, *t.shape[1:]).transpose(1, 2) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2).reshape(query.shape)
 
 
