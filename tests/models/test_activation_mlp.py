@@ -73,3 +73,23 @@ def test_recompute_activation_trains_the_same(dist, name, extra):
     assert grads.keys() == base_grads.keys()
     for key, grad in base_grads.items():
         torch.testing.assert_close(grads[key], grad, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_tanh_gelu_writes_its_gradient_into_the_incoming_one_with_f_gelus_values():
+    """Bit for bit F.gelu's forward and backward; the backward's result is the incoming gradient's memory
+    when that is a plain dense tensor, a new tensor for an expanded one (a sum's gradient)."""
+    from dfm.models.common.fused import gelu_tanh_grad_in_place
+
+    x = torch.randn(64, 1, 48, requires_grad=True)
+    grad = torch.randn(64, 1, 48)
+    expected_out = F.gelu(x, approximate="tanh")
+    (expected,) = torch.autograd.grad(expected_out, x, grad)
+    out = gelu_tanh_grad_in_place(x)
+    incoming = grad.clone()
+    (got,) = torch.autograd.grad(out, x, incoming)
+    assert torch.equal(out, expected_out) and torch.equal(got, expected)
+    assert got.data_ptr() == incoming.data_ptr()  # written in place: no new [s, b, f] tensor
+    (from_sum,) = torch.autograd.grad(gelu_tanh_grad_in_place(x).sum(), x)
+    torch.testing.assert_close(from_sum, torch.autograd.grad(F.gelu(x, approximate="tanh").sum(), x)[0])
+    xd = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(gelu_tanh_grad_in_place, (xd,))  # a graph of the backward: not in place
