@@ -32,16 +32,17 @@ def draw_pack_noise(
     starts = batch.cu_seqlens_q_padded[:-1].tolist()
     lengths = batch.host_sample_lengths()
     noise = torch.zeros(batch.latents.shape, dtype=torch.float32)
-    draws, drop_draws = [], []
+    drop_draws = torch.empty(len(lengths))
+    draws = []
     reused = torch.Generator()
-    for start, length, index in zip(starts, lengths, batch.sample_index.tolist()):
+    for i, (start, length, index) in enumerate(zip(starts, lengths, batch.sample_index.tolist())):
         generator = seed_for_sample(reused, seed, iteration, index)
         draws.append(pipeline.level_draws(1, generator))
         noise[start : start + length].normal_(generator=generator)  # randn's draws, without its out= resize
-        drop_draws.append(torch.rand(1, generator=generator))
+        drop_draws[i : i + 1].uniform_(generator=generator)  # rand(1)'s draw, in place
     columns = tuple(torch.cat(column) for column in zip(*draws))
     level = pipeline.levels_from_draws(columns, tokens=lengths)
-    return noise, level, torch.cat(drop_draws) < cfg_dropout_prob
+    return noise, level, drop_draws < cfg_dropout_prob
 
 
 class DiffusionForwardStep:
