@@ -101,18 +101,23 @@ def test_wan_bf16_matches_diffusers_bf16(dist, backend):
     assert_bf16_parity(max_abs_diff(ours, references), max_abs_diff(theirs, references), scale)
 
 
-def flux_pack(cfg, dtype: torch.dtype):
-    """verification_pack on the device, its floating tensors rounded to bf16 and held in ``dtype``."""
-    batch = verification_pack(cfg.model)[0].to(DEVICE)
-    # diffusers multiplies t and the guidance by 1000 in the model's dtype: t = 2^-k and guidance 4 keep
-    # them exact in bf16, so its bf16 error is the model's, not a rounded input's.
-    t, guidance = torch.tensor([0.5, 0.25, 0.125]), torch.full((3,), 4.0)
+def rounded_floats(batch, dtype: torch.dtype):
+    """``batch`` on the device, its floating tensors rounded to bf16 once and held in ``dtype``."""
+    batch = batch.to(DEVICE)
     floats = {
         f.name: rounded(value, dtype)
         for f in dataclasses.fields(batch)
         if isinstance(value := getattr(batch, f.name), torch.Tensor) and value.is_floating_point()
     }
-    return dataclasses.replace(batch, **floats), t.to(DEVICE), guidance.to(DEVICE)
+    return dataclasses.replace(batch, **floats)
+
+
+def flux_pack(cfg, dtype: torch.dtype):
+    """verification_pack on the device, its floating tensors rounded to bf16 and held in ``dtype``."""
+    # diffusers multiplies t and the guidance by 1000 in the model's dtype: t = 2^-k and guidance 4 keep
+    # them exact in bf16, so its bf16 error is the model's, not a rounded input's.
+    t, guidance = torch.tensor([0.5, 0.25, 0.125]), torch.full((3,), 4.0)
+    return rounded_floats(verification_pack(cfg.model)[0], dtype), t.to(DEVICE), guidance.to(DEVICE)
 
 
 @gpu_test
@@ -137,17 +142,6 @@ def test_flux_bf16_matches_diffusers_bf16(backend):
     ours = [packed[start : start + r.shape[0]] for start, r in zip(starts, references)]
     scale = max(float(r.abs().max()) for r in references)
     assert_bf16_parity(max_abs_diff(ours, references), max_abs_diff(theirs, references), scale)
-
-
-def rounded_floats(batch, dtype: torch.dtype):
-    """``batch`` on the device, its floating tensors rounded to bf16 once and held in ``dtype``."""
-    batch = batch.to(DEVICE)
-    floats = {
-        f.name: rounded(value, dtype)
-        for f in dataclasses.fields(batch)
-        if isinstance(value := getattr(batch, f.name), torch.Tensor) and value.is_floating_point()
-    }
-    return dataclasses.replace(batch, **floats)
 
 
 @gpu_test
