@@ -112,6 +112,18 @@ def rounded_floats(batch, dtype: torch.dtype):
     return dataclasses.replace(batch, **floats)
 
 
+def assert_packed_bf16_parity(cfg, weights: dict, batch, inputs: tuple, references: list, theirs: list) -> None:
+    """dfm's bf16 model of ``cfg`` holding ``weights`` run on ``inputs`` (``batch``'s); each sample's rows
+    against diffusers' fp32 ``references``, with diffusers' own bf16 outputs ``theirs`` setting the bound."""
+    with single_process_world(cfg.rng.seed):
+        model = converted_model(cfg, weights, "bf16").eval().to(DEVICE, torch.bfloat16)
+        packed = model(*inputs).float()
+    starts = batch.host_view().cu_seqlens_q_padded.tolist()
+    ours = [packed[start : start + r.shape[0]] for start, r in zip(starts, references)]
+    scale = max(float(r.abs().max()) for r in references)
+    assert_bf16_parity(max_abs_diff(ours, references), max_abs_diff(theirs, references), scale)
+
+
 def flux_pack(cfg, dtype: torch.dtype):
     """verification_pack on the device, its floating tensors rounded to bf16 and held in ``dtype``."""
     # diffusers multiplies t and the guidance by 1000 in the model's dtype: t = 2^-k and guidance 4 keep
@@ -135,13 +147,7 @@ def test_flux_bf16_matches_diffusers_bf16(backend):
 
     references, theirs = run_diffusers(torch.float32), run_diffusers(torch.bfloat16)
     batch, t, guidance = flux_pack(cfg, torch.float32)
-    with single_process_world(cfg.rng.seed):
-        model = converted_model(cfg, weights, "bf16").eval().to(DEVICE, torch.bfloat16)
-        packed = model(batch.latents, t, batch, guidance).float()
-    starts = batch.host_view().cu_seqlens_q_padded.tolist()
-    ours = [packed[start : start + r.shape[0]] for start, r in zip(starts, references)]
-    scale = max(float(r.abs().max()) for r in references)
-    assert_bf16_parity(max_abs_diff(ours, references), max_abs_diff(theirs, references), scale)
+    assert_packed_bf16_parity(cfg, weights, batch, (batch.latents, t, batch, guidance), references, theirs)
 
 
 @gpu_test
@@ -164,13 +170,7 @@ def test_hunyuan_bf16_matches_diffusers_bf16(backend):
 
     references, theirs = run_diffusers(torch.float32), run_diffusers(torch.bfloat16)
     batch = rounded_floats(pack, torch.float32)
-    with single_process_world(cfg.rng.seed):
-        model = converted_model(cfg, weights, "bf16").eval().to(DEVICE, torch.bfloat16)
-        packed = model(batch.latents, c_noise, batch).float()
-    starts = batch.host_view().cu_seqlens_q_padded.tolist()
-    ours = [packed[start : start + r.shape[0]] for start, r in zip(starts, references)]
-    scale = max(float(r.abs().max()) for r in references)
-    assert_bf16_parity(max_abs_diff(ours, references), max_abs_diff(theirs, references), scale)
+    assert_packed_bf16_parity(cfg, weights, batch, (batch.latents, c_noise, batch), references, theirs)
 
 
 def test_the_tolerance_catches_a_wrong_model():
