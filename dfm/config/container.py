@@ -22,6 +22,7 @@ RecomputeGranularity = Literal["full", "selective"]
 RecomputeMethod = Literal["uniform", "block"]
 LrDecayStyle = Literal["constant", "cosine", "linear"]
 Precision = Literal["fp32", "bf16", "fp16"]
+HALF_PRECISIONS = ("bf16", "fp16")  # what torch's flash kernels (attention_backend=varlen) take
 Fp8Format = Literal["e4m3", "hybrid"]
 PackingBalance = Literal["cost", "tokens"]
 ShardingStrategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]

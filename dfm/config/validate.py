@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dfm.config.container import ConfigContainer, TrainConfig
+from dfm.config.container import HALF_PRECISIONS, ConfigContainer, TrainConfig
 from dfm.config.errors import ConfigError
 from dfm.config.ranges import check_ranges
 from dfm.diffusion.flow import FlowSettings
@@ -118,7 +118,7 @@ def micro_batches_per_step(train: TrainConfig, layout: ParallelLayout) -> int:
 
 
 def _check_precision(cfg: ConfigContainer) -> None:
-    if cfg.model.attention_backend == "varlen" and cfg.mixed_precision.precision not in ("bf16", "fp16"):
+    if cfg.model.attention_backend == "varlen" and cfg.mixed_precision.precision not in HALF_PRECISIONS:
         raise ConfigError(
             "model.attention_backend=varlen runs torch's flash kernel, which takes bf16 or fp16, not "
             f"mixed_precision.precision={cfg.mixed_precision.precision}: set model.attention_backend=auto or flex"

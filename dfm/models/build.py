@@ -8,6 +8,7 @@ import importlib.util
 import torch
 from megatron.core import parallel_state
 
+from dfm.config.container import HALF_PRECISIONS
 from dfm.models.attention.modules import backend_modules
 from dfm.models.attention.varlen import varlen_available
 from dfm.models.common.init import init_params
@@ -19,9 +20,6 @@ from dfm.parallel.layout import ParallelLayout
 
 def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
-
-
-HALF_PRECISIONS = ("bf16", "fp16")  # what torch's flash kernels (varlen) take
 
 
 def resolve_attention_backend(requested: str, device: torch.device | str, precision: str = "bf16") -> str:

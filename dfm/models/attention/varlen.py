@@ -76,13 +76,13 @@ def varlen_segments(params: PackedSeqParams, q_total: int, k_total: int, device:
         q_starts, _ = segment_bounds(params, "q")
         k_starts, k_lengths = segment_bounds(params, "kv")
         cu_q, cu_k = varlen_boundaries(q_starts, q_total, k_starts, k_lengths, k_total)
-        q_lengths, k_lengths = ({b - a for a, b in zip(cu, cu[1:])} for cu in (cu_q, cu_k))
+        q_sizes, k_sizes = ({b - a for a, b in zip(cu, cu[1:])} for cu in (cu_q, cu_k))  # distinct segment sizes
         return VarlenSegments(
             cu_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
             cu_k=torch.tensor(cu_k, dtype=torch.int32).to(device, non_blocking=True),
-            max_q=max(q_lengths),
-            max_k=max(k_lengths),
-            uniform=len(q_lengths) == len(k_lengths) == 1 and 0 not in q_lengths | k_lengths,
+            max_q=max(q_sizes),
+            max_k=max(k_sizes),
+            uniform=len(q_sizes) == len(k_sizes) == 1 and 0 not in q_sizes | k_sizes,
         )
 
     return cached_per_pack(params, "varlen", (q_total, k_total, device), build)
