@@ -30,7 +30,7 @@ import torch
 from dfm.data.pack_cost import PackCost
 from dfm.data.pack_selection import PACKING_BALANCES, PackingBalance, cost_balanced_packs
 from dfm.data.packed_batch import PackedBatch
-from dfm.data.packing import pack_samples
+from dfm.data.packing import grouped_by_length, pack_samples
 from dfm.data.patchify import patchify
 from dfm.data.sample import DiffusionSample
 
@@ -234,7 +234,7 @@ class MockPackedLoader:
         return self._next_global_pack()
 
     def next_pack_samples(self) -> list[DiffusionSample]:
-        return [mock_sample(self.settings, index) for index in self.next_pack_indices()]
+        return grouped_by_length([mock_sample(self.settings, index) for index in self.next_pack_indices()])
 
     def __iter__(self) -> Iterator[PackedBatch]:
         return self

@@ -14,6 +14,7 @@ from benchmarks.packing_draws import mixed_stream_efficiency
 from dfm.data.energon.task_encoder import DiffusionTaskEncoder, PackingSettings
 from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking, mock_sample
 from dfm.data.pack_selection import first_fit_decreasing
+from dfm.data.packing import grouped_by_length
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +65,11 @@ def test_packs_never_exceed_the_limit_nor_split_samples(mock, cp, tp, seq_length
         assert batch.num_real_tokens() <= seq_length and batch.seq_len <= seq_length + layout_padding
         assert batch.seq_len % packing.total_multiple == 0
         offsets = batch.cu_seqlens_q_padded.tolist()
-        for i, sample in enumerate(pack):
+        placed = grouped_by_length(pack)
+        assert batch.sample_index.tolist() == [s.sample_index for s in placed]
+        for i, sample in enumerate(placed):
             start = offsets[i]
-            # The whole sample sits contiguously in its own segment, in order.
+            # The whole sample sits contiguously in its own segment, equal lengths side by side.
             assert torch.equal(batch.latents[start : start + sample.seq_len_q], sample.tokens)
             assert (offsets[i + 1] - start) % packing.segment_multiple == 0 or i == len(pack) - 1
             assert int(batch.loss_mask[start : start + sample.seq_len_q].sum()) == sample.seq_len_q
@@ -170,3 +173,15 @@ def test_one_shape_packs_pad_captions_to_the_longest():
         assert not pack.context[start + n : start + max(text)].any()  # padding rows are zero
     assert len({len(s.tokens) for s in samples}) > 1
     assert pack_samples(samples).padded_text_lengths.tolist() == text
+
+
+def test_a_pack_puts_equal_lengths_side_by_side_in_first_seen_order():
+    samples = [mock_sample(MockDataSettings(seed=5, **ODD_SIZES), i) for i in range(24)]
+    placed = grouped_by_length(samples)
+    lengths = [s.seq_len_q for s in placed]
+    firsts = list(dict.fromkeys(s.seq_len_q for s in samples))
+    assert len(firsts) > 1
+    # one run per length, the runs in order of each length's first sample, samples in order within a run
+    assert [n for i, n in enumerate(lengths) if i == 0 or n != lengths[i - 1]] == firsts
+    for n in firsts:
+        assert [s.sample_index for s in placed if s.seq_len_q == n] == [s.sample_index for s in samples if s.seq_len_q == n]

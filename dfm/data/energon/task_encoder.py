@@ -26,7 +26,7 @@ from dfm.data.energon.sample_checks import check_cooked_sample
 from dfm.data.pack_cost import PackCost
 from dfm.data.pack_selection import PACKING_BALANCES, PackingBalance, select_packs
 from dfm.data.packed_batch import PackedBatch
-from dfm.data.packing import pack_samples
+from dfm.data.packing import grouped_by_length, pack_samples
 from dfm.data.patchify import patchify
 from dfm.data.sample import DiffusionSample
 from dfm.data.video_condition import first_frame_condition, wan_image_condition
@@ -228,6 +228,7 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
 
     @stateless
     def pack_selected_samples(self, samples: list[DiffusionSample]) -> PackedBatch:
+        samples = grouped_by_length(samples)
         batch = pack_samples(samples, self.settings.segment_multiple, self.settings.total_multiple)
         batch.sample_metadata = [s.metadata for s in samples]
         worker = WorkerConfig.active_worker_config  # None outside an energon loader
