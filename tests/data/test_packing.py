@@ -184,4 +184,6 @@ def test_a_pack_puts_equal_lengths_side_by_side_in_first_seen_order():
     # one run per length, the runs in order of each length's first sample, samples in order within a run
     assert [n for i, n in enumerate(lengths) if i == 0 or n != lengths[i - 1]] == firsts
     for n in firsts:
-        assert [s.sample_index for s in placed if s.seq_len_q == n] == [s.sample_index for s in samples if s.seq_len_q == n]
+        assert [s.sample_index for s in placed if s.seq_len_q == n] == [
+            s.sample_index for s in samples if s.seq_len_q == n
+        ]
