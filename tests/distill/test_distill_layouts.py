@@ -41,6 +41,10 @@ GAN_KEYS = (*KEYS, "critic_gan_loss", "student_gan_loss")
 EXTRA_KEYS = {"regression": REGRESSION_KEYS, "gan": GAN_KEYS}
 # Losses come out equal; the gradient norms' sums run in another order across ranks (measured: <= 1.4e-7 relative).
 REL = 1e-6
+# With the GAN loss the classifier's logits carry that rounding into the losses and grow it over the steps a
+# layout trains from the start: measured up to 1.2e-6 relative at iteration 3 (TP=2+SP and CP=2; the same runs
+# resumed at iteration 2 from the one-process checkpoint: 1.1e-7), 2026-11-30.
+REL_GAN = 3e-6
 # The regression loss is a mean of squared differences of two fp32 samples near 1: at the student's first step
 # (student = teacher, 1 against 3 Euler steps) it is ~2e-7, and the rounding of the samples moves it by ~1e-13
 # (measured at TP=2: 5.9e-7 relative). Compared to 1e-9 absolute as well.
@@ -105,7 +109,7 @@ def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
     return records
 
 
-def assert_close(run: dict[int, dict], reference: dict[int, dict], case: str, keys=KEYS) -> None:
+def assert_close(run: dict[int, dict], reference: dict[int, dict], case: str, keys=KEYS, rel: float = REL) -> None:
     for iteration, record in run.items():
         for key in keys(iteration) if callable(keys) else keys:
             got, want = record[key], reference[iteration][key]
@@ -113,7 +117,7 @@ def assert_close(run: dict[int, dict], reference: dict[int, dict], case: str, ke
                 assert got is None, (case, iteration, key, got)
             else:
                 tolerance = ABS.get(key, 0.0)
-                assert math.isclose(got, want, rel_tol=REL, abs_tol=tolerance), (case, iteration, key, got, want)
+                assert math.isclose(got, want, rel_tol=rel, abs_tol=tolerance), (case, iteration, key, got, want)
 
 
 @pytest.mark.slow
@@ -141,7 +145,8 @@ def test_layout_with_an_extra_loss_trains_like_one_process(runs, loss, layout):
     one, keys, logged = runs[f"one_{loss}"], EXTRA_KEYS[loss], f"student_{loss}_loss"
     assert sorted(runs[f"{layout}_{loss}"]) == [1, 2, 3, 4]
     assert one[4][logged] is not None and one[4][logged] > 0
-    assert_close(runs[f"{layout}_{loss}"], one, f"{layout} with the {loss} loss", keys)
+    rel = REL_GAN if loss == "gan" else REL
+    assert_close(runs[f"{layout}_{loss}"], one, f"{layout} with the {loss} loss", keys, rel)
 
 
 @pytest.mark.slow
