@@ -84,10 +84,9 @@ class EDMPipeline(DiffusionPipeline):
 
     # --- training pieces -------------------------------------------------------------------------
 
-    def level_draws(self, num_samples: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
-        """The standard normals [N] ln sigma is made from."""
-        device = generator.device if generator is not None else None
-        return (torch.randn(num_samples, generator=generator, device=device),)
+    def level_draw_kinds(self) -> tuple[str, ...]:
+        """ln sigma is made from one standard normal."""
+        return ("normal",)
 
     def levels_from_draws(
         self, draws: tuple[torch.Tensor, ...], tokens: float | list[int] | None = None

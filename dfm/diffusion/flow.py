@@ -134,18 +134,13 @@ class FlowPipeline(DiffusionPipeline):
     def c_noise(self, t: torch.Tensor) -> torch.Tensor:
         return self.settings.c_noise_scale * t
 
-    def level_draws(self, num_samples: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
-        """The uniform / normal numbers ``num_samples`` training times are made from, each [N], in the
-        order drawn (``levels_from_draws`` makes the times)."""
+    def level_draw_kinds(self) -> tuple[str, ...]:
+        """A time is made from one uniform, or a logit-normal's normal (with ``uniform_mix``: then a
+        uniform choosing between the two and the uniform time); ``levels_from_draws`` makes the times."""
         s = self.settings
-        device = generator.device if generator is not None else None
         if s.timestep_sampling == "uniform":
-            return (torch.rand(num_samples, generator=generator, device=device),)
-        normal = torch.randn(num_samples, generator=generator, device=device)
-        if s.uniform_mix == 0:
-            return (normal,)
-        uniform = torch.rand(num_samples, generator=generator, device=device)
-        return normal, uniform, torch.rand(num_samples, generator=generator, device=device)
+            return ("uniform",)
+        return ("normal",) if s.uniform_mix == 0 else ("normal", "uniform", "uniform")
 
     def times_from_draws(
         self, draws: tuple[torch.Tensor, ...], shift: float | torch.Tensor | None = None

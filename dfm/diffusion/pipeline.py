@@ -86,8 +86,16 @@ class DiffusionPipeline(ABC):
         return sampler_for(self.name, name or self.settings.sampler)
 
     @abstractmethod
+    def level_draw_kinds(self) -> tuple[str, ...]:
+        """What ``level_draws`` draws, in order: "normal" (standard normals) or "uniform" (on [0, 1))."""
+
     def level_draws(self, num_samples: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, ...]:
         """The random numbers ``num_samples`` training levels are made from, each [N], in the order drawn."""
+        device = generator.device if generator is not None else None
+        return tuple(
+            (torch.randn if kind == "normal" else torch.rand)(num_samples, generator=generator, device=device)
+            for kind in self.level_draw_kinds()
+        )
 
     @abstractmethod
     def levels_from_draws(

@@ -15,34 +15,39 @@ from dfm.diffusion.pipeline import DiffusionPipeline, null_dropped_context
 from dfm.diffusion.timestep_experts import EXPERTS, expert_of
 
 
-def seed_for_sample(generator: torch.Generator, seed: int, iteration: int, sample_index: int) -> torch.Generator:
-    """``generator`` reseeded for one sample: its noise depends only on (seed, iteration, global sample
-    index), layout independent. Reseeding resets all of a generator's state (the same draws as a new one)."""
-    return generator.manual_seed(zlib.crc32(f"{seed}:{iteration}:{sample_index}".encode()))
-
-
 def draw_pack_noise(
     pipeline: DiffusionPipeline, batch: PackedBatch, seed: int, iteration: int, cfg_dropout_prob: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> noise [S, D] (zero on padding), level [N], text dropped [N] bool; drawn on the CPU.
 
     Each sample's generator draws, in order, its level's random numbers, its noise and its text-drop
-    number (``draw_training_noise`` then ``cfg_drop_mask``); the loop only draws, the levels and the
-    drop decisions are made once for the pack from the drawn numbers."""
-    starts = batch.cu_seqlens_q_padded[:-1].tolist()
+    number (``draw_training_noise`` then ``cfg_drop_mask``); the loop only draws, into views made for
+    the whole pack beforehand (the same numbers as ``randn`` / ``rand`` of one sample's sizes), and the
+    levels and the drop decisions are made once for the pack from the drawn numbers."""
     lengths = batch.host_sample_lengths()
     noise = torch.zeros(batch.latents.shape, dtype=torch.float32)
-    drop_draws = torch.empty(len(lengths))
-    draws = []
+    padded = batch.host_view().padded_sample_lengths.tolist()
+    rows = [room if n == room_n else room[:n] for room, n, room_n in zip(noise.split(padded), lengths, padded)]
+    fills = [
+        torch.Tensor.normal_ if kind == "normal" else torch.Tensor.uniform_ for kind in pipeline.level_draw_kinds()
+    ]
+    width = len(fills) + 1
+    drawn = torch.empty(len(lengths), width)  # per sample: its level's numbers, then its text-drop number
+    cells = drawn.view(-1).unbind()  # one view per number, made at once
+    # Each sample's generator is seeded from crc32("seed:iteration:index"): its draws depend only on those,
+    # not on the layout. The CRC of the common prefix is continued by each index; reseeding resets all of
+    # a generator's state (the same draws as a new one).
+    crc = zlib.crc32(f"{seed}:{iteration}:".encode())
     reused = torch.Generator()
-    for i, (start, length, index) in enumerate(zip(starts, lengths, batch.sample_index.tolist())):
-        generator = seed_for_sample(reused, seed, iteration, index)
-        draws.append(pipeline.level_draws(1, generator))
-        noise[start : start + length].normal_(generator=generator)  # randn's draws, without its out= resize
-        drop_draws[i : i + 1].uniform_(generator=generator)  # rand(1)'s draw, in place
-    columns = tuple(torch.cat(column) for column in zip(*draws))
-    level = pipeline.levels_from_draws(columns, tokens=lengths)
-    return noise, level, drop_draws < cfg_dropout_prob
+    for i, (row, index) in enumerate(zip(rows, batch.sample_index.tolist())):
+        generator = reused.manual_seed(zlib.crc32(str(index).encode(), crc))
+        own = cells[i * width : (i + 1) * width]
+        for fill, cell in zip(fills, own):
+            fill(cell, generator=generator)
+        row.normal_(generator=generator)
+        own[-1].uniform_(generator=generator)
+    level = pipeline.levels_from_draws(tuple(drawn[:, :-1].t().contiguous()), tokens=lengths)
+    return noise, level, drawn[:, -1] < cfg_dropout_prob
 
 
 class DiffusionForwardStep:
