@@ -201,3 +201,17 @@ def test_captions_padded_to_the_longest_are_read_in_place(case, strided):
     (group,) = plan.groups
     assert (group.kv.strided is not None) == strided and plan.kv_once == strided
     assert group.mask is not None
+
+
+@pytest.mark.parametrize(
+    ("segment_list", "kv_total", "covered"),
+    [
+        ([(0, 4, 0, 4), (4, 4, 4, 4), (8, 2, 8, 2)], 10, True),  # keys back to back, every row read
+        ([(0, 4, 0, 4), (4, 4, 4, 4), (8, 2, 8, 2)], 12, False),  # the pack's padding rows at the end
+        ([(0, 3, 0, 3), (4, 3, 4, 3)], 7, False),  # a padding row between two samples' keys
+        (SEGMENT_LISTS["shared_keys"], 10, False),  # keys read twice: their grads are summed into zeros
+    ],
+)
+def test_key_grads_need_no_zeroed_buffer_only_when_every_key_row_is_read(segment_list, kv_total, covered):
+    plan = plan_segments(segment_list, max(q0 + n for q0, n, _, _ in segment_list), kv_total, torch.device("cpu"))
+    assert plan.kv_covers_all is covered

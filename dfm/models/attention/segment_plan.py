@@ -56,6 +56,7 @@ class SegmentPlan:
     groups: list[Group]
     q_covers_all: bool  # every query row is some segment's (no zero rows to write)
     kv_once: bool  # every kv row read by at most one (segment, position): grads copied, not added
+    kv_covers_all: bool = False  # every kv row read by some slot: its grad is written, none left to zero
 
 
 def _rows(starts: list[int], lengths: list[int], device: torch.device, rooms: list[int] | None = None) -> Rows:
@@ -96,7 +97,10 @@ def plan_segments(
         reads += [(start, start + (n if repeats else group.kv.length), repeats) for start, n in zip(k0, nk)]
     reads.sort()
     kv_once = not any(r for _, _, r in reads) and all(b[0] >= a[1] for a, b in zip(reads, reads[1:]))
-    return SegmentPlan(groups, sum(nq for _, nq, _, _ in segments) == q_total, kv_once)
+    # Read rows back to back from 0 to the end (a pack's own padding rows included): no kv row without a grad.
+    kv_covers_all = kv_once and bool(reads) and reads[0][0] == 0 and reads[-1][1] == kv_total
+    kv_covers_all = kv_covers_all and all(b[0] == a[1] for a, b in zip(reads, reads[1:]))
+    return SegmentPlan(groups, sum(nq for _, nq, _, _ in segments) == q_total, kv_once, kv_covers_all)
 
 
 def segment_plan(params: PackedSeqParams, q_total: int, kv_total: int, device: torch.device) -> SegmentPlan | None:
@@ -200,7 +204,7 @@ def assemble(like: Tensor, plan: SegmentPlan, side: str, values: list[Tensor], a
         rows = getattr(groups[0], side)
         if rows.strided == (0, rows.length) and rows.index.shape[0] == like.shape[0]:
             return token_rows(values[0], like)
-    covered = plan.q_covers_all if side == "q" else False
+    covered = plan.q_covers_all if side == "q" else plan.kv_covers_all and not add
     buffer = like.new_empty(like.shape) if covered else like.new_zeros(like.shape)
     for group, value in zip(groups, values):
         scatter(buffer, getattr(group, side), value, add)
