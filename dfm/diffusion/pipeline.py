@@ -75,6 +75,10 @@ class SamplingSchedule(NamedTuple):
     churn: Churn = Churn()
 
 
+# ``level_draw_kinds``' names -> the in-place draws (``empty(n)`` filled: randn's and rand's numbers)
+DRAW_INTO: dict[str, Callable[..., Tensor]] = {"normal": Tensor.normal_, "uniform": Tensor.uniform_}
+
+
 class DiffusionPipeline(ABC):
     """Noising, preconditioning, loss and sampling of one diffusion formulation."""
 
@@ -93,7 +97,7 @@ class DiffusionPipeline(ABC):
         """The random numbers ``num_samples`` training levels are made from, each [N], in the order drawn."""
         device = generator.device if generator is not None else None
         return tuple(
-            (torch.randn if kind == "normal" else torch.rand)(num_samples, generator=generator, device=device)
+            DRAW_INTO[kind](torch.empty(num_samples, device=device), generator=generator)
             for kind in self.level_draw_kinds()
         )
 

@@ -11,7 +11,7 @@ import torch
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.video_condition import as_text_to_video, text_to_video_samples
 from dfm.diffusion.first_frame import keep_first_frames_clean
-from dfm.diffusion.pipeline import DiffusionPipeline, null_dropped_context
+from dfm.diffusion.pipeline import DRAW_INTO, DiffusionPipeline, null_dropped_context
 from dfm.diffusion.timestep_experts import EXPERTS, expert_of
 
 
@@ -28,9 +28,7 @@ def draw_pack_noise(
     noise = torch.zeros(batch.latents.shape, dtype=torch.float32)
     padded = batch.host_view().padded_sample_lengths.tolist()
     rows = [room if n == room_n else room[:n] for room, n, room_n in zip(noise.split(padded), lengths, padded)]
-    fills = [
-        torch.Tensor.normal_ if kind == "normal" else torch.Tensor.uniform_ for kind in pipeline.level_draw_kinds()
-    ]
+    fills = [DRAW_INTO[kind] for kind in pipeline.level_draw_kinds()]
     width = len(fills) + 1
     drawn = torch.empty(len(lengths), width)  # per sample: its level's numbers, then its text-drop number
     cells = drawn.view(-1).unbind()  # one view per number, made at once
@@ -46,7 +44,7 @@ def draw_pack_noise(
             fill(cell, generator=generator)
         row.normal_(generator=generator)
         own[-1].uniform_(generator=generator)
-    level = pipeline.levels_from_draws(tuple(drawn[:, :-1].t().contiguous()), tokens=lengths)
+    level = pipeline.levels_from_draws(tuple(drawn[:, :-1].t()), tokens=lengths)
     return noise, level, drawn[:, -1] < cfg_dropout_prob
 
 
