@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from dfm.platform.frozen_heap import setup_objects_frozen
+
 
 @dataclass
 class Timing:
@@ -89,6 +91,17 @@ def time_sides(
 ) -> list[Timing]:
     """``warmup`` untimed steps of each side, then ``steps`` timed ones, the sides taking turns by step;
     ``profiler`` (a torch.profiler.profile) records the timed steps only; ``clock``: one of CLOCKS."""
+    with setup_objects_frozen():  # as dfm's training loop runs its steps (dfm/platform/frozen_heap.py)
+        elapsed = step_in_turns(sides, device, warmup, steps, profiler, clock)
+    timings = []
+    for seconds, side in zip(elapsed, sides):
+        timed = [pack for step in side.packs[warmup : warmup + steps] for pack in step]
+        timings.append(Timing(seconds, steps, *sample_lengths(timed), peak_memory_gib(device)))
+    return timings
+
+
+def step_in_turns(sides: list[Side], device, warmup: int, steps: int, profiler, clock) -> list[float]:
+    """``time_sides``' steps -> each side's seconds over its timed steps."""
     for index in range(warmup):
         for side in sides:
             side.step(index)
@@ -102,8 +115,4 @@ def time_sides(
             elapsed[k] += stop_clock(device, start, clock)
     if profiler is not None:
         profiler.stop()
-    timings = []
-    for seconds, side in zip(elapsed, sides):
-        timed = [pack for step in side.packs[warmup : warmup + steps] for pack in step]
-        timings.append(Timing(seconds, steps, *sample_lengths(timed), peak_memory_gib(device)))
-    return timings
+    return elapsed

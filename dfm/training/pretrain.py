@@ -30,6 +30,7 @@ from dfm.parallel.layout import ParallelLayout, launched_world_size
 from dfm.platform.child_stacks import children_write_stacks_on_request
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.platform.fork_safety import forked_children_single_threaded
+from dfm.platform.frozen_heap import setup_objects_frozen
 from dfm.platform.parent_watch import checkpoint_writer_queue_dies_with_us, die_with_launcher
 from dfm.platform.process_exit import skip_final_gc_at_exit
 from dfm.platform.watchdog import StallWatchdog, stall_timeout
@@ -275,26 +276,27 @@ class TrainLoop:
         timeout = stall_timeout(cfg.train.stall_timeout_s, self.device.type == "cuda")
         self.watchdog = StallWatchdog(timeout, torch.distributed.get_rank())
         try:
-            for iteration in range(start + 1, cfg.train.train_iters + 1):
-                self.watchdog.beat(f"iteration {iteration}")
-                outcome, preempt = self.step(iteration)
-                if self.async_saves is not None:
-                    self.async_saves.maybe_finalize_async_calls(blocking=False)
-                window.iterations += 1
-                window.packs += self.state.loader.take()
-                last = iteration == cfg.train.train_iters
-                if iteration % cfg.logger.log_interval == 0 or last:
-                    self.log(iteration, outcome, window)
-                    window = LogWindow()
-                if preempt:
-                    self.save_and_stop(iteration)
-                    return
-                if cfg.train.eval_interval and (iteration % cfg.train.eval_interval == 0 or last):
-                    self.watchdog.beat(f"validation at iteration {iteration}")
-                    self.validate(iteration)
-                interval = cfg.checkpoint.save_interval
-                if last or (interval and iteration % interval == 0):
-                    self.save(iteration)
+            with setup_objects_frozen():  # the run's built objects skipped by the collector (frozen_heap.py)
+                for iteration in range(start + 1, cfg.train.train_iters + 1):
+                    self.watchdog.beat(f"iteration {iteration}")
+                    outcome, preempt = self.step(iteration)
+                    if self.async_saves is not None:
+                        self.async_saves.maybe_finalize_async_calls(blocking=False)
+                    window.iterations += 1
+                    window.packs += self.state.loader.take()
+                    last = iteration == cfg.train.train_iters
+                    if iteration % cfg.logger.log_interval == 0 or last:
+                        self.log(iteration, outcome, window)
+                        window = LogWindow()
+                    if preempt:
+                        self.save_and_stop(iteration)
+                        return
+                    if cfg.train.eval_interval and (iteration % cfg.train.eval_interval == 0 or last):
+                        self.watchdog.beat(f"validation at iteration {iteration}")
+                        self.validate(iteration)
+                    interval = cfg.checkpoint.save_interval
+                    if last or (interval and iteration % interval == 0):
+                        self.save(iteration)
         finally:
             if self.async_saves is not None:
                 self.watchdog.beat("the last async save")
