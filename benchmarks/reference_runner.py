@@ -32,15 +32,19 @@ def build_reference(cfg, device: torch.device) -> tuple[ReferenceDiT, torch.opti
     return model, optimizer
 
 
-def batch_loss(model, pipeline, batch: ShapeBatch, autocast) -> torch.Tensor:
-    """Summed per-sample loss of one dense batch."""
+def batch_loss(model, pipeline, batch: ShapeBatch, autocast, text_drop: float = 0.0) -> torch.Tensor:
+    """Summed per-sample loss of one dense batch, each caption dropped (zeroed) with ``text_drop``'s
+    probability, as dfm's training drops them for classifier-free guidance."""
     b, length, dim = batch.latents.shape
     x0 = batch.latents.flatten(0, 1)
     sample_ids = torch.arange(b, device=x0.device).repeat_interleave(length)
     noise, level = pipeline.draw_training_noise(b, x0.shape, device=x0.device)
     x_in, c_noise = pipeline.model_input(x0, noise, level, sample_ids)
+    text = batch.text
+    if text_drop and text is not None:
+        text = text.masked_fill((torch.rand(b, device=text.device) < text_drop)[:, None, None], 0.0)
     with autocast:
-        out = model(x_in.view(b, length, dim), c_noise, batch.pos_ids, batch.text, batch.text_mask)
+        out = model(x_in.view(b, length, dim), c_noise, batch.pos_ids, text, batch.text_mask)
     per_sample = pipeline.training_loss(
         out.flatten(0, 1).float(), x0, noise, level, sample_ids, torch.ones_like(x0[:, 0])
     )
@@ -54,7 +58,8 @@ def reference_step(cfg, model, optimizer, pipeline, micro_batches: list, autocas
         # dfm's loss is the mean over a pack's samples, averaged over micro-batches: match it.
         weight = 1.0 / (num_samples * len(micro_batches))
         for batch in batches:
-            (batch_loss(model, pipeline, batch, autocast) * weight).backward()
+            loss = batch_loss(model, pipeline, batch, autocast, cfg.dataset.cfg_dropout_prob)
+            (loss * weight).backward()
     if cfg.optimizer.clip_grad:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)
     optimizer.step()
