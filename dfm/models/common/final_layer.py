@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from dfm.models.common.adaln import AdaLNNorm
 from dfm.models.common.init import zero_init
 from dfm.models.common.norm_recompute import norm_modulate_rows
+from dfm.models.common.row_modulation import RowLayout
 
 
 class FinalLayer(nn.Module):
@@ -19,10 +20,10 @@ class FinalLayer(nn.Module):
         self.adaln = zero_init(nn.Linear(hidden_size, 2 * hidden_size))
         self.linear = zero_init(nn.Linear(hidden_size, out_features))
 
-    def forward(self, hidden: Tensor, cond: Tensor, token_sample_ids: Tensor, per_row: int = 0) -> Tensor:
+    def forward(self, hidden: Tensor, cond: Tensor, token_sample_ids: Tensor, per_row: RowLayout = 0) -> Tensor:
         """hidden [s, b, h], cond [N, h], token_sample_ids [s] -> [s, b, out]. The norm and modulation as
         in the blocks (norm_recompute.py): each sample's shift / scale row reaches its tokens inside the
-        op (``per_row`` > 0: the tokens are N runs of that many in sample order, rows broadcast)."""
+        op (``per_row``: runs of whole samples in order, rows broadcast; row_modulation.py)."""
         shift, scale = self.adaln(F.silu(cond)).chunk(2, dim=-1)
         rms = isinstance(self.norm, nn.RMSNorm)
         return self.linear(norm_modulate_rows(hidden, shift, scale, token_sample_ids, self.norm.eps, rms, per_row))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dfm.models.common.row_modulation import by_row, sum_pair_to_rows, token_rows
+from dfm.models.common.row_modulation import RowLayout, scale_shift_rows_, sum_pair_to_rows, times_rows
 
 
 def norm_with_stats(x: Tensor, eps: float, rms: bool) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -62,16 +62,16 @@ def normed_again(x: Tensor, mean: Tensor | None, rstd: Tensor) -> tuple[Tensor, 
 
 class _NormModulateRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shift_rows, scale_rows, ids, eps: float, rms: bool, per_row: int) -> Tensor:  # noqa: PLR0913 - ctx + apply's 7
+    def forward(ctx, x, shift_rows, scale_rows, ids, eps: float, rms: bool, per_row: RowLayout) -> Tensor:  # noqa: PLR0913 - ctx + apply's 7
         normed, mean, rstd = norm_with_stats(x, eps, rms)
         ctx.save_for_backward(x, mean, rstd, scale_rows, ids)
         ctx.per_row = per_row
         # (1 + scale) on the rows, then gathered: one pass over [s, b, h] less, the same values.
-        scale, shift = token_rows(1 + scale_rows, ids, per_row), token_rows(shift_rows, ids, per_row)
-        if torch.result_type(normed, scale) == normed.dtype == torch.result_type(normed, shift):
-            by_row(normed, per_row).mul_(scale).add_(shift)  # in place: the norm's output is not kept
-            return normed
-        return (by_row(normed, per_row) * scale + shift).view_as(normed)
+        scale = 1 + scale_rows
+        dtype = torch.result_type(normed, scale)
+        if not dtype == normed.dtype == torch.result_type(normed, shift_rows):
+            normed = normed.to(torch.promote_types(dtype, shift_rows.dtype))  # wider rows: modulated in theirs
+        return scale_shift_rows_(normed, scale.to(normed.dtype), shift_rows.to(normed.dtype), ids, per_row)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -84,8 +84,7 @@ class _NormModulateRows(torch.autograd.Function):
         d_shift, d_scale = sum_pair_to_rows(grad, product, ids, num_rows, per_row)
         d_x = None
         if ctx.needs_input_grad[0]:
-            scale = token_rows(1 + scale_rows.to(normed.dtype), ids, per_row)
-            grad_normed = (by_row(grad, per_row) * scale).view_as(grad)
+            grad_normed = times_rows(grad, 1 + scale_rows.to(normed.dtype), ids, per_row)
             d_x = norm_input_grad(grad_normed, x, mean, rstd, normed).to(x.dtype)
         return d_x, d_shift.to(scale_rows.dtype), d_scale.to(scale_rows.dtype), None, None, None, None
 
@@ -114,7 +113,7 @@ def norm_recomputed(x: Tensor, eps: float, rms: bool) -> Tensor:
 
 
 def norm_modulate_rows(
-    x: Tensor, shift_rows: Tensor, scale_rows: Tensor, ids: Tensor, eps: float, rms: bool, per_row: int = 0
+    x: Tensor, shift_rows: Tensor, scale_rows: Tensor, ids: Tensor, eps: float, rms: bool, per_row: RowLayout = 0
 ) -> Tensor:
     """norm(x [s, b, h]) * (1 + scale_rows[ids]) + shift_rows[ids]; rows [N, h], ids [s] -> [s, b, h]
     (``per_row``: row_modulation.py)."""

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from dfm.models.attention.rope_tables import RotaryTables
 from dfm.models.common.factorized_layout import FactorizedAttentionParams
+from dfm.models.common.row_modulation import RowLayout
 
 
 @dataclass
@@ -27,6 +28,7 @@ class PackInputs:
     # [s, 1, 1, d] (attention sees all s) RoPE angles, rope3d only; DiT: wrapped in RotaryTables
     rotary_pos_emb: Tensor | RotaryTables | None = None
     padding_mask: Tensor | None = None  # [s_sp] bool, True on padding (MoE routing statistics leave it out)
-    # L when the s_sp tokens are N runs of L tokens in sample order (one sample shape, no split): the
-    # row ops broadcast rows over [N, L, b, h] instead of gathering them (row_modulation.py); else 0.
-    tokens_per_sample: int = 0
+    # How the s_sp tokens lie by sample (row_modulation.RowLayout): L for N runs of L tokens in sample
+    # order (one sample shape, no split), (rows, L) runs for a pack grouped by length: the row ops
+    # broadcast rows over [n, L, b, h] instead of gathering them; else 0.
+    tokens_per_sample: RowLayout = 0

@@ -27,6 +27,7 @@ from dfm.models.common.factorized_layout import factorized_params, sample_grids
 from dfm.models.common.final_layer import FinalLayer
 from dfm.models.common.pack_inputs import PackInputs
 from dfm.models.common.packed_model import PackedDiffusionModel
+from dfm.models.common.row_modulation import RowLayout, row_layout
 from dfm.models.dit.dit_layer import block_norm
 from dfm.parallel.sequence_split import SequenceSplit
 
@@ -166,14 +167,14 @@ class DiTModel(PackedDiffusionModel):
             inputs.rotary_pos_emb = self.rotary_inputs(angles)
         return inputs
 
-    def tokens_per_sample(self, batch: PackedBatch, split: SequenceSplit) -> int:
-        """L when this rank holds the whole pack as N samples of L tokens each (padding included) in
-        order, else 0 (read from the host copy: no device sync)."""
+    def tokens_per_sample(self, batch: PackedBatch, split: SequenceSplit) -> RowLayout:
+        """How this rank's tokens lie by sample (``row_modulation.RowLayout``) when it holds the whole pack:
+        L for N samples of L tokens each (padding included) in order, runs of samples of one length each
+        for a pack grouped by length; else 0, gathered (read from the host copy: no device sync)."""
         if split.size > 1 or self.config.sequence_parallel:
             return 0
-        lengths = batch.host_view().padded_sample_lengths
-        per_sample = int(lengths[0])
-        return per_sample if bool((lengths == per_sample).all()) and per_sample * len(lengths) == batch.seq_len else 0
+        lengths = batch.host_view().padded_sample_lengths.tolist()
+        return row_layout(lengths, batch.seq_len, self.config.hidden_size)
 
     def rotary_inputs(self, angles: Tensor) -> RotaryTables | Tensor:
         """The blocks' RoPE input from the angles [s, 1, 1, d]: cos / sin tables made once for the pack and
