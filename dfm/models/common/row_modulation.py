@@ -83,13 +83,6 @@ def token_rows(rows: Tensor, ids: Tensor, per_row: int) -> Tensor:
     return rows[:, None, None] if per_row else gather_rows(rows, ids)
 
 
-def runs_of(per_row: RowLayout) -> tuple[tuple[int, int], ...]:
-    """``per_row`` as (rows, L) runs; () when gathered. One run of an int L: its rows are all of them (-1)."""
-    if isinstance(per_row, tuple):
-        return per_row
-    return ((-1, per_row),) if per_row else ()
-
-
 def run_views(x: Tensor, rows: list[Tensor], per_row: RowLayout) -> list[tuple[Tensor, ...]]:
     """Per run: x's tokens [n, L, b, h] (a view) and each of ``rows`` [n, 1, 1, h] (views)."""
     if not isinstance(per_row, tuple):
