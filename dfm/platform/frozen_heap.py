@@ -2,7 +2,7 @@
 
 Once a run is built, a process holds ~300k objects that live as long as it does (imported modules,
 the model's modules and parameters, the optimizer). The collector's full collection walks every one of
-them: 180-260 ms on the 2-core CPU machine (digits-video, measured 2026-11-30), about three steps
+them: 180-265 ms on the 2-core CPU machine (digits-video, measured 2026-11-30), about three steps
 of that run. The first full collection comes within tens of steps of the start and lands in whichever
 step crosses the collector's allocation threshold; a step that makes more Python objects crosses it
 more often. Frozen (``gc.freeze``), those objects are skipped by every later collection, which then

@@ -69,9 +69,10 @@ class _NormModulateRows(torch.autograd.Function):
         # (1 + scale) on the rows, then gathered: one pass over [s, b, h] less, the same values.
         scale = 1 + scale_rows
         dtype = torch.result_type(normed, scale)
-        if not dtype == normed.dtype == torch.result_type(normed, shift_rows):
-            normed = normed.to(torch.promote_types(dtype, shift_rows.dtype))  # wider rows: modulated in theirs
-        return scale_shift_rows_(normed, scale.to(normed.dtype), shift_rows.to(normed.dtype), ids, per_row)
+        if not dtype == normed.dtype == torch.result_type(normed, shift_rows):  # wider rows: modulated in theirs
+            wider = torch.promote_types(dtype, shift_rows.dtype)
+            normed, scale, shift_rows = normed.to(wider), scale.to(wider), shift_rows.to(wider)
+        return scale_shift_rows_(normed, scale, shift_rows, ids, per_row)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
