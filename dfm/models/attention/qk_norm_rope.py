@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from dfm.models.attention.rope_tables import rotate, rotate_transposed
-from dfm.models.common.norm_recompute import accumulation_dtype, norm_backward
+from dfm.models.common.dtypes import accumulation_dtype, as_dtype
+from dfm.models.common.norm_recompute import norm_backward
 
 
 class _QKNormRope(torch.autograd.Function):
@@ -35,15 +36,16 @@ class _QKNormRope(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, rstd, weight, cos, sin = ctx.saved_tensors
         acc = accumulation_dtype(x)
-        normed = x.to(acc) * rstd.to(acc)
-        grad_weighted = grad.to(acc)
+        rstd = as_dtype(rstd, acc)
+        normed = as_dtype(x, acc) * rstd
+        grad_weighted = as_dtype(grad, acc)
         if cos is not None:
-            grad_weighted = rotate_transposed(grad_weighted, cos.to(acc), sin.to(acc), ctx.interleaved)
+            grad_weighted = rotate_transposed(grad_weighted, as_dtype(cos, acc), as_dtype(sin, acc), ctx.interleaved)
         d_weight = None
         if ctx.needs_input_grad[1]:
-            d_weight = (grad_weighted * normed).flatten(0, -2).sum(0).to(weight.dtype)
-        d_x = norm_backward(grad_weighted * weight.to(acc), normed, rstd.to(acc), rms=True).to(x.dtype)
-        return d_x, d_weight, None, None, None, None
+            d_weight = as_dtype((grad_weighted * normed).flatten(0, -2).sum(0), weight.dtype)
+        d_x = norm_backward(grad_weighted * as_dtype(weight, acc), normed, rstd, rms=True)
+        return as_dtype(d_x, x.dtype), d_weight, None, None, None, None
 
 
 def qk_norm_rope(

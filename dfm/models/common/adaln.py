@@ -11,6 +11,7 @@ from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor, nn
 
+from dfm.models.common.dtypes import accumulation_dtype, as_dtype
 from dfm.models.common.init import zero_init
 from dfm.models.common.one_rank_linear import LocalColumnLinear
 
@@ -27,9 +28,9 @@ def sum_rows_by_one_hot_gemm(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor
 
 def sum_rows_by_index_add(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor:
     """Same sums by index_add_ in fp32, or fp64 for fp64 grads (deterministic on the CPU, in token order)."""
-    acc = torch.promote_types(grad.dtype, torch.float32)
+    acc = accumulation_dtype(grad)
     sums = torch.zeros(num_rows, grad.shape[1], dtype=acc, device=grad.device)
-    return sums.index_add_(0, ids, grad.to(acc)).to(grad.dtype)
+    return as_dtype(sums.index_add_(0, ids, as_dtype(grad, acc)), grad.dtype)
 
 
 class _RowsToTokens(torch.autograd.Function):

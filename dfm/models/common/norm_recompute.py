@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dfm.models.common.dtypes import accumulation_dtype, as_dtype
 from dfm.models.common.row_modulation import RowLayout, scale_shift_rows_, sum_pair_to_rows, times_rows
 
 
@@ -22,11 +23,6 @@ def norm_with_stats(x: Tensor, eps: float, rms: bool) -> tuple[Tensor, Tensor | 
         normed, rstd = torch._fused_rms_norm(x, x.shape[-1:], None, eps)
         return normed, None, rstd
     return torch.native_layer_norm(x, x.shape[-1:], None, None, eps)
-
-
-def accumulation_dtype(x: Tensor) -> torch.dtype:
-    """Backward's precision: at least fp32 (fp64 stays fp64: the gradient checks)."""
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 def norm_backward(grad_normed: Tensor, normed: Tensor, rstd: Tensor, rms: bool) -> Tensor:
@@ -42,22 +38,23 @@ def norm_input_grad(grad_normed: Tensor, x: Tensor, mean: Tensor | None, rstd: T
 
     LayerNorm (``mean`` given) through its native backward kernel, one pass from x and the saved
     statistics; RMSNorm (no CPU kernel) by ``norm_backward`` on ``normed`` (recomputed: ``normed_again``)."""
-    if mean is None:
-        return norm_backward(grad_normed, normed, rstd.to(grad_normed.dtype), rms=True)
     acc = grad_normed.dtype
+    if mean is None:
+        return norm_backward(grad_normed, normed, as_dtype(rstd, acc), rms=True)
     mask = [True, False, False]
     return torch.ops.aten.native_layer_norm_backward(
-        grad_normed, x.to(acc), x.shape[-1:], mean.to(acc), rstd.to(acc), None, None, mask
+        grad_normed, as_dtype(x, acc), x.shape[-1:], as_dtype(mean, acc), as_dtype(rstd, acc), None, None, mask
     )[0]
 
 
 def normed_again(x: Tensor, mean: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """(norm(x), rstd) recomputed from the saved statistics in at least fp32 (backward's precision)."""
     acc = accumulation_dtype(x)
+    x, rstd = as_dtype(x, acc), as_dtype(rstd, acc)
     if mean is None:
-        return x.to(acc) * rstd.to(acc), rstd.to(acc)
+        return x * rstd, rstd
     # Scaled in place: on the CPU a tensor from 4 MiB is a fresh mapping faulted in page by page.
-    return (x.to(acc) - mean.to(acc)).mul_(rstd.to(acc)), rstd.to(acc)
+    return (x - as_dtype(mean, acc)).mul_(rstd), rstd
 
 
 class _NormModulateRows(torch.autograd.Function):
@@ -78,16 +75,17 @@ class _NormModulateRows(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, mean, rstd, scale_rows, ids = ctx.saved_tensors
         normed, rstd = normed_again(x, mean, rstd)  # recompute and reduce in at least fp32
-        grad = grad.to(normed.dtype)
+        grad = as_dtype(grad, normed.dtype)
         per_row, num_rows = ctx.per_row, scale_rows.shape[0]
         # LayerNorm's input grad comes from x and the statistics: normed is free to take the product.
         product = grad * normed if mean is None else normed.mul_(grad)
         d_shift, d_scale = sum_pair_to_rows(grad, product, ids, num_rows, per_row)
         d_x = None
         if ctx.needs_input_grad[0]:
-            grad_normed = times_rows(grad, 1 + scale_rows.to(normed.dtype), ids, per_row)
-            d_x = norm_input_grad(grad_normed, x, mean, rstd, normed).to(x.dtype)
-        return d_x, d_shift.to(scale_rows.dtype), d_scale.to(scale_rows.dtype), None, None, None, None
+            grad_normed = times_rows(grad, 1 + as_dtype(scale_rows, normed.dtype), ids, per_row)
+            d_x = as_dtype(norm_input_grad(grad_normed, x, mean, rstd, normed), x.dtype)
+        rows_dtype = scale_rows.dtype
+        return d_x, as_dtype(d_shift, rows_dtype), as_dtype(d_scale, rows_dtype), None, None, None, None
 
 
 class _Norm(torch.autograd.Function):
@@ -105,7 +103,8 @@ class _Norm(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, mean, rstd = ctx.saved_tensors
         normed = normed_again(x, mean, rstd)[0] if ctx.rms else None
-        return norm_input_grad(grad.to(accumulation_dtype(x)), x, mean, rstd, normed).to(x.dtype), None, None
+        d_x = norm_input_grad(as_dtype(grad, accumulation_dtype(x)), x, mean, rstd, normed)
+        return as_dtype(d_x, x.dtype), None, None
 
 
 def norm_recomputed(x: Tensor, eps: float, rms: bool) -> Tensor:

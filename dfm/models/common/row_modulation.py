@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from dfm.models.common.adaln import AdaLNModulation, sum_rows_by_index_add, sum_rows_by_one_hot_gemm
+from dfm.models.common.dtypes import as_dtype
 
 RowLayout = int | tuple[tuple[int, int], ...]  # how tokens lie by row: see the module docstring
 
@@ -119,7 +120,7 @@ def sum_to_rows(grad: Tensor, ids: Tensor, num_rows: int, per_row: RowLayout = 0
     if per_row:
         acc = torch.promote_types(grad.dtype, torch.float32)
         sums = [part.sum((1, 2), dtype=acc) for (part,) in run_views(grad, [], per_row)]
-        return (sums[0] if len(sums) == 1 else torch.cat(sums)).to(grad.dtype)
+        return as_dtype(sums[0] if len(sums) == 1 else torch.cat(sums), grad.dtype)
     grad = grad.sum(1) if grad.shape[1] > 1 else grad[:, 0]
     sum_rows = sum_rows_by_one_hot_gemm if grad.is_cuda else sum_rows_by_index_add
     return sum_rows(grad.contiguous(), ids, num_rows)
@@ -149,11 +150,11 @@ class _GatedResidualRows(torch.autograd.Function):
         d_gate = d_out = d_bias = None
         if ctx.needs_input_grad[1]:
             branch = out if bias is None else out + bias
-            d_gate = sum_to_rows(grad * branch, ids, gate_rows.shape[0], per_row).to(gate_rows.dtype)
+            d_gate = as_dtype(sum_to_rows(grad * branch, ids, gate_rows.shape[0], per_row), gate_rows.dtype)
         if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
             d_out = times_rows(grad, gate_rows, ids, per_row)
             if bias is not None and ctx.needs_input_grad[4]:
-                d_bias = d_out.sum(dim=(0, 1)).to(bias.dtype)
+                d_bias = as_dtype(d_out.sum(dim=(0, 1)), bias.dtype)
         return grad, d_gate, None, d_out, d_bias, None
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from dfm.models.attention.rope_tables import rotate, rotate_transposed
-from dfm.models.common.norm_recompute import accumulation_dtype
+from dfm.models.common.dtypes import accumulation_dtype
 
 
 class _SquareSum(torch.autograd.Function):
