@@ -126,6 +126,7 @@ RANGES: dict[str, Range] = {
     "dataset.i2v_prob": PROBABILITY,
     "checkpoint.save_interval": OPTIONAL_COUNT,
     "checkpoint.keep_last": OPTIONAL_COUNT,
+    "checkpoint.async_save_timeout_s": NON_NEGATIVE,
     "logger.log_interval": COUNT,
     "validation.seed": Range(0, 2**32 - 1),
     "validation.steps": OPTIONAL_COUNT,

@@ -13,6 +13,7 @@ import torch
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from dfm.checkpoint.async_wait import finish_async_saves
 from dfm.checkpoint.files import set_aside_partial_saves
 from dfm.checkpoint.load import load_checkpoint
 from dfm.checkpoint.pretrained_model import take_pretrained_model
@@ -251,6 +252,7 @@ class TrainLoop:
         cfg, layout, device = context.cfg, context.layout, context.device
         self.cfg, self.layout, self.device = cfg, layout, device
         self.async_saves = AsyncCallsQueue() if cfg.checkpoint.async_save else None
+        self.saving: Path | None = None  # the folder the async save in flight writes
         # Validation: no text dropout, noise fixed (iteration 0) so evaluations are comparable.
         self.val_forward_step = DiffusionForwardStep(
             forward_step.pipeline, cfg.rng.seed, 0.0, device, expert_boundary=forward_step.expert_boundary
@@ -300,7 +302,7 @@ class TrainLoop:
         finally:
             if self.async_saves is not None:
                 self.watchdog.beat("the last async save")
-                self.async_saves.close()  # waits for the last save and marks it `latest`
+                self.finish_async_save()  # the last save sealed and marked `latest` (or abandoned)
             self.watchdog.stop()
             self.metrics.close()
 
@@ -326,7 +328,7 @@ class TrainLoop:
         logger.info("preemption signal received: saving at iteration %d and exiting", iteration)
         self.save(iteration)
         if self.async_saves is not None:
-            self.async_saves.maybe_finalize_async_calls(blocking=True)
+            self.finish_async_save()
         where = (
             f"checkpoint {self.cfg.checkpoint.save}/iter_{iteration:07d}"
             if self.cfg.checkpoint.save
@@ -390,10 +392,21 @@ class TrainLoop:
             return
         self.watchdog.beat(f"the save of iteration {iteration}")
         if self.async_saves is not None:
-            self.async_saves.maybe_finalize_async_calls(blocking=True)  # one save in flight at a time
+            self.finish_async_save()  # one save in flight at a time
         checkpoint = self.cfg.checkpoint
-        save_checkpoint(
+        self.saving = save_checkpoint(
             checkpoint.save, iteration, self.state, config_to_dict(self.cfg), checkpoint.keep_last, self.async_saves
+        )
+
+    def finish_async_save(self) -> None:
+        """Wait for the async save in flight, if any: sealed, or abandoned when its writer stalls
+        (dfm/checkpoint/async_wait.py); each byte it writes counts as progress for the stall watchdog."""
+        what = self.watchdog.what
+        finish_async_saves(
+            self.async_saves,
+            self.saving,
+            self.cfg.checkpoint.async_save_timeout_s,
+            on_progress=lambda: self.watchdog.beat(what),
         )
 
     def log(self, iteration: int, outcome: tuple, window: LogWindow) -> None:

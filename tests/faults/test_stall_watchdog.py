@@ -51,8 +51,29 @@ def test_sigterm_during_a_stalled_save_ends_the_run_with_the_stacks(tmp_path):
     assert proc.returncode != 0 and log.count("exitcode : 3") == 2, log[-4000:]
     assert log.count("still running 8 s after SIGTERM (train.exit_signal_timeout_s=8)") == 2, log[-4000:]
     stacks = log[log.find("still running 8 s after SIGTERM") :]  # a failure shows where the ranks were
-    assert "in maybe_finalize_async_calls" in log, stacks[-8000:]  # the rank's stuck frame: waiting for the writer
+    assert "in finish_async_saves" in log, stacks[-8000:]  # the rank's frame: waiting for the writer
     assert "in slowly" in log, stacks[-8000:]  # the writer's stuck frame, from its own stacks (child_stacks.py)
+
+
+@pytest.mark.slow
+def test_an_async_save_whose_writer_stalls_is_abandoned_and_training_goes_on(tmp_path):
+    """2 ranks; the writer of iteration 2's async save sleeps 10 minutes before writing. The ranks wait
+    for it at the next save; after ``checkpoint.async_save_timeout_s`` without a byte written they log
+    its stacks, stop it, remove its folder and go on: the run ends normally, its later saves complete."""
+    root = tmp_path / "ckpt"
+    args = ["train.train_iters=6", f"checkpoint.save={root}", "checkpoint.save_interval=2"]
+    args += ["checkpoint.async_save=true", "checkpoint.async_save_timeout_s=5", f"logger.log_dir={tmp_path / 'logs'}"]
+    started = time.monotonic()
+    result = run_entry(2, args, entry=FAULT_ENTRY, env={"DFM_TEST_FAULT": "slow_save:2:600"}, timeout=400)
+    log = result.stderr
+    assert result.returncode == 0, log[-4000:]
+    assert time.monotonic() - started < 300  # not the injected 10 minutes
+    assert log.count("wrote nothing for 5 s (checkpoint.async_save_timeout_s)") == 2, log[-4000:]
+    assert "in slowly" in log  # the stalled writer's frame, from its own stacks
+    assert "abandoned the save of" in log and "no checkpoint yet; training goes on" in log, log[-4000:]
+    assert not (root / "iter_0000002").exists()
+    assert (root / "latest").read_text().strip().endswith("6")
+    assert (root / "iter_0000004" / "manifest.json").is_file() and (root / "iter_0000006" / "manifest.json").is_file()
 
 
 def wait_for_stall(err, proc: subprocess.Popen, seconds: float = 300) -> None:

@@ -1,0 +1,133 @@
+"""Waiting for an async checkpoint save, bounded: a writer that writes nothing for
+``checkpoint.async_save_timeout_s`` is abandoned instead of waited on for ever.
+
+megatron's ``AsyncCallsQueue.maybe_finalize_async_calls(blocking=True)`` joins the forked writer with no
+timeout, so a writer that never finishes stops every rank for good (#45: once in 22 runs on a loaded
+2-core machine, root cause unknown). Here the ranks poll together, one all-reduce of (writer alive, writer
+stuck) a poll. Once every rank's writer has exited, megatron finalizes the save as before. Once a writer
+has run ``timeout_s`` without a byte added to the save's folder, every rank abandons that save: the
+writers' stacks go to the log, the writers are killed (their own workers die with them,
+dfm/platform/parent_watch.py), their results are dropped from the queue, and the unfinished folder is
+removed, as a failed save's is (save.py): ``latest`` still names the previous checkpoint and training
+goes on. Bytes written count as progress (a large save may take long, but it writes).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dfm.checkpoint.collective import barrier, distributed, rank
+from dfm.checkpoint.files import read_latest, remove_partial
+from dfm.platform.child_stacks import ask_children_for_stacks
+
+logger = logging.getLogger("dfm.checkpoint")
+
+POLL_S = 0.5
+
+
+def finish_async_saves(
+    saves, target: Path | None, timeout_s: float | None, on_progress: Callable[[], None] = lambda: None
+) -> bool:
+    """Wait until ``saves`` (megatron's ``AsyncCallsQueue``, one save in flight: the one writing ``target``)
+    is finalized -> True, or abandoned (no byte written for ``timeout_s`` on some rank) -> False.
+    ``timeout_s`` None or 0: wait as long as it takes. ``on_progress`` runs when the folder grows.
+    Every rank must call it (collectives)."""
+    size, last_growth = None, time.monotonic()
+    while saves.get_num_unfinalized_calls():
+        alive = writer_alive(saves)
+        grown = folder_bytes(target)
+        if grown != size:
+            size, last_growth = grown, time.monotonic()
+            on_progress()
+        idle = time.monotonic() - last_growth
+        stuck = alive and bool(timeout_s) and idle > timeout_s
+        any_alive, any_stuck = agreed(alive, stuck)
+        if not any_alive:
+            saves.maybe_finalize_async_calls(blocking=True)  # every writer has exited: no wait left
+        elif any_stuck:
+            abandon(saves, target, timeout_s)
+            return False
+        else:
+            time.sleep(POLL_S)
+    return True
+
+
+def writer_alive(saves) -> bool:
+    """This rank's writer process for the oldest in-flight save is still running."""
+    process = getattr(saves.async_calls[0].async_caller, "process", None)
+    return process is not None and process.is_alive()
+
+
+def folder_bytes(target: Path | None) -> int:
+    """Bytes of the files under ``target`` so far (0 when absent)."""
+    if target is None or not target.is_dir():
+        return 0
+    total = 0
+    for path in target.rglob("*"):
+        try:
+            if path.is_file() and not path.is_symlink():
+                total += path.stat().st_size
+        except OSError:  # a file renamed or removed while we look
+            continue
+    return total
+
+
+def agreed(alive: bool, stuck: bool) -> tuple[bool, bool]:
+    """(some rank's writer is alive, some rank's writer is stuck), the same on every rank."""
+    flags = torch.tensor([float(alive), float(stuck)])
+    if distributed():
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    return bool(flags[0]), bool(flags[1])
+
+
+def abandon(saves, target: Path | None, timeout_s: float) -> None:
+    """Give up the oldest in-flight save on every rank: log the writers' stacks, kill them, forget the
+    request (unfinalized), drop what they reported, remove the unfinished folder."""
+    caller = saves.async_calls[0].async_caller
+    process = getattr(caller, "process", None)
+    if process is not None and process.is_alive():
+        logger.error(
+            "rank %d: the checkpoint writer (pid %d) for %s wrote nothing for %g s "
+            "(checkpoint.async_save_timeout_s); its stacks follow, then it is stopped",
+            rank(),
+            process.pid,
+            target,
+            timeout_s,
+        )
+        ask_children_for_stacks()
+        process.kill()
+        process.join()
+    caller.process = None
+    saves.async_calls.popleft()
+    drop_reported_results()
+    barrier()
+    if rank() == 0 and target is not None:
+        remove_partial(target)
+        latest = read_latest(target.parent)
+        before = "no checkpoint yet" if latest is None else f"'latest' still names iteration {latest}"
+        logger.error(
+            "abandoned the save of %s (a writer made no progress for %g s): %s; training goes on",
+            target,
+            timeout_s,
+            before,
+        )
+    barrier()
+
+
+def drop_reported_results() -> None:
+    """Empty this rank's writer-results queue: a writer that finished before the save was abandoned left
+    its results there, and the next save would read them as its own."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
+
+    results = _get_write_results_queue()
+    while True:
+        try:
+            results.get_nowait()
+        except queue.Empty:
+            return
