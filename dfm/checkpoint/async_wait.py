@@ -20,9 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from dfm.checkpoint.collective import barrier, distributed, rank
+from dfm.checkpoint.collective import barrier, maxima, rank
 from dfm.checkpoint.files import read_latest, remove_partial
 from dfm.platform.child_stacks import ask_children_for_stacks
 
@@ -80,10 +78,8 @@ def folder_bytes(target: Path | None) -> int:
 
 def agreed(alive: bool, stuck: bool) -> tuple[bool, bool]:
     """(some rank's writer is alive, some rank's writer is stuck), the same on every rank."""
-    flags = torch.tensor([float(alive), float(stuck)])
-    if distributed():
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-    return bool(flags[0]), bool(flags[1])
+    any_alive, any_stuck = maxima([float(alive), float(stuck)])
+    return bool(any_alive), bool(any_stuck)
 
 
 def abandon(saves, target: Path | None, timeout_s: float) -> None:

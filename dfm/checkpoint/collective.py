@@ -42,3 +42,19 @@ def gathered(value: T) -> list[T]:
     out: list[Any] = [None] * world_size()
     torch.distributed.all_gather_object(out, value)
     return out
+
+
+def maxima(values: list[float]) -> list[float]:
+    """Each of ``values``' maximum over the ranks, on every rank (one all-reduce)."""
+    if not distributed():
+        return list(values)
+    flags = torch.tensor(values, dtype=torch.float32, device=collective_device())
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    return flags.tolist()
+
+
+def collective_device() -> torch.device:
+    """Where the default group takes its tensors: the rank's GPU under NCCL, else the host."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
