@@ -46,3 +46,15 @@ def test_a_few_bf16_steps_through_the_entry_point(tmp_path, config, overrides):
     assert all(math.isfinite(r["loss"]) for r in records)
     assert all(r["tflops_per_gpu"] > 0 for r in records)
     assert all("mfu" in r for r in records)  # null where the device's peak is unknown (CPUs)
+
+
+def test_async_saves_every_step_on_the_device(tmp_path):
+    """The async save's writer fork and the wait's poll (its all-reduce on the rank's GPU under NCCL,
+    dfm/checkpoint/async_wait.py): every step saved, the last one sealed and `latest`."""
+    root = tmp_path / "ckpt"
+    run = [f"train.train_iters={ITERS}", "mixed_precision.precision=bf16", f"logger.log_dir={tmp_path}", QK]
+    run += [f"checkpoint.save={root}", "checkpoint.save_interval=1", "checkpoint.async_save=true"]
+    result = run_entry(1, run, env=subprocess_env(), timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (root / "latest").read_text().strip() == str(ITERS)
+    assert all((root / f"iter_{i:07d}" / "manifest.json").is_file() for i in range(1, ITERS + 1))
