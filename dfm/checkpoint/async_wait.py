@@ -3,9 +3,10 @@
 
 megatron's ``AsyncCallsQueue.maybe_finalize_async_calls(blocking=True)`` joins the forked writer with no
 timeout, so a writer that never finishes stops every rank for good (#45: once in 22 runs on a loaded
-2-core machine, root cause unknown). Here the ranks poll together, one all-reduce of (writer alive, writer
-stuck) a poll. Once every rank's writer has exited, megatron finalizes the save as before. Once a writer
-has run ``timeout_s`` without a byte added to the save's folder, every rank abandons that save: the
+2-core machine, root cause unknown). Here the ranks poll together: each waits up to 0.5 s for its own
+writer to exit, then one all-reduce of (writer alive, writer stuck). Once every rank's writer has exited,
+megatron finalizes the save as before. Once a writer has run ``timeout_s`` without a byte added to the
+save's folder, every rank abandons that save: the
 writers' stacks go to the log, the writers are killed (their own workers die with them,
 dfm/platform/parent_watch.py), their results are dropped from the queue, and the unfinished folder is
 removed, as a failed save's is (save.py): ``latest`` still names the previous checkpoint and training
@@ -38,7 +39,7 @@ def finish_async_saves(
     Every rank must call it (collectives)."""
     size, last_growth = None, time.monotonic()
     while saves.get_num_unfinalized_calls():
-        alive = writer_alive(saves)
+        alive = writer_exited_within(saves, POLL_S) is False
         grown = folder_bytes(target)
         if grown != size:
             size, last_growth = grown, time.monotonic()
@@ -51,15 +52,18 @@ def finish_async_saves(
         elif any_stuck:
             abandon(saves, target, timeout_s)
             return False
-        else:
-            time.sleep(POLL_S)
     return True
 
 
-def writer_alive(saves) -> bool:
-    """This rank's writer process for the oldest in-flight save is still running."""
+def writer_exited_within(saves, seconds: float) -> bool | None:
+    """Wait up to ``seconds`` for this rank's writer of the oldest in-flight save -> True once it has
+    exited (at once when it already had), False while it runs, None when there is none. The ranks whose
+    writers are done go on to the poll's all-reduce and wait there for the others."""
     process = getattr(saves.async_calls[0].async_caller, "process", None)
-    return process is not None and process.is_alive()
+    if process is None:
+        return None
+    process.join(seconds)
+    return not process.is_alive()
 
 
 def folder_bytes(target: Path | None) -> int:
