@@ -107,6 +107,7 @@ def abandon(saves, target: Path | None, timeout_s: float) -> None:
     saves.async_calls.popleft()
     drop_reported_results()
     barrier()
+    drop_reported_results()  # again: a result a killed writer was handing over may land just after
     if rank() == 0 and target is not None:
         remove_partial(target)
         latest = read_latest(target.parent)
