@@ -19,7 +19,7 @@ from torch import Tensor
 
 from dfm.models.attention.rope_tables import rotate, rotate_transposed
 from dfm.models.common.dtypes import accumulation_dtype, as_dtype
-from dfm.models.common.norm_recompute import norm_backward
+from dfm.models.common.norm_recompute import scaled_rows_backward
 
 
 class _QKNormRope(torch.autograd.Function):
@@ -41,10 +41,15 @@ class _QKNormRope(torch.autograd.Function):
         grad_weighted = as_dtype(grad, acc)
         if cos is not None:
             grad_weighted = rotate_transposed(grad_weighted, as_dtype(cos, acc), as_dtype(sin, acc), ctx.interleaved)
+        weight_acc = as_dtype(weight, acc)
+        # grad * normed serves both: the weight's grad sums it over tokens, the norm's backward its rows
+        # weighted (the rows' sums of grad * weight * normed).
+        product = grad_weighted * normed
         d_weight = None
         if ctx.needs_input_grad[1]:
-            d_weight = as_dtype((grad_weighted * normed).flatten(0, -2).sum(0), weight.dtype)
-        d_x = norm_backward(grad_weighted * as_dtype(weight, acc), normed, rstd, rms=True)
+            d_weight = as_dtype(product.flatten(0, -2).sum(0), weight.dtype)
+        row_sums = (product * weight_acc).sum(-1)
+        d_x = scaled_rows_backward(grad_weighted * weight_acc, normed, rstd, row_sums)
         return as_dtype(d_x, x.dtype), d_weight, None, None, None, None
 
 

