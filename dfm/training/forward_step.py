@@ -36,14 +36,15 @@ def draw_pack_noise(
     # not on the layout. The CRC of the common prefix is continued by each index; reseeding resets all of
     # a generator's state (the same draws as a new one).
     crc = zlib.crc32(f"{seed}:{iteration}:".encode())
+    seeds = [zlib.crc32(str(index).encode(), crc) for index in batch.sample_index.tolist()]
+    level_cells = list(zip(*(cells[k::width] for k in range(width - 1)))) or [()] * len(seeds)  # per sample
     reused = torch.Generator()
-    for i, (row, index) in enumerate(zip(rows, batch.sample_index.tolist())):
-        generator = reused.manual_seed(zlib.crc32(str(index).encode(), crc))
-        own = cells[i * width : (i + 1) * width]
+    for sample_seed, row, own, drop in zip(seeds, rows, level_cells, cells[width - 1 :: width]):
+        generator = reused.manual_seed(sample_seed)
         for fill, cell in zip(fills, own):
             fill(cell, generator=generator)
         row.normal_(generator=generator)
-        own[-1].uniform_(generator=generator)
+        drop.uniform_(generator=generator)
     level = pipeline.levels_from_draws(tuple(drawn[:, :-1].t()), tokens=lengths)
     return noise, level, drawn[:, -1] < cfg_dropout_prob
 
