@@ -43,6 +43,7 @@ from dfm.training.ema import build_ema
 from dfm.training.faults import NonFiniteGuard, PreemptionSignal, step_checks
 from dfm.training.forward_step import DiffusionForwardStep
 from dfm.training.full_weights import finish_param_gather
+from dfm.training.lean_optimizer_step import optimizer_step
 from dfm.training.losses import reduce_expert_losses, reduce_loss_and_tokens
 from dfm.training.memory_plan import log_memory
 from dfm.training.metrics_log import MetricsLog, finite_or_none
@@ -133,7 +134,7 @@ def train_step(
     finite, preempt = step_checks(model, [item["loss_and_tokens"][0] for item in losses], preemption, device)
     if not finite:
         return losses, False, None, preempt
-    update_ok, grad_norm, _ = optimizer.step()
+    update_ok, grad_norm, _ = optimizer_step(optimizer)
     if update_ok:
         state.scheduler.step(increment=1)
     return losses, update_ok, grad_norm, preempt
