@@ -28,6 +28,9 @@ from dfm.platform.child_stacks import ask_children_for_stacks
 logger = logging.getLogger("dfm.checkpoint")
 
 POLL_S = 0.5
+# For a stalled writer to write its stacks before it is killed: it may wait for a core on a loaded machine
+# (the default 1 s was once too short in the test suite), and an abandoned save is rare.
+STACKS_WAIT_S = 5.0
 
 
 def finish_async_saves(
@@ -100,7 +103,7 @@ def abandon(saves, target: Path | None, timeout_s: float) -> None:
             target,
             timeout_s,
         )
-        ask_children_for_stacks()
+        ask_children_for_stacks(STACKS_WAIT_S)
         process.kill()
         process.join()
     caller.process = None

@@ -31,8 +31,8 @@ def _write_stacks_on_request() -> None:
     faulthandler.register(CHILD_STACKS_SIGNAL, file=sys.stderr, all_threads=True)
 
 
-def ask_children_for_stacks() -> list[int]:
-    """Send the signal to every descendant that catches it and wait ``WAIT_S`` -> the pids asked."""
+def ask_children_for_stacks(wait_s: float = WAIT_S) -> list[int]:
+    """Send the signal to every descendant that catches it and wait ``wait_s`` -> the pids asked."""
     asked = [pid for pid in descendants(os.getpid()) if catches(pid, CHILD_STACKS_SIGNAL)]
     for pid in asked:
         try:
@@ -42,7 +42,7 @@ def ask_children_for_stacks() -> list[int]:
     if asked:
         sys.stderr.write(f"dfm: Python stacks of the child processes {asked} follow\n")
         sys.stderr.flush()
-        time.sleep(WAIT_S)
+        time.sleep(wait_s)
     return asked
 
 
