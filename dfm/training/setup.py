@@ -219,7 +219,9 @@ def build_optimizer(cfg: ConfigContainer, model: list[Any], tconfig) -> tuple[An
     tconfig.finalize_model_grads_func = (
         finalize_alone if alone() and not cfg.model.num_moe_experts else finalize_model_grads
     )
-    tconfig.grad_scale_func = optimizer.scale_loss
+    # fp16 scales the loss; otherwise the scale is a constant 1.0, and multiplying by it is one more op and
+    # autograd node a micro-batch for the same gradients (megatron skips the call when there is none).
+    tconfig.grad_scale_func = optimizer.scale_loss if precision == "fp16" else None
     if cfg.ddp.overlap_grad_reduce:
         tconfig.no_sync_func = [chunk.no_sync for chunk in model]
         tconfig.no_sync_func = tconfig.no_sync_func[0] if len(model) == 1 else tconfig.no_sync_func
