@@ -76,6 +76,27 @@ def test_an_async_save_whose_writer_stalls_is_abandoned_and_training_goes_on(tmp
     assert (root / "iter_0000004" / "manifest.json").is_file() and (root / "iter_0000006" / "manifest.json").is_file()
 
 
+@pytest.mark.slow
+def test_a_save_whose_write_worker_dies_is_abandoned_not_waited_on_for_ever(tmp_path):
+    """The stall of #45 (a run stopped after an iteration, for good, deaf to SIGTERM) reproduced: megatron's
+    writer forks a worker per file and waits for their reports without a timeout
+    (``write_preloaded_data_multiproc``'s ``count_queue.join()``); a worker that dies (here it SIGKILLs itself,
+    as the OOM killer would end it) leaves the writer, and the rank waiting for it, stuck. Before
+    dfm/checkpoint/async_wait.py this run made no progress after iteration 2; now the save is abandoned
+    with the writer's stacks (that join) and the run ends normally."""
+    root = tmp_path / "ckpt"
+    args = ["train.train_iters=6", f"checkpoint.save={root}", "checkpoint.save_interval=2"]
+    args += ["checkpoint.async_save=true", "checkpoint.async_save_timeout_s=5", f"logger.log_dir={tmp_path / 'logs'}"]
+    result = run_entry(2, args, entry=FAULT_ENTRY, env={"DFM_TEST_FAULT": "dead_write_worker:2"}, timeout=400)
+    log = result.stderr
+    assert result.returncode == 0, log[-4000:]
+    assert "write worker of iter_0000002 dies" in log, log[-4000:]
+    assert log.count("wrote nothing for 5 s (checkpoint.async_save_timeout_s)") >= 1, log[-4000:]
+    assert "in write_preloaded_data_multiproc" in log, log[-6000:]  # the writer, waiting for its dead worker
+    assert not (root / "iter_0000002").exists()
+    assert (root / "latest").read_text().strip() == "6"
+
+
 def wait_for_stall(err, proc: subprocess.Popen, seconds: float = 300) -> None:
     deadline = time.monotonic() + seconds
     while err.read_text().count("slow save of iter_0000002 writing") < 2:

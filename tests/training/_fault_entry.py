@@ -8,6 +8,9 @@
 - ``slow_save:ITER:SECONDS``: the save of ITER prints ``slow save of iter_N writing`` to stderr, then
   waits SECONDS before writing (sync saves: in the rank; async saves: in the forked writer), so that
   a test can signal the job while that save is in flight.
+- ``dead_write_worker:ITER``: in the async save of ITER, the worker processes megatron's writer forks to
+  write the files SIGKILL themselves before writing (as the OOM killer would end one): megatron's writer
+  then waits for their report for ever.
 """
 
 import errno
@@ -88,6 +91,20 @@ def slow_save(iteration: int, seconds: float) -> None:
     dist_checkpointing.save = save
 
 
+def dead_write_worker(iteration: int) -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    real_write = FileSystemWriterAsync.write_preloaded_data
+
+    def write_or_die(transform_list, local_proc_idx, write_bucket, *args, **kwargs):
+        if f"iter_{iteration:07d}" in str(write_bucket[0]):
+            print(f"write worker of iter_{iteration:07d} dies", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_write(transform_list, local_proc_idx, write_bucket, *args, **kwargs)
+
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(write_or_die)
+
+
 def nonfinite_loss(iterations: set[int]) -> None:
     from dfm.training.forward_step import DiffusionForwardStep
 
@@ -113,6 +130,8 @@ def main() -> None:
     elif kind == "slow_save":
         iteration, seconds = arg.split(":")
         slow_save(int(iteration), float(seconds))
+    elif kind == "dead_write_worker":
+        dead_write_worker(int(arg))
     elif kind == "nonfinite_loss":
         nonfinite_loss({int(i) for i in arg.split(",")})
     else:
