@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dfm.checkpoint.collective import barrier, maxima, rank
 from dfm.checkpoint.files import read_latest, remove_partial
-from dfm.platform.child_stacks import ask_children_for_stacks
+from dfm.platform.child_stacks import ask_children_for_stacks, children
 
 logger = logging.getLogger("dfm.checkpoint")
 
@@ -31,6 +31,10 @@ POLL_S = 0.5
 # For a stalled writer to write its stacks before it is killed: it may wait for a core on a loaded machine
 # (the default 1 s was once too short in the test suite), and an abandoned save is rare.
 STACKS_WAIT_S = 5.0
+# megatron's writer forks a worker per file and waits for their reports without a timeout: alive with no
+# worker left and nothing written for this long (or the timeout, if shorter), it waits for workers that are
+# gone (killed, or dead), and is abandoned then rather than after the whole timeout.
+WORKERLESS_S = 60.0
 
 
 def finish_async_saves(
@@ -41,21 +45,55 @@ def finish_async_saves(
     ``timeout_s`` None or 0: wait as long as it takes. ``on_progress`` runs when the folder grows.
     Every rank must call it (collectives)."""
     size, last_growth = None, time.monotonic()
+    last_with_workers = last_growth
     while saves.get_num_unfinalized_calls():
         alive = writer_exited_within(saves, POLL_S) is False
+        now = time.monotonic()
         grown = folder_bytes(target)
         if grown != size:
-            size, last_growth = grown, time.monotonic()
+            size, last_growth = grown, now
             on_progress()
-        idle = time.monotonic() - last_growth
-        stuck = alive and bool(timeout_s) and idle > timeout_s
-        any_alive, any_stuck = agreed(alive, stuck)
+        if not (alive and writer_without_workers(saves)):
+            last_with_workers = now
+        reason = stall_reason(alive, now - last_growth, now - last_with_workers, timeout_s)
+        any_alive, any_stuck = agreed(alive, reason is not None)
         if not any_alive:
             saves.maybe_finalize_async_calls(blocking=True)  # every writer has exited: no wait left
         elif any_stuck:
-            abandon(saves, target, timeout_s)
+            abandon(saves, target, reason)
             return False
     return True
+
+
+def stall_reason(alive: bool, idle_s: float, workerless_s: float, timeout_s: float | None) -> str | None:
+    """Why this rank's writer counts as stalled (None: it does not): alive, and nothing written for
+    ``timeout_s``, or for ``WORKERLESS_S`` (the timeout if shorter) with no worker process left."""
+    if not (alive and timeout_s):
+        return None
+    if idle_s > timeout_s:
+        return f"wrote nothing for {timeout_s:g} s (checkpoint.async_save_timeout_s)"
+    grace = min(timeout_s, WORKERLESS_S)
+    if min(idle_s, workerless_s) > grace:
+        return f"has had no worker process and wrote nothing for {grace:g} s (its workers are gone)"
+    return None
+
+
+def writer_without_workers(saves) -> bool:
+    """This rank's writer has no live child process: a dead worker stays a zombie, unreaped by a writer
+    that waits for its report (Linux /proc; False where that cannot be known)."""
+    process = getattr(saves.async_calls[0].async_caller, "process", None)
+    if process is None or not Path(f"/proc/{process.pid}/task").is_dir():
+        return False
+    return not any(running(child) for child in children(process.pid))
+
+
+def running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (its state in /proc/PID/stat, after the command name)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :][:1] not in ("Z", "X")
 
 
 def writer_exited_within(saves, seconds: float) -> bool | None:
@@ -89,19 +127,19 @@ def agreed(alive: bool, stuck: bool) -> tuple[bool, bool]:
     return bool(any_alive), bool(any_stuck)
 
 
-def abandon(saves, target: Path | None, timeout_s: float) -> None:
+def abandon(saves, target: Path | None, reason: str | None) -> None:
     """Give up the oldest in-flight save on every rank: log the writers' stacks, kill them, forget the
-    request (unfinalized), drop what they reported, remove the unfinished folder."""
+    request (unfinalized), drop what they reported, remove the unfinished folder. ``reason``: why this
+    rank's writer stalled (None: another rank's did)."""
     caller = saves.async_calls[0].async_caller
     process = getattr(caller, "process", None)
     if process is not None and process.is_alive():
         logger.error(
-            "rank %d: the checkpoint writer (pid %d) for %s wrote nothing for %g s "
-            "(checkpoint.async_save_timeout_s); its stacks follow, then it is stopped",
+            "rank %d: the checkpoint writer (pid %d) for %s %s; its stacks follow, then it is stopped",
             rank(),
             process.pid,
             target,
-            timeout_s,
+            reason or "is stopped with the save (another rank's writer stalled)",
         )
         ask_children_for_stacks(STACKS_WAIT_S)
         process.kill()
@@ -115,12 +153,7 @@ def abandon(saves, target: Path | None, timeout_s: float) -> None:
         remove_partial(target)
         latest = read_latest(target.parent)
         before = "no checkpoint yet" if latest is None else f"'latest' still names iteration {latest}"
-        logger.error(
-            "abandoned the save of %s (a writer made no progress for %g s): %s; training goes on",
-            target,
-            timeout_s,
-            before,
-        )
+        logger.error("abandoned the save of %s (a writer made no progress): %s; training goes on", target, before)
     barrier()
 
 

@@ -218,8 +218,9 @@ class CheckpointConfig:
     save_interval: int | None = None
     keep_last: int | None = None  # None: keep every checkpoint
     async_save: bool = False
-    # An async save whose writer adds no byte to its folder for this long is abandoned (stacks logged, the writer
-    # stopped, the folder removed, `latest` unchanged) and training goes on; 0: wait as long as it takes.
+    # An async save whose writer adds no byte to its folder for this long (60 s when its worker processes are
+    # gone) is abandoned (stacks logged, the writer stopped, the folder removed, `latest` unchanged) and
+    # training goes on; 0: wait as long as it takes.
     async_save_timeout_s: float = 900.0
     # Resume with changed data settings (batch sizes, dataset path, mock/energon, seq_length): refused unless
     # true; then the data position starts over. dfm/checkpoint/run_settings.py.

@@ -11,6 +11,7 @@ import time
 import pytest
 from entry import FAULT_ENTRY, entry_command, kill_group, run_entry, start_faulty_run
 
+from dfm.checkpoint.async_wait import stall_reason
 from dfm.platform.watchdog import STALL_EXIT_CODE, StallWatchdog, stall_timeout
 
 
@@ -82,16 +83,19 @@ def test_a_save_whose_write_worker_dies_is_abandoned_not_waited_on_for_ever(tmp_
     writer forks a worker per file and waits for their reports without a timeout
     (``write_preloaded_data_multiproc``'s ``count_queue.join()``); a worker that dies (here it SIGKILLs itself,
     as the OOM killer would end it) leaves the writer, and the rank waiting for it, stuck. Before
-    dfm/checkpoint/async_wait.py this run made no progress after iteration 2; now the save is abandoned
-    with the writer's stacks (that join) and the run ends normally."""
+    dfm/checkpoint/async_wait.py this run made no progress after iteration 4; now the save is abandoned
+    with the writer's stacks (that join) once the writer has had no worker for ``WORKERLESS_S`` (60 s),
+    well before the 300 s timeout, and the run ends normally."""
     root = tmp_path / "ckpt"
     args = ["train.train_iters=6", f"checkpoint.save={root}", "checkpoint.save_interval=2"]
-    args += ["checkpoint.async_save=true", "checkpoint.async_save_timeout_s=5", f"logger.log_dir={tmp_path / 'logs'}"]
+    args += ["checkpoint.async_save=true", "checkpoint.async_save_timeout_s=300", f"logger.log_dir={tmp_path / 'logs'}"]
+    started = time.monotonic()
     result = run_entry(2, args, entry=FAULT_ENTRY, env={"DFM_TEST_FAULT": "dead_write_worker:2"}, timeout=400)
     log = result.stderr
     assert result.returncode == 0, log[-4000:]
+    assert time.monotonic() - started < 250  # not the 300 s timeout
     assert "write worker of iter_0000002 dies" in log, log[-4000:]
-    assert log.count("wrote nothing for 5 s (checkpoint.async_save_timeout_s)") >= 1, log[-4000:]
+    assert "has had no worker process and wrote nothing for 60 s (its workers are gone)" in log, log[-4000:]
     assert "in write_preloaded_data_multiproc" in log, log[-6000:]  # the writer, waiting for its dead worker
     assert not (root / "iter_0000002").exists()
     assert (root / "latest").read_text().strip() == "6"
@@ -102,6 +106,15 @@ def wait_for_stall(err, proc: subprocess.Popen, seconds: float = 300) -> None:
     while err.read_text().count("slow save of iter_0000002 writing") < 2:
         assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-4000:]
         time.sleep(0.1)
+
+
+def test_the_stall_reasons():
+    assert stall_reason(True, 10.0, 10.0, 5.0) == "wrote nothing for 5 s (checkpoint.async_save_timeout_s)"
+    assert stall_reason(True, 61.0, 61.0, 900.0).startswith("has had no worker process and wrote nothing for 60 s")
+    assert stall_reason(True, 61.0, 30.0, 900.0) is None  # its workers are running (a long write)
+    assert stall_reason(True, 30.0, 61.0, 900.0) is None  # bytes came 30 s ago
+    assert stall_reason(False, 1e6, 1e6, 5.0) is None  # the writer has exited: nothing to wait for
+    assert stall_reason(True, 1e6, 1e6, 0.0) is None and stall_reason(True, 1e6, 1e6, None) is None  # off
 
 
 def test_the_timeout_in_effect():
