@@ -62,13 +62,10 @@ def test_an_async_save_whose_writer_stalls_is_abandoned_and_training_goes_on(tmp
     for it at the next save; after ``checkpoint.async_save_timeout_s`` without a byte written they log
     its stacks, stop it, remove its folder and go on: the run ends normally, its later saves complete."""
     root = tmp_path / "ckpt"
-    args = ["train.train_iters=6", f"checkpoint.save={root}", "checkpoint.save_interval=2"]
-    args += ["checkpoint.async_save=true", "checkpoint.async_save_timeout_s=5", f"logger.log_dir={tmp_path / 'logs'}"]
-    started = time.monotonic()
-    result = run_entry(2, args, entry=FAULT_ENTRY, env={"DFM_TEST_FAULT": "slow_save:2:600"}, timeout=400)
+    result, seconds = async_saves_every_other_step(tmp_path, "slow_save:2:600", timeout_s=5)
     log = result.stderr
     assert result.returncode == 0, log[-4000:]
-    assert time.monotonic() - started < 300  # not the injected 10 minutes
+    assert seconds < 300  # not the injected 10 minutes
     assert log.count("wrote nothing for 5 s (checkpoint.async_save_timeout_s)") == 2, log[-4000:]
     assert "in slowly" in log, log[-6000:]  # the stalled writer's frame, from its own stacks
     assert "abandoned the save of" in log and "no checkpoint yet; training goes on" in log, log[-4000:]
@@ -87,18 +84,26 @@ def test_a_save_whose_write_worker_dies_is_abandoned_not_waited_on_for_ever(tmp_
     with the writer's stacks (that join) once the writer has had no worker for ``WORKERLESS_S`` (60 s),
     well before the 300 s timeout, and the run ends normally."""
     root = tmp_path / "ckpt"
-    args = ["train.train_iters=6", f"checkpoint.save={root}", "checkpoint.save_interval=2"]
-    args += ["checkpoint.async_save=true", "checkpoint.async_save_timeout_s=300", f"logger.log_dir={tmp_path / 'logs'}"]
-    started = time.monotonic()
-    result = run_entry(2, args, entry=FAULT_ENTRY, env={"DFM_TEST_FAULT": "dead_write_worker:2"}, timeout=400)
+    result, seconds = async_saves_every_other_step(tmp_path, "dead_write_worker:2", timeout_s=300)
     log = result.stderr
     assert result.returncode == 0, log[-4000:]
-    assert time.monotonic() - started < 250  # not the 300 s timeout
+    assert seconds < 250  # not the 300 s timeout
     assert "write worker of iter_0000002 dies" in log, log[-4000:]
     assert "has had no worker process and wrote nothing for 60 s (its workers are gone)" in log, log[-4000:]
     assert "in write_preloaded_data_multiproc" in log, log[-6000:]  # the writer, waiting for its dead worker
     assert not (root / "iter_0000002").exists()
     assert (root / "latest").read_text().strip() == "6"
+
+
+def async_saves_every_other_step(tmp_path, fault: str, timeout_s: float) -> tuple[subprocess.CompletedProcess, float]:
+    """6 iterations on 2 ranks, an async save every 2 into ``tmp_path/ckpt``, with ``fault`` -> (the run, seconds)."""
+    args = ["train.train_iters=6", f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.save_interval=2"]
+    args += ["checkpoint.async_save=true", f"checkpoint.async_save_timeout_s={timeout_s}"]
+    started = time.monotonic()
+    result = run_entry(
+        2, [*args, f"logger.log_dir={tmp_path / 'logs'}"], entry=FAULT_ENTRY, env={"DFM_TEST_FAULT": fault}, timeout=400
+    )
+    return result, time.monotonic() - started
 
 
 def wait_for_stall(err, proc: subprocess.Popen, seconds: float = 300) -> None:
