@@ -23,7 +23,7 @@ from pathlib import Path
 
 from dfm.checkpoint.collective import barrier, maxima, rank
 from dfm.checkpoint.files import read_latest, remove_partial
-from dfm.platform.child_stacks import ask_children_for_stacks, children
+from dfm.platform.child_stacks import ask_children_for_stacks, live_children
 
 logger = logging.getLogger("dfm.checkpoint")
 
@@ -78,29 +78,25 @@ def stall_reason(alive: bool, idle_s: float, workerless_s: float, timeout_s: flo
     return None
 
 
+def writer(saves):
+    """This rank's writer process of the oldest in-flight save (None: none was started)."""
+    return getattr(saves.async_calls[0].async_caller, "process", None)
+
+
 def writer_without_workers(saves) -> bool:
     """This rank's writer has no live child process: a dead worker stays a zombie, unreaped by a writer
     that waits for its report (Linux /proc; False where that cannot be known)."""
-    process = getattr(saves.async_calls[0].async_caller, "process", None)
+    process = writer(saves)
     if process is None or not Path(f"/proc/{process.pid}/task").is_dir():
         return False
-    return not any(running(child) for child in children(process.pid))
-
-
-def running(pid: int) -> bool:
-    """``pid`` exists and is not a zombie (its state in /proc/PID/stat, after the command name)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2 :][:1] not in ("Z", "X")
+    return not live_children(process.pid)
 
 
 def writer_exited_within(saves, seconds: float) -> bool | None:
     """Wait up to ``seconds`` for this rank's writer of the oldest in-flight save -> True once it has
     exited (at once when it already had), False while it runs, None when there is none. The ranks whose
     writers are done go on to the poll's all-reduce and wait there for the others."""
-    process = getattr(saves.async_calls[0].async_caller, "process", None)
+    process = writer(saves)
     if process is None:
         return None
     process.join(seconds)
@@ -131,8 +127,7 @@ def abandon(saves, target: Path | None, reason: str | None) -> None:
     """Give up the oldest in-flight save on every rank: log the writers' stacks, kill them, forget the
     request (unfinalized), drop what they reported, remove the unfinished folder. ``reason``: why this
     rank's writer stalled (None: another rank's did)."""
-    caller = saves.async_calls[0].async_caller
-    process = getattr(caller, "process", None)
+    process = writer(saves)
     if process is not None and process.is_alive():
         logger.error(
             "rank %d: the checkpoint writer (pid %d) for %s %s; its stacks follow, then it is stopped",
@@ -144,8 +139,7 @@ def abandon(saves, target: Path | None, reason: str | None) -> None:
         ask_children_for_stacks(STACKS_WAIT_S)
         process.kill()
         process.join()
-    caller.process = None
-    saves.async_calls.popleft()
+    saves.async_calls.popleft().async_caller.process = None
     drop_reported_results()
     barrier()
     drop_reported_results()  # again: a result a killed writer was handing over may land just after

@@ -67,6 +67,20 @@ def children(pid: int) -> list[int]:
     return pids
 
 
+def live_children(pid: int) -> list[int]:
+    """``children`` that are not zombies (a child that exited and was not reaped yet)."""
+    return [child for child in children(pid) if _running(child)]
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (its state in /proc/PID/stat, after the command name)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :][:1] not in ("Z", "X")
+
+
 def catches(pid: int, sig: int) -> bool:
     """``pid`` has a handler for ``sig`` (its ``SigCgt`` mask in /proc)."""
     try:

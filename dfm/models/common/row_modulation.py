@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from dfm.models.common.adaln import AdaLNModulation, sum_rows_by_index_add, sum_rows_by_one_hot_gemm
-from dfm.models.common.dtypes import as_dtype
+from dfm.models.common.dtypes import accumulation_dtype, as_dtype
 
 RowLayout = int | tuple[tuple[int, int], ...]  # how tokens lie by row: see the module docstring
 
@@ -118,8 +118,7 @@ def times_rows(x: Tensor, rows: Tensor, ids: Tensor, per_row: RowLayout) -> Tens
 def sum_to_rows(grad: Tensor, ids: Tensor, num_rows: int, per_row: RowLayout = 0) -> Tensor:
     """Per-token grads [s, b, h] -> [N, h], row n summing its tokens' (and batch entries') grads."""
     if per_row:
-        acc = torch.promote_types(grad.dtype, torch.float32)
-        sums = [part.sum((1, 2), dtype=acc) for (part,) in run_views(grad, [], per_row)]
+        sums = [part.sum((1, 2), dtype=accumulation_dtype(grad)) for (part,) in run_views(grad, [], per_row)]
         return as_dtype(sums[0] if len(sums) == 1 else torch.cat(sums), grad.dtype)
     grad = grad.sum(1) if grad.shape[1] > 1 else grad[:, 0]
     sum_rows = sum_rows_by_one_hot_gemm if grad.is_cuda else sum_rows_by_index_add
