@@ -83,6 +83,22 @@ def test_rows_functions_match_the_unfused_ops_in_fp32_forward_bitwise():
     assert torch.equal(gated_residual_rows(x, gate, PACK_IDS, out, bias), x + gathered[2] * (out + bias))
 
 
+@pytest.mark.parametrize("rope", [False, True])
+def test_qk_norm_rope_on_the_cpu_lays_heads_out_back_to_back_with_the_fused_norms_values(rope):
+    """fp32 q / k heads, a strided view of a fused QKV output as in the block: the output's memory is
+    [b, np, s, d] (what SDPA's CPU flash kernel reads fastest), its values torch's fused norm's, bit for bit."""
+    qkv = torch.randn(300, 2, 3, 3 * 24, generator=torch.Generator().manual_seed(0))
+    x, weight = qkv[..., :24], torch.randn(24, generator=torch.Generator().manual_seed(1))
+    tables = RotaryTables(torch.rand(300, 1, 1, 24) * 6) if rope else None
+    cos, sin = tables.cos_sin(torch.float32) if rope else (None, None)
+    out = qk_norm_rope(x, weight, cos, sin, 1e-6, False)
+    expected = torch._fused_rms_norm(x, (24,), weight, 1e-6)[0]
+    if rope:
+        expected = expected * cos + rotate_half(expected, False) * sin
+    assert torch.equal(out, expected)
+    assert out.permute(1, 2, 0, 3).is_contiguous()
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_qk_norm_rope_equals_rmsnorm_then_megatron_rope(interleaved):
     tables = RotaryTables(torch.rand(5, 1, 1, 8, dtype=torch.float64) * 6, interleaved)
