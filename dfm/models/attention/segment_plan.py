@@ -46,8 +46,7 @@ class Group:
         if self.mask is None:
             return None
         if dtype not in self.additive:
-            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            self.additive[dtype] = zeros.masked_fill(~self.mask, float("-inf"))
+            self.additive[dtype] = torch.where(self.mask, 0.0, float("-inf")).to(dtype)
         return self.additive[dtype]
 
 

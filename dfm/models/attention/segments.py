@@ -52,17 +52,22 @@ def attend_in_segment_order(kernel, query: Tensor, key: Tensor, value: Tensor, p
 def segment_bounds(params: PackedSeqParams, side: str) -> tuple[list[int], list[int]]:
     """(starts, lengths) of each sample's real tokens on the 'q' or 'kv' side."""
     params = host_segments(params)
-    real = getattr(params, f"cu_seqlens_{side}")
+    real = getattr(params, f"cu_seqlens_{side}").tolist()  # Python ints first: one call, not a tensor op each
     padded = getattr(params, f"cu_seqlens_{side}_padded")
-    offsets = padded if padded is not None else real
-    return offsets[:-1].tolist(), segment_lengths(real).tolist()
+    offsets = padded.tolist() if padded is not None else real
+    return offsets[:-1], differences(real)
 
 
 def segment_rooms(params: PackedSeqParams, side: str) -> list[int]:
     """Rows each sample owns on the 'q' or 'kv' side: its padded length (its real one when unpadded)."""
     params = host_segments(params)
     padded = getattr(params, f"cu_seqlens_{side}_padded")
-    return segment_lengths(padded if padded is not None else getattr(params, f"cu_seqlens_{side}")).tolist()
+    return differences((padded if padded is not None else getattr(params, f"cu_seqlens_{side}")).tolist())
+
+
+def differences(offsets: list[int]) -> list[int]:
+    """[N+1] cumulative offsets -> [N] lengths."""
+    return [end - start for start, end in zip(offsets, offsets[1:])]
 
 
 def document_ids_on_device(params: PackedSeqParams, side: str, total: int, device: torch.device) -> Tensor:
