@@ -2,11 +2,15 @@
 (analytic == numerical gradients) and equal forward / backward to the plain ops, on mixed packs of
 several samples (a row no token takes, as on a CP / SP rank) and on a sequence-parallel slice of ids."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
+from dfm.models.attention.heads_layout import heads_major, heads_major_copy
+from dfm.models.attention.lean_self_attention import LeanSelfAttention
 from dfm.models.attention.qk_norm_rope import qk_norm_rope
 from dfm.models.attention.rope_tables import WRITTEN_BY_CHANNEL_SET, RotaryTables, apply_rotary, rotate_half
 from dfm.models.attention.sdpa_cpu import segment_attention_cpu
@@ -96,7 +100,7 @@ def test_qk_norm_rope_on_the_cpu_lays_heads_out_back_to_back_with_the_fused_norm
     if rope:
         expected = expected * cos + rotate_half(expected, False) * sin
     assert torch.equal(out, expected)
-    assert out.permute(1, 2, 0, 3).is_contiguous()
+    assert heads_major(out).is_contiguous()
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -135,6 +139,28 @@ def test_large_rotation_written_by_channel_set_is_megatrons_rope(interleaved, dt
     plain = x.detach().float().requires_grad_()
     (expected,) = torch.autograd.grad(plain * cos + rotate_half(plain, interleaved) * sin, plain, grad)
     assert torch.equal(mine, expected.to(dtype))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_a_large_rotation_on_the_cpu_is_written_heads_major_with_the_same_values(interleaved):
+    """Self-attention's RoPE without q / k norms (``LeanSelfAttention.rotated``): from
+    ``WRITTEN_BY_CHANNEL_SET`` elements the rotated q / k come out heads-major ([b, np, s, d] memory,
+    what SDPA's CPU flash kernel reads fastest), equal bit for bit to the rotation in megatron's layout,
+    gradients too; the value's copy is heads-major as well."""
+    heads, dim = 4, 16
+    tokens = WRITTEN_BY_CHANNEL_SET // (heads * dim) + 3
+    tables = RotaryTables(torch.rand(tokens, 1, 1, dim) * 6, interleaved)
+    cos, sin = tables.cos_sin(torch.float32)
+    fused_qkv = torch.randn(tokens, 1, heads, 3 * dim)
+    x = fused_qkv[..., :dim].requires_grad_()
+    got = LeanSelfAttention.rotated(SimpleNamespace(rotary=tables), x, cos, sin)
+    expected = apply_rotary(x, cos, sin, interleaved)
+    assert torch.equal(got, expected)
+    assert heads_major(got).is_contiguous()
+    grad = torch.randn_like(expected)
+    assert torch.equal(*(torch.autograd.grad(out, x, grad)[0] for out in (got, expected)))
+    value = heads_major_copy(fused_qkv[..., 2 * dim :])
+    assert torch.equal(value, fused_qkv[..., 2 * dim :]) and heads_major(value).is_contiguous()
 
 
 SEGMENTS = {

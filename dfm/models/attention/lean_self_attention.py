@@ -7,6 +7,8 @@
   fused kernel instead of RMSNorm's composite ops.
 * RoPE without q / k norms: the value is copied out of the fused QKV output, which is then freed
   (a view of it would keep all three of q, k, v alive beside the rotated q and k).
+* On the CPU the q / k / v this module makes (normed, rotated, copied) are laid out heads-major, where
+  SDPA's flash kernel reads them faster (heads_layout.py); the values are the same.
 
 * megatron's forward without its inference / offload branches for a plain call (lean_forward.py).
 
@@ -19,9 +21,10 @@ import torch
 from megatron.core.transformer.attention import SelfAttention
 from torch import Tensor, nn
 
+from dfm.models.attention.heads_layout import heads_major, heads_major_copy, made_heads_major, token_major
 from dfm.models.attention.lean_forward import PlainAttentionForward
 from dfm.models.attention.qk_norm_rope import qk_norm_rope
-from dfm.models.attention.rope_tables import RotaryTables, apply_rotary
+from dfm.models.attention.rope_tables import WRITTEN_BY_CHANNEL_SET, RotaryTables, apply_rotary
 
 
 def as_tables(rotary_pos_emb: Tensor | RotaryTables | None, interleaved: bool) -> RotaryTables | None:
@@ -63,16 +66,25 @@ class LeanSelfAttention(PlainAttentionForward, SelfAttention):
             if self.rotary is None or not split_qkv:
                 return outputs
             cos, sin = self.rotary.cos_sin(outputs[0].dtype)
-            query, key = (apply_rotary(t, cos, sin, self.rotary.interleaved) for t in outputs[:2])
+            query, key = (self.rotated(t, cos, sin) for t in outputs[:2])
             value = outputs[2]
             if self.q_layernorm is None and self.k_layernorm is None:
                 # RoPE keeps only cos / sin: once the value leaves the fused QKV output, it is freed.
-                value = value.contiguous()
+                # The copy made heads-major on the CPU, where SDPA's flash kernel reads it faster (heads_layout.py).
+                value = heads_major_copy(value) if made_heads_major(value) else value.contiguous()
             return (query, key, value, *outputs[3:])
         mixed_qkv, split_sizes = super().get_query_key_value_tensors(hidden_states, key_value_states, split_qkv=False)
         query, key, value = torch.split(mixed_qkv, split_sizes, dim=3)
         query = query.reshape(query.size(0), query.size(1), -1, self.hidden_size_per_attention_head)
         return self.norm_rope(query, self.q_layernorm), self.norm_rope(key, self.k_layernorm), value
+
+    def rotated(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """RoPE of x [s, b, np, hn] (differentiable). A large x's rotation writes its own output: on the CPU
+        it is written heads-major (heads_layout.py), no copy added; a small one's follows x's layout."""
+        interleaved = self.rotary.interleaved
+        if made_heads_major(x) and x.numel() >= WRITTEN_BY_CHANNEL_SET:
+            return token_major(apply_rotary(heads_major(x), heads_major(cos), heads_major(sin), interleaved))
+        return apply_rotary(x, cos, sin, interleaved)
 
     def norm_rope(self, x: Tensor, norm: nn.RMSNorm) -> Tensor:
         """RMSNorm (+ RoPE when the pack has tables) of x [s, b, np, hn] in one Function."""

@@ -20,26 +20,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dfm.models.attention.heads_layout import heads_major, made_heads_major, token_major
 from dfm.models.attention.rope_tables import rotate, rotate_transposed
 from dfm.models.common.dtypes import accumulation_dtype, as_dtype
 from dfm.models.common.norm_recompute import scaled_rows_backward
 
 
-def heads_major(x: Tensor) -> Tensor:
-    """[s, b, np, d] -> its [b, np, s, d] view (each head's rows back to back when x is made from it)."""
-    return x.permute(1, 2, 0, 3)
-
-
-def token_major(x: Tensor) -> Tensor:
-    """The inverse view: [b, np, s, d] -> [s, b, np, d]."""
-    return x.permute(2, 0, 1, 3)
-
-
 def rms_norm_heads_major(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``torch._fused_rms_norm`` of x [s, b, np, d] (fp32 / fp64) on the CPU, there a composite of these ops
-    in this order (the same values), with the output laid out heads-major: SDPA's CPU flash kernel reads q
-    and k whose heads' rows lie back to back faster than rows strided by the heads (digits-video's
-    self-attention: forward ~10 %, backward ~6 %). -> (normed [s, b, np, d], rstd [s, b, np, 1])."""
+    in this order (the same values), with the output laid out heads-major (heads_layout.py; the last
+    product written there, not a copy after). -> (normed [s, b, np, d], rstd [s, b, np, 1])."""
     rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
     normed = torch.empty(heads_major(x).shape, dtype=x.dtype, device=x.device)
     torch.mul(heads_major(x), heads_major(rstd), out=normed)
@@ -49,7 +39,7 @@ def rms_norm_heads_major(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor,
 class _QKNormRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float, interleaved: bool) -> Tensor:
-        by_head = x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64)
+        by_head = made_heads_major(x) and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float64)
         if by_head:
             normed, rstd = rms_norm_heads_major(x, weight, eps)
         else:
