@@ -215,3 +215,18 @@ def test_captions_padded_to_the_longest_are_read_in_place(case, strided):
 def test_key_grads_need_no_zeroed_buffer_only_when_every_key_row_is_read(segment_list, kv_total, covered):
     plan = plan_segments(segment_list, max(q0 + n for q0, n, _, _ in segment_list), kv_total, torch.device("cpu"))
     assert plan.kv_covers_all is covered
+
+
+def test_the_cpu_flash_check_reads_megatrons_layout_and_follows_sdpas_choice():
+    """``uses_cpu_flash`` takes [s, b, np, hn] tensors and answers as SDPA's own choice on their
+    [b, np, s, hn] views: flash for a plain fp32 pack, not with flash switched off or head dims apart."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qkv = torch.randn(12, 1, 2, 3 * 8)
+    q, k, v = qkv.split(8, dim=-1)
+    assert sdpa_cpu.uses_cpu_flash(q, k, v, SCALE)
+    chosen = torch._fused_sdp_choice(*(sdpa_cpu.heads_first(t) for t in (q, k, v)), scale=SCALE)
+    assert SDPBackend(chosen) == SDPBackend.FLASH_ATTENTION
+    with sdpa_kernel(SDPBackend.MATH):
+        assert not sdpa_cpu.uses_cpu_flash(q, k, v, SCALE)
+    assert not sdpa_cpu.uses_cpu_flash(q, k, torch.randn(12, 1, 2, 4), SCALE)

@@ -20,8 +20,7 @@ def sdpa_per_segment(query: Tensor, key: Tensor, value: Tensor, params: PackedSe
 
     The output is one buffer written once: on the CPU's flash kernel the only copy kept for backward
     (sdpa_cpu.py); elsewhere the segments' outputs concatenated with zero padding rows."""
-    q, k, v = heads_first(query), heads_first(key), heads_first(value)
-    if uses_cpu_flash(q, k, v, scale):
+    if uses_cpu_flash(query, key, value, scale):
         plan = segment_plan(params, query.shape[0], key.shape[0], query.device)
         return torch.zeros_like(query) if plan is None else grouped_attention_cpu(query, key, value, plan, scale)
     return sdpa_segment_loop(query, key, value, params, scale)

@@ -25,16 +25,17 @@ def heads_first(x: Tensor) -> Tensor:
 
 
 def uses_cpu_flash(query: Tensor, key: Tensor, value: Tensor, scale: float) -> bool:
-    """SDPA would run the CPU flash kernel on these [b, np, s, hn] inputs: asked once per kind of input
-    (``_fused_sdp_choice`` costs ~10-40 us a call, four calls a DiT block; its answer depends on the
-    dtypes, batch and head counts, head dims, last-dim strides and the backend switches, not on the
-    sequence lengths once they are non-zero)."""
+    """SDPA would run the CPU flash kernel on these [s, b, np, hn] inputs (given as ``heads_first`` views):
+    asked once per kind of input (``_fused_sdp_choice`` costs ~10-40 us a call, four calls a DiT block; its
+    answer depends on the dtypes, batch and head counts, head dims, last-dim strides and the backend
+    switches, not on the sequence lengths once they are non-zero), the kind read off the tensors unpermuted."""
     if query.device.type != "cpu":
         return False
     kind = (*(_sdpa_signature(t) for t in (query, key, value)), torch.backends.cuda.flash_sdp_enabled())
     choice = _FLASH_CHOICES.get(kind)
     if choice is None:
-        chosen = torch._fused_sdp_choice(query, key, value, scale=scale)
+        q, k, v = heads_first(query), heads_first(key), heads_first(value)
+        chosen = torch._fused_sdp_choice(q, k, v, scale=scale)
         choice = _FLASH_CHOICES[kind] = SDPBackend(chosen) == SDPBackend.FLASH_ATTENTION
     return choice
 
@@ -43,8 +44,9 @@ _FLASH_CHOICES: dict[tuple, bool] = {}  # uses_cpu_flash's answers by kind of in
 
 
 def _sdpa_signature(x: Tensor) -> tuple:
-    """What SDPA's backend choice reads of a [b, np, s, hn] input besides its length."""
-    return x.dtype, x.shape[0], x.shape[1], x.shape[3], x.stride(3), x.shape[2] > 0, x.requires_grad
+    """What SDPA's backend choice reads of an [s, b, np, hn] input besides its length."""
+    s, b, heads, head_dim = x.shape
+    return x.dtype, b, heads, head_dim, x.stride(3), s > 0, x.requires_grad
 
 
 def padded_concat(like: Tensor, outputs: list[tuple[int, Tensor]]) -> Tensor:
