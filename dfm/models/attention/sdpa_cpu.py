@@ -25,7 +25,7 @@ def heads_first(x: Tensor) -> Tensor:
 
 
 def uses_cpu_flash(query: Tensor, key: Tensor, value: Tensor, scale: float) -> bool:
-    """SDPA would run the CPU flash kernel on these [s, b, np, hn] inputs (given as ``heads_first`` views):
+    """SDPA would run the CPU flash kernel on these [s, b, np, hn] inputs (handed to it as ``heads_first`` views):
     asked once per kind of input (``_fused_sdp_choice`` costs ~10-40 us a call, four calls a DiT block; its
     answer depends on the dtypes, batch and head counts, head dims, last-dim strides and the backend
     switches, not on the sequence lengths once they are non-zero), the kind read off the tensors unpermuted."""

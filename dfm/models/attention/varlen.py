@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
-from dfm.models.attention.segments import cached_per_pack, query_is_real, segment_bounds
+from dfm.models.attention.segments import cached_per_pack, differences, query_is_real, segment_bounds
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def varlen_segments(params: PackedSeqParams, q_total: int, k_total: int, device:
         q_starts, _ = segment_bounds(params, "q")
         k_starts, k_lengths = segment_bounds(params, "kv")
         cu_q, cu_k = varlen_boundaries(q_starts, q_total, k_starts, k_lengths, k_total)
-        q_sizes, k_sizes = ({b - a for a, b in zip(cu, cu[1:])} for cu in (cu_q, cu_k))  # distinct segment sizes
+        q_sizes, k_sizes = (set(differences(cu)) for cu in (cu_q, cu_k))  # distinct segment sizes
         return VarlenSegments(
             cu_q=torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
             cu_k=torch.tensor(cu_k, dtype=torch.int32).to(device, non_blocking=True),
