@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from dfm.data.pack_cost import PackCost
+from dfm.data.pack_draws import DrawSettings, with_draws
 from dfm.data.pack_selection import PACKING_BALANCES, PackingBalance, cost_balanced_packs
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import grouped_by_length, pack_samples
@@ -131,6 +132,7 @@ class MockPacking:
     balance: PackingBalance = "tokens"
     cost: PackCost = field(default_factory=PackCost)  # balance="cost": the model width's cost model
     window: int = 256  # balance="cost": samples a window of cost-balanced packs
+    draws: DrawSettings | None = None  # set: each pack carries its samples' training draws (pack_draws.py)
 
     def __post_init__(self) -> None:
         if self.samples_per_pack is not None and self.samples_per_pack < 1:
@@ -243,7 +245,7 @@ class MockPackedLoader:
         batch = pack_samples(self.next_pack_samples(), self.packing.segment_multiple, self.packing.total_multiple)
         if self.settings.pooled_text_dim is not None:
             batch.pooled_text = mock_pooled_text(self.settings, batch.sample_index)
-        return batch
+        return with_draws(batch, self.packing.draws)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -49,6 +49,9 @@ class PackedBatch:
     expert_ids: torch.Tensor | None = None
     # Wan 2.2 I2V-A14B: per-token mask + image-condition latent, appended to x_in's features by the model
     image_condition: torch.Tensor | None = None  # [S, pt*ph*pw*(4 + C)]
+    # The samples' training draws, made by the loader (dfm/data/pack_draws.py); None: the step draws them.
+    noise: torch.Tensor | None = None  # [S, D] fp32 standard normal, zero on padding
+    draws: torch.Tensor | None = None  # [N, levels + 1] fp32: each sample's level numbers, its text-drop number
     # The host original of a device copy (set by .to()); None when this batch is the original.
     host: PackedBatch | None = field(default=None, repr=False, compare=False)
 

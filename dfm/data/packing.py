@@ -133,7 +133,7 @@ def pack_samples(samples: Sequence[DiffusionSample], segment_multiple: int = 1, 
 
 
 # Fields of a PackedBatch by what they are indexed by (the rest are per sample, [N, ...]).
-_TOKEN_FIELDS = ("latents", "pos_ids", "loss_mask", "condition", "image_condition")
+_TOKEN_FIELDS = ("latents", "pos_ids", "loss_mask", "condition", "image_condition", "noise")
 _TEXT_FIELDS = {"context": "cu_seqlens_kv", "context_2": "cu_seqlens_kv2"}
 _OFFSETS = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_kv2")
 

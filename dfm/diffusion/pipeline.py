@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from dfm.data.pack_draws import DRAW_INTO  # level_draw_kinds' names -> the in-place draws
 from dfm.data.packed_batch import segment_lengths
 from dfm.diffusion.packed_loss import masked_mean_per_sample
 from dfm.diffusion.samplers import Churn, Sampler, classifier_free_guidance, sampler_for
@@ -73,10 +74,6 @@ class SamplingSchedule(NamedTuple):
     levels: list[float]
     start_std: float = 1.0
     churn: Churn = Churn()
-
-
-# ``level_draw_kinds``' names -> the in-place draws (``empty(n)`` filled: randn's and rand's numbers)
-DRAW_INTO: dict[str, Callable[..., Tensor]] = {"normal": Tensor.normal_, "uniform": Tensor.uniform_}
 
 
 class DiffusionPipeline(ABC):

@@ -9,6 +9,8 @@ from megatron.core import parallel_state
 from dfm.config.container import ConfigContainer
 from dfm.data.mock import MockDataSettings, MockPackedLoader, MockPacking
 from dfm.data.pack_cost import PackCost
+from dfm.data.pack_draws import DrawSettings
+from dfm.diffusion.registry import pipeline_from_config
 from dfm.parallel.layout import ParallelLayout
 
 
@@ -18,6 +20,12 @@ def data_parallel_info() -> tuple[int, int]:
 
 def pack_cost(cfg: ConfigContainer) -> PackCost:
     return PackCost.for_width(cfg.model.hidden_size, cfg.model.effective_ffn_hidden_size)
+
+
+def draw_settings(cfg: ConfigContainer) -> DrawSettings:
+    """What the loaders draw for each pack's samples: what the training step reads (``rng.seed``, the
+    pipeline's level numbers)."""
+    return DrawSettings(cfg.rng.seed, pipeline_from_config(cfg).level_draw_kinds())
 
 
 def build_mock_loader(cfg: ConfigContainer, layout: ParallelLayout) -> MockPackedLoader:
@@ -44,6 +52,7 @@ def build_mock_loader(cfg: ConfigContainer, layout: ParallelLayout) -> MockPacke
         balance=d.packing_balance,
         cost=pack_cost(cfg),
         window=d.packing_buffer_size or 1,
+        draws=draw_settings(cfg),
     )
     return MockPackedLoader(settings, dp_rank, dp_size, packing)
 
@@ -69,6 +78,7 @@ def energon_settings(cfg: ConfigContainer, layout: ParallelLayout):
         text_embed_dim=m.text_embed_dim,
         pooled_text_dim=m.pooled_text_dim,
         image_conditions=m.architecture == "hunyuan_video15",
+        draws=draw_settings(cfg),
     )
     return EnergonDataSettings(
         path=d.path,

@@ -3,50 +3,36 @@
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from functools import partial
 
 import torch
 
+from dfm.data.pack_draws import DrawSettings, draw_pack
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.video_condition import as_text_to_video, text_to_video_samples
 from dfm.diffusion.first_frame import keep_first_frames_clean
-from dfm.diffusion.pipeline import DRAW_INTO, DiffusionPipeline, null_dropped_context
+from dfm.diffusion.pipeline import DiffusionPipeline, null_dropped_context
 from dfm.diffusion.timestep_experts import EXPERTS, expert_of
 
 
 def draw_pack_noise(
-    pipeline: DiffusionPipeline, batch: PackedBatch, seed: int, iteration: int, cfg_dropout_prob: float
+    pipeline: DiffusionPipeline, batch: PackedBatch, seed: int, cfg_dropout_prob: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> noise [S, D] (zero on padding), level [N], text dropped [N] bool; drawn on the CPU.
+    """-> noise [S, D] (zero on padding), level [N], text dropped [N] bool; on the CPU.
 
-    Each sample's generator draws, in order, its level's random numbers, its noise and its text-drop
-    number (``draw_training_noise`` then ``cfg_drop_mask``); the loop only draws, into views made for
-    the whole pack beforehand (the same numbers as ``randn`` / ``rand`` of one sample's sizes), and the
-    levels and the drop decisions are made once for the pack from the drawn numbers."""
-    lengths = batch.host_sample_lengths()
-    noise = torch.zeros(batch.latents.shape, dtype=torch.float32)
-    padded = batch.host_view().padded_sample_lengths.tolist()
-    rows = [room if n == room_n else room[:n] for room, n, room_n in zip(noise.split(padded), lengths, padded)]
-    fills = [DRAW_INTO[kind] for kind in pipeline.level_draw_kinds()]
-    width = len(fills) + 1
-    drawn = torch.empty(len(lengths), width)  # per sample: its level's numbers, then its text-drop number
-    cells = drawn.view(-1).unbind()  # one view per number, made at once
-    # Each sample's generator is seeded from crc32("seed:iteration:index"): its draws depend only on those,
-    # not on the layout. The CRC of the common prefix is continued by each index; reseeding resets all of
-    # a generator's state (the same draws as a new one).
-    crc = zlib.crc32(f"{seed}:{iteration}:".encode())
-    seeds = [zlib.crc32(str(index).encode(), crc) for index in batch.sample_index.tolist()]
-    level_cells = list(zip(*(cells[k::width] for k in range(width - 1)))) or [()] * len(seeds)  # per sample
-    reused = torch.Generator()
-    for sample_seed, row, own, drop in zip(seeds, rows, level_cells, cells[width - 1 :: width]):
-        generator = reused.manual_seed(sample_seed)
-        for fill, cell in zip(fills, own):
-            fill(cell, generator=generator)
-        row.normal_(generator=generator)
-        drop.uniform_(generator=generator)
-    level = pipeline.levels_from_draws(tuple(drawn[:, :-1].t()), tokens=lengths)
-    return noise, level, drawn[:, -1] < cfg_dropout_prob
+    From the draws the loader attached to ``batch`` (dfm/data/pack_draws.py), or drawn here the same way
+    for a pack made elsewhere; the levels and the drop decisions are made once for the pack from them."""
+    settings = DrawSettings(seed, pipeline.level_draw_kinds())
+    noise, numbers = batch.noise, batch.draws
+    if noise is None or numbers is None:
+        noise, numbers = draw_pack(batch, settings)
+    elif numbers.shape[1] != len(settings.level_kinds) + 1:
+        raise ValueError(
+            f"the pack's draws hold {numbers.shape[1]} numbers a sample; the pipeline reads "
+            f"{len(settings.level_kinds)} level numbers and a text-drop number (loader and step built apart?)"
+        )
+    level = pipeline.levels_from_draws(tuple(numbers[:, :-1].t()), tokens=batch.host_sample_lengths())
+    return noise, level, numbers[:, -1] < cfg_dropout_prob
 
 
 class DiffusionForwardStep:
@@ -72,14 +58,16 @@ class DiffusionForwardStep:
         self.fixed_level: float | None = None  # validation: every sample at this level (noise still drawn)
 
     def prepare(self, batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor, torch.Tensor]:
-        noise, level, dropped = draw_pack_noise(self.pipeline, batch, self.seed, self.iteration, self.cfg_dropout_prob)
+        noise, level, dropped = draw_pack_noise(self.pipeline, batch, self.seed, self.cfg_dropout_prob)
         if self.fixed_level is not None:
             level = torch.full_like(level, self.fixed_level)
         context = null_dropped_context(batch.context, batch.cu_seqlens_kv_padded, dropped)
         pooled = batch.pooled_text
         if pooled is not None:  # the pooled text vector (FLUX) is dropped with its sample's text
             pooled = torch.where(dropped[:, None], torch.zeros_like(pooled), pooled)
-        batch = dataclasses.replace(batch, context=context, pooled_text=pooled, **self.conditions(batch, dropped))
+        # The draws leave the pack here: the noise goes to the device once, beside it.
+        conditions = self.conditions(batch, dropped)
+        batch = dataclasses.replace(batch, context=context, pooled_text=pooled, noise=None, draws=None, **conditions)
         if self.expert_boundary is not None:
             batch = dataclasses.replace(batch, expert_ids=expert_of(level, self.expert_boundary))
         return batch.to(self.device), noise.to(self.device), level.to(self.device)

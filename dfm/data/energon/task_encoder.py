@@ -24,6 +24,7 @@ from dfm.data.energon.cooker import BadSampleError, CookedDiffusionSample, diffu
 from dfm.data.energon.part_decoding import decode_parts
 from dfm.data.energon.sample_checks import check_cooked_sample
 from dfm.data.pack_cost import PackCost
+from dfm.data.pack_draws import DrawSettings, with_draws
 from dfm.data.pack_selection import PACKING_BALANCES, PackingBalance, select_packs
 from dfm.data.packed_batch import PackedBatch
 from dfm.data.packing import grouped_by_length, pack_samples
@@ -51,6 +52,7 @@ class PackingSettings:
     pooled_text_dim: int | None = None
     # HunyuanVideo 1.5: every sample must carry the ByT5 text, first-frame latent and image embedding parts.
     image_conditions: bool = False
+    draws: DrawSettings | None = None  # set: each pack carries its samples' training draws (pack_draws.py)
 
     def __post_init__(self) -> None:
         if self.seq_length <= 0:
@@ -233,7 +235,7 @@ class DiffusionTaskEncoder(TaskEncoder[CookedDiffusionSample, DiffusionSample, P
         batch.sample_metadata = [s.metadata for s in samples]
         worker = WorkerConfig.active_worker_config  # None outside an energon loader
         batch.bad_samples = (worker.rank_worker_id() if worker is not None else 0, self.bad_samples.count)
-        return batch
+        return with_draws(batch, self.settings.draws)  # in the loader's worker, off the training step
 
     @stateless
     def batch(self, samples: list[PackedBatch]) -> PackedBatch:
