@@ -32,6 +32,7 @@ def with_code(synthetic_dataset: Path, tmp_path: Path, key: str, value: str) -> 
     return dataset, yaml_file, marker
 
 
+@pytest.mark.slow  # starts training through the entry point on real shards (README: the quick tier leaves those out)
 def test_training_refuses_a_part_filter_naming_python(synthetic_dataset, tmp_path):
     """Through the entry point: exit non-zero naming file and key; the code never ran."""
     dataset, yaml_file, marker = with_code(synthetic_dataset, tmp_path, "part_filter", "evil.py:part_filter")

@@ -19,6 +19,7 @@ def test_the_loader_names_a_seq_length_shorter_than_most_samples(synthetic_datas
             next(loader)
 
 
+@pytest.mark.slow  # starts training through the entry point on real shards (README: the quick tier leaves those out)
 def test_training_stops_naming_dataset_seq_length(synthetic_dataset, tmp_path):
     overrides = [f"dataset.path={synthetic_dataset}", "dataset.num_workers=0", "dataset.seq_length=16"]
     overrides += ["model.text_embed_dim=16", "train.train_iters=3", f"logger.log_dir={tmp_path / 'logs'}"]
