@@ -1,4 +1,5 @@
-"""Throughput of the energon loader + DiffusionTaskEncoder (cook, patchify, pack) on synthetic shards.
+"""Throughput of the energon loader + DiffusionTaskEncoder (cook, patchify, pack, the samples' training draws)
+on synthetic shards.
 
     python benchmarks/bench_dataloader.py --num_workers 0 1 2
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from dfm.data.energon.data_module import EnergonDataSettings, build_train_loader
 from dfm.data.energon.task_encoder import PackingSettings
 from dfm.data.mock import MockDataSettings
+from dfm.data.pack_draws import DrawSettings
 from dfm.data.pack_selection import packing_efficiency
 from dfm.data.prepare.synthetic import write_synthetic_dataset
 
@@ -50,7 +52,8 @@ def synthetic_settings(text_embed_dim: int) -> MockDataSettings:
 def time_loader(dataset: Path, num_workers: int, args: argparse.Namespace) -> dict:
     settings = EnergonDataSettings(
         path=str(dataset),
-        packing=PackingSettings(seq_length=args.seq_length, max_text_len=512),
+        # With the training draws, as the trainer's loader makes them (one level number a sample: EDM, flow's logit-normal).
+        packing=PackingSettings(seq_length=args.seq_length, max_text_len=512, draws=DrawSettings(0, ("normal",))),
         packing_buffer_size=args.packing_buffer_size,
         num_workers=num_workers,
         shuffle_buffer_size=100,
