@@ -100,11 +100,7 @@ def test_preempted_training_requeues_and_resumes(slurm_cluster, tmp_path):
     wait_for(lambda: len(iterations()) >= 3, 120, "3 logged iterations")
     assert slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id).returncode == 0
     state = wait_for(
-        lambda: (
-            slurm_cluster.job_field(job_id, "Restarts") == "1"
-            and (s := slurm_cluster.job_field(job_id, "JobState")) in ("COMPLETED", "FAILED", "CANCELLED")
-            and s
-        ),
+        lambda: slurm_cluster.job_field(job_id, "Restarts") == "1" and job_ended(slurm_cluster, job_id),
         150,
         "the requeued job to finish",
     )
@@ -146,7 +142,7 @@ def test_usr1_reaches_every_srun_task_and_requeues(slurm_cluster, tmp_path):
     # A requeued job may start again after AuthInfo's cred_expire + 1 s (120 s by default; 5 s in conftest).
     wait_for(lambda: slurm_cluster.job_field(job_id, "Restarts") == "1", 60, "the job to requeue")
     state = wait_for(
-        lambda: (s := slurm_cluster.job_field(job_id, "JobState")) in ("COMPLETED", "FAILED", "CANCELLED") and s,
+        lambda: job_ended(slurm_cluster, job_id),
         120,
         "the requeued job to finish",
     )
