@@ -89,15 +89,16 @@ def test_a_save_whose_write_worker_dies_is_abandoned_not_waited_on_for_ever(tmp_
     (``write_preloaded_data_multiproc``'s ``count_queue.join()``); a worker that dies (here it SIGKILLs itself,
     as the OOM killer would end it) leaves the writer, and the rank waiting for it, stuck. Before
     dfm/checkpoint/async_wait.py this run made no progress after iteration 4; now the save is abandoned
-    with the writer's stacks (that join) once the writer has had no worker for ``WORKERLESS_S`` (60 s),
-    well before the 300 s timeout, and the run ends normally."""
+    with the writer's stacks (that join) once the writer has had no worker for ``WORKERLESS_S`` (60 s; 15 s
+    here, set by the fault, so the test does not idle a minute), well before the 300 s timeout, and the run
+    ends normally."""
     root = tmp_path / "ckpt"
-    result, seconds = async_saves_every_other_step(tmp_path, "dead_write_worker:2", timeout_s=300)
+    result, seconds = async_saves_every_other_step(tmp_path, "dead_write_worker:2:15", timeout_s=300)
     log = result.stderr
     assert result.returncode == 0, log[-4000:]
     assert seconds < 250  # not the 300 s timeout
     assert "write worker of iter_0000002 dies" in log, log[-4000:]
-    assert "has had no worker process and wrote nothing for 60 s (its workers are gone)" in log, log[-4000:]
+    assert "has had no worker process and wrote nothing for 15 s (its workers are gone)" in log, log[-4000:]
     assert has_frame(log, "write_preloaded_data_multiproc"), log[-6000:]  # the writer, waiting for its dead worker
     assert not (root / "iter_0000002").exists()
     assert (root / "latest").read_text().strip() == "6"

@@ -8,9 +8,10 @@
 - ``slow_save:ITER:SECONDS``: the save of ITER prints ``slow save of iter_N writing`` to stderr, then
   waits SECONDS before writing (sync saves: in the rank; async saves: in the forked writer), so that
   a test can signal the job while that save is in flight.
-- ``dead_write_worker:ITER``: in the async save of ITER, the worker processes megatron's writer forks to
-  write the files SIGKILL themselves before writing (as the OOM killer would end one): megatron's writer
-  then waits for their report for ever.
+- ``dead_write_worker:ITER[:GRACE_S]``: in the async save of ITER, the worker processes megatron's writer
+  forks to write the files SIGKILL themselves before writing (as the OOM killer would end one): megatron's
+  writer then waits for their report for ever. GRACE_S, if given, replaces dfm's ``WORKERLESS_S`` (how long
+  a writer with no worker left may write nothing before it is abandoned), so a test need not wait 60 s.
 """
 
 import errno
@@ -91,8 +92,13 @@ def slow_save(iteration: int, seconds: float) -> None:
     dist_checkpointing.save = save
 
 
-def dead_write_worker(iteration: int) -> None:
+def dead_write_worker(iteration: int, grace_s: float | None = None) -> None:
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from dfm.checkpoint import async_wait
+
+    if grace_s is not None:
+        async_wait.WORKERLESS_S = grace_s
 
     real_write = FileSystemWriterAsync.write_preloaded_data
 
@@ -131,7 +137,8 @@ def main() -> None:
         iteration, seconds = arg.split(":")
         slow_save(int(iteration), float(seconds))
     elif kind == "dead_write_worker":
-        dead_write_worker(int(arg))
+        iteration, _, grace = arg.partition(":")
+        dead_write_worker(int(iteration), float(grace) if grace else None)
     elif kind == "nonfinite_loss":
         nonfinite_loss({int(i) for i in arg.split(",")})
     else:
