@@ -27,6 +27,13 @@ def children_write_stacks_on_request() -> None:
     at_fork_once(after_in_child=_write_stacks_on_request)
 
 
+def crash_writes_stacks() -> None:
+    """A fatal signal in this process (a segfault or abort in a kernel, a collective, a forked writer) writes
+    every thread's Python stack to stderr before the process dies as before (same signal, same exit code):
+    a rank that dies with -11 or -6 otherwise leaves nothing saying where it was."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
 def _write_stacks_on_request() -> None:
     faulthandler.register(CHILD_STACKS_SIGNAL, file=sys.stderr, all_threads=True)
 

@@ -28,7 +28,7 @@ from dfm.diffusion.registry import pipeline_from_config
 from dfm.diffusion.timestep_experts import BOTH
 from dfm.models.flops import training_flops
 from dfm.parallel.layout import ParallelLayout, launched_world_size
-from dfm.platform.child_stacks import children_write_stacks_on_request
+from dfm.platform.child_stacks import children_write_stacks_on_request, crash_writes_stacks
 from dfm.platform.distributed import destroy_distributed, initialize_distributed
 from dfm.platform.fork_safety import forked_children_single_threaded
 from dfm.platform.frozen_heap import setup_objects_frozen
@@ -147,6 +147,7 @@ def pretrain(cfg: ConfigContainer, mock: bool, explicit_keys: frozenset[str] | N
     die_with_launcher()
     forked_children_single_threaded()  # async saves fork the rank: no OpenMP pool in the child (fork_safety.py)
     children_write_stacks_on_request()  # a stall's dump shows a stuck checkpoint writer's stacks too
+    crash_writes_stacks()  # a rank killed by a fatal signal names where it was
     if cfg.checkpoint.save:
         checkpoint_writer_queue_dies_with_us()
     # From the start: a stop signal during start-up (or one a launcher left ignored) still saves after step one.

@@ -67,3 +67,21 @@ def test_ranks_sharing_a_log_write_their_dumps_whole(tmp_path):
         other = "rank1" if rank == "rank0" else "rank0"
         piece = text[start : text.index(f"in frame_of_{rank}\n")]
         assert f"frame_of_{other}" not in piece and text.count("in nest\n") == 2 * 61, text[:2000]
+
+
+CRASHER = """
+import ctypes
+from dfm.platform.child_stacks import crash_writes_stacks
+crash_writes_stacks()
+def dies_in_c():
+    ctypes.string_at(0)  # reads address 0: SIGSEGV, as a crash in a kernel or a collective would
+dies_in_c()
+"""
+
+
+def test_a_process_killed_by_a_fatal_signal_writes_where_it_was():
+    """A rank that segfaults still dies by the signal (the launcher sees -11), now with its Python stack."""
+    result = subprocess.run([sys.executable, "-c", CRASHER], capture_output=True, text=True, timeout=120)
+    assert result.returncode == -11, result.stderr
+    assert "Segmentation fault" in result.stderr, result.stderr
+    assert "in dies_in_c" in result.stderr, result.stderr
