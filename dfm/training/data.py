@@ -12,6 +12,7 @@ from dfm.data.pack_cost import PackCost
 from dfm.data.pack_draws import DrawSettings
 from dfm.diffusion.registry import pipeline_from_config
 from dfm.parallel.layout import ParallelLayout
+from dfm.platform import compat
 
 
 def data_parallel_info() -> tuple[int, int]:
@@ -101,6 +102,7 @@ def build_train_loader(cfg: ConfigContainer, layout: ParallelLayout, mock: bool)
         return build_mock_loader(cfg, layout)
     from dfm.data.energon.data_module import build_train_loader as energon_train_loader
 
+    compat.install_loader_patches()
     return energon_train_loader(energon_settings(cfg, layout), *data_parallel_info())
 
 
@@ -116,4 +118,5 @@ def build_val_iterator(cfg: ConfigContainer, layout: ParallelLayout, mock: bool)
         return loader
     from dfm.data.energon.data_module import build_val_loader
 
+    compat.install_loader_patches()
     return iter(build_val_loader(energon_settings(cfg, layout), *data_parallel_info()))

@@ -68,6 +68,17 @@ def test_install_is_idempotent():
     assert compat.is_installed()
 
 
+def test_loader_patches_apply_once_and_uninstall_restores_them():
+    before = _bound_objects(registry.LOADER_PATCHES)
+    compat.install_loader_patches()
+    patched = _bound_objects(registry.LOADER_PATCHES)
+    assert not any(_same_objects(before, patched).values())
+    compat.install_loader_patches()
+    assert all(_same_objects(patched, _bound_objects(registry.LOADER_PATCHES)).values())
+    compat.uninstall()
+    assert all(_same_objects(before, _bound_objects(registry.LOADER_PATCHES)).values())
+
+
 def test_context_manager_restores():
     before = _bound_objects()
     with compat.installed():

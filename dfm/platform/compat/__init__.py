@@ -1,7 +1,8 @@
 """megatron-core on CPU/gloo, and on torch's Adam: a registry of undoable, source-checked patches.
 
 ``install()`` applies every patch of ``registry.PATCHES`` once per process: on CUDA only those not
-marked ``cpu_only``. ``uninstall()`` puts every original back. Each patch first checks that the
+marked ``cpu_only``; ``install_loader_patches()`` the energon ones, when a loader is built.
+``uninstall()`` puts every original back. Each patch first checks that the
 source it was written against is still there, so a megatron-core upgrade that moves a patched site
 fails at start-up naming the patch. Importing this package does not import megatron.
 See docs/device_layer.md.
@@ -21,6 +22,7 @@ __all__ = [
     "PatchSourceMismatch",
     "applicable_patches",
     "install",
+    "install_loader_patches",
     "installed",
     "is_installed",
     "patches_applied",
@@ -29,6 +31,7 @@ __all__ = [
 
 _applied: list[Applied] = []  # the patches in effect in this process, oldest first
 _is_installed = False
+_loader_patched = False
 
 
 def applicable_patches() -> tuple[Patch, ...]:
@@ -45,7 +48,7 @@ def install() -> None:
     Raises PatchSourceMismatch (naming the patch and its target) if megatron-core changed under one;
     the patches applied before it are undone first, so a failed install leaves megatron untouched.
     """
-    global _is_installed
+    global _is_installed, _loader_patched
     if _is_installed:
         return
     try:
@@ -53,15 +56,32 @@ def install() -> None:
             _applied.append(patch.apply())
     except BaseException:
         restore_all(_applied)
+        _loader_patched = False
         raise
     _is_installed = True
 
 
+def install_loader_patches() -> None:
+    """Apply ``registry.LOADER_PATCHES`` (energon's) once per process; loader workers forked later inherit them."""
+    global _loader_patched
+    if _loader_patched:
+        return
+    from dfm.platform.compat.registry import LOADER_PATCHES
+
+    for patch in LOADER_PATCHES:
+        _applied.append(patch.apply())
+    _loader_patched = True
+
+
 def uninstall() -> None:
-    """Restore every patched attribute to its original object; a no-op when not installed."""
-    global _is_installed
+    """Restore every patched attribute to its original object (the loader patches too); a no-op when
+    nothing is installed."""
+    global _is_installed, _loader_patched
     restore_all(_applied)
-    _is_installed = False
+    _is_installed = _loader_patched = False
+
+
+_loader_patched = False
 
 
 def is_installed() -> bool:

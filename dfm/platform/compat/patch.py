@@ -100,7 +100,7 @@ class Patch:
 
         on_cuda = " (or run on CUDA, where it is not applied)" if self.cpu_only else ""
         return PatchSourceMismatch(
-            f"megatron-core compat patch '{self.name}' (target {self.target}): {problem}. "
+            f"compat patch '{self.name}' (target {self.target}): {problem}. "
             f"The patch was written for megatron-core {WRITTEN_FOR_MEGATRON_CORE} (torch {WRITTEN_FOR_TORCH}), "
             f"{__version__} (torch {torch.__version__}) is installed. "
             f"Re-read the target, then update or drop the patch and its relies_on snippets in "

@@ -1,4 +1,4 @@
-"""Every megatron-core patch dfm applies, as records: target, why, and the source it relies on.
+"""Every patch dfm applies (megatron-core, torch, energon), as records: target, why, and the source it relies on.
 
 ``install()`` applies them in this order; ``uninstall()`` restores them in reverse. To add one, see
 docs/device_layer.md ("Adding a patch"). All module paths are megatron-core 0.16.1.
@@ -10,6 +10,7 @@ from dfm.platform.compat import (
     async_save,
     checkpointing,
     dynamo_on_demand,
+    energon_tar,
     fsdp,
     gloo_reduce,
     moe,
@@ -570,6 +571,21 @@ DYNAMO_ON_DEMAND = (
     *(_until_dynamo(name) for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict")),
     _step_until_dynamo("torch.optim.adam", "Adam"),
     _step_until_dynamo("torch.optim.sgd", "SGD"),
+)
+
+# Not about the device: energon's loader, applied by ``install_loader_patches()`` when a loader is built
+# (importing energon costs ~0.5 s that a --mock run does not pay). Written for megatron-energon 7.4.1.
+LOADER_PATCHES = (
+    Patch(
+        name="energon-tar-headers-forgotten",
+        module="megatron.energon.flavors.webdataset.itar",
+        attribute="ITarFile.next",
+        why="an open shard keeps every tar header it reads (tarfile's members list): a loader's memory "
+        "and its garbage collections grow with every sample read",
+        relies_on=("if self.in_init:", "return super().next()"),
+        replace=energon_tar.forgetting_read_headers,
+        cpu_only=False,
+    ),
 )
 
 PATCHES = (
