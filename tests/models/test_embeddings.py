@@ -101,11 +101,10 @@ def test_patchify_roundtrip_with_separate_temporal_and_spatial_patches(shape, pt
     assert tokens.shape == (num_tokens(shape, pt, ps), c * pt * ps * ps)
     assert torch.equal(pos.max(0).values, torch.tensor([t // pt - 1, h // ps - 1, w // ps - 1]))
     assert torch.equal(unpatchify(tokens, shape, pt, ps), latent)
-    # token at (t, h, w) holds exactly that patch of the latent
-    index = len(pos) - 1
-    tt, hh, ww = pos[index].tolist()
-    patch = latent[:, tt * pt : (tt + 1) * pt, hh * ps : (hh + 1) * ps, ww * ps : (ww + 1) * ps]
-    assert torch.equal(tokens[index], patch.permute(1, 2, 3, 0).reshape(-1))
+    # each token at (t, h, w) holds exactly that patch of the latent, features (pt, ph, pw, c)
+    for token, (tt, hh, ww) in zip(tokens, pos.tolist(), strict=True):
+        patch = latent[:, tt * pt : (tt + 1) * pt, hh * ps : (hh + 1) * ps, ww * ps : (ww + 1) * ps]
+        assert torch.equal(token, patch.permute(1, 2, 3, 0).reshape(-1))
 
 
 def test_patchify_names_the_size_a_patch_does_not_divide():
