@@ -1,13 +1,16 @@
-"""The loader patch ``energon-tar-headers-forgotten`` (dfm/platform/compat/energon_tar.py): energon's open
-shards keep no tar header after reading, and the loader hands the same packs as without the patch."""
+"""The loader patches (dfm/platform/compat/loader_reads.py): energon's open shards keep no tar header after
+reading, multistorageclient builds no metric for no instrument, and the loader hands the same packs."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
 
+import pytest
 import torch
 from megatron.energon.flavors.webdataset.itar import ITarFile
+from multistorageclient.providers.base import BaseStorageProvider
+from multistorageclient.telemetry import Telemetry
 
 from dfm.data.energon.data_module import build_train_loader
 from dfm.platform.compat.patch import patches_applied
@@ -37,3 +40,21 @@ def test_open_shards_forget_the_headers_they_read(synthetic_dataset):
         for field in dataclasses.fields(a):
             x, y = getattr(a, field.name), getattr(b, field.name)
             assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, field.name
+
+
+@pytest.mark.parametrize("instrumented", [False, True])
+def test_storage_metrics_are_built_only_for_an_instrument(monkeypatch, tmp_path, instrumented):
+    built = []
+    monkeypatch.setattr(BaseStorageProvider, "_build_base_attributes", lambda self, op: built.append(op) or {})
+    (tmp_path / "part").write_bytes(b"abc")
+    with patches_applied(LOADER_PATCHES):
+        from megatron.energon.epathlib import EPath
+
+        with EPath(tmp_path / "part").open("rb") as f:
+            provider = f._storage_client._storage_provider
+            provider._init_metrics()
+            if instrumented:
+                gauge = type("Gauge", (), {"set": lambda self, value, attributes=None: None})()
+                monkeypatch.setitem(provider._metric_gauges, Telemetry.GaugeName.LATENCY, gauge)
+            assert f.read() == b"abc"
+    assert bool(built) == instrumented
