@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -34,20 +35,65 @@ print('torch._dynamo' in sys.modules, megatron.core.jit.jit_fuser.__name__, bias
 """
 
 
-def probe(code: str) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    return done.stdout.split()
+# One fresh interpreter imports the trainer (what every probe starts with, ~7 CPU s), then runs each probe in
+# a forked child of its own: each sees the state right after that import, as a fresh ``python -c`` would.
+FORKED_PROBES = """
+import json, os, sys, traceback
+import dfm.training.pretrain
+outputs = []
+for code in json.loads(sys.stdin.read()):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        sys.stdout = os.fdopen(write, "w")
+        try:
+            exec(compile(code, "<probe>", "exec"), {"__name__": "__main__"})
+            status = 0
+        except BaseException:
+            traceback.print_exc(file=sys.stdout)
+            status = 1
+        sys.stdout.flush()
+        os._exit(status)
+    os.close(write)
+    with os.fdopen(read) as output:
+        text = output.read()
+    outputs.append([text, os.waitpid(pid, 0)[1]])
+print(json.dumps(outputs))
+"""
 
 
-def test_the_trainer_imports_without_dynamo_and_megatron_fusions_compile_later():
-    assert probe(PROBE) == ["False", "compile_on_first_call", "bias_geglu"]
+@pytest.fixture(scope="module")
+def probes() -> dict[str, list[str]]:
+    """{probe code: the words it printed}, for every probe of this file."""
+    codes = [
+        PROBE,
+        BOTO3_PROBE,
+        *(WANDB_PROBE.format(first_use=use) for use in FIRST_USES),
+        *(OPTIMIZER_PROBE.format(patched=flag) for flag in (True, False)),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_PROBES], input=json.dumps(codes), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    outputs = json.loads(done.stdout.splitlines()[-1])
+    for code, (text, status) in zip(codes, outputs, strict=True):
+        assert status == 0, f"{code}\n{text}"
+    return {code: text.split() for code, (text, _) in zip(codes, outputs)}
 
 
-@pytest.mark.parametrize("first_use", ["import wandb; wandb.init", "import wandb.sdk"])
-def test_wandb_runs_on_first_use_whichever_way_it_comes(first_use):
+def test_the_trainer_imports_without_dynamo_and_megatron_fusions_compile_later(probes):
+    assert probes[PROBE] == ["False", "compile_on_first_call", "bias_geglu"]
+
+
+FIRST_USES = ("import wandb; wandb.init", "import wandb.sdk")
+
+
+@pytest.mark.parametrize("first_use", FIRST_USES)
+def test_wandb_runs_on_first_use_whichever_way_it_comes(probes, first_use):
     """megatron-core's ``import wandb`` leaves wandb's code unrun; its first attribute, or a submodule
     imported first, runs it, and megatron's own reference to wandb is then the loaded module."""
-    before_and_after = probe(WANDB_PROBE.format(first_use=first_use))
+    before_and_after = probes[WANDB_PROBE.format(first_use=first_use)]
     assert before_and_after == ["False", "_RunsOnFirstUse", "True", "module", "Image"]
 
 
@@ -81,10 +127,10 @@ print('torch._dynamo' in sys.modules, *weight.tolist())
 """
 
 
-def test_torch_optimizers_build_and_step_without_importing_dynamo():
+def test_torch_optimizers_build_and_step_without_importing_dynamo(probes):
     """A training rank's optimizer (built, stepped, zeroed, saved and loaded) leaves dynamo unimported
     under dfm's patches, with torch's own update to the bit; torch's own methods import it."""
-    patched, unpatched = (probe(OPTIMIZER_PROBE.format(patched=flag)) for flag in (True, False))
+    patched, unpatched = (probes[OPTIMIZER_PROBE.format(patched=flag)] for flag in (True, False))
     assert patched[0] == "False" and unpatched[0] == "True"
     assert patched[1:] == unpatched[1:]
 
@@ -118,9 +164,9 @@ def test_optimizer_methods_call_torchs_decorated_method_once_dynamo_is_imported(
     assert calls == ["decorated"] * 2 if imported else [("method", True), ("method", False)]
 
 
-def test_boto3_runs_when_tensorboard_first_opens_an_s3_path():
+def test_boto3_runs_when_tensorboard_first_opens_an_s3_path(probes):
     """TensorBoard (imported by megatron's timers) still sees S3 support; boto3's code runs on first use."""
-    assert probe(BOTO3_PROBE) == ["_RunsOnFirstUse", "False", "True", "client", "True"]
+    assert probes[BOTO3_PROBE] == ["_RunsOnFirstUse", "False", "True", "client", "True"]
 
 
 ROOT = Path(__file__).resolve().parents[2]
