@@ -81,9 +81,6 @@ def uninstall() -> None:
     _is_installed = _loader_patched = False
 
 
-_loader_patched = False
-
-
 def is_installed() -> bool:
     return _is_installed
 
