@@ -38,6 +38,15 @@ class Rung:
     # A mixed rung: the fixed-size rungs (one sample shape each, same packed token count) whose
     # speeds its samples are compared with (report.mixed_vs_fixed).
     mix_of: list[str] = field(default_factory=list)
+    # Timed steps at least this many whatever --steps says: a rung of ~0.1 s steps timed over 10 moved
+    # its ratio by 3-8 % between passes of one call; over 40, by 0-2 % (CPU, 2026-11-30).
+    min_steps: int = 0
+
+    def timed_steps(self, steps: int) -> int:
+        return max(steps, self.min_steps)
+
+
+SHORT_STEPS = 40  # the min_steps of the CPU rungs whose steps take ~0.1 s
 
 
 def model(hidden: int, heads: int, layers: int, architecture: str = "dit_cross") -> list[str]:
@@ -77,11 +86,14 @@ XL2 = model(1152, 16, 28, "dit_adaln") + ["model.in_channels=4"]
 
 def cpu_ladder() -> list[Rung]:
     tiny = [
-        Rung("tiny-256-mix", config_file=TINY_YAML),
-        Rung("tiny-256-image", ["dataset.mock_image_fraction=1.0"], config_file=TINY_YAML),
-        Rung("tiny-1k-mix", ["dataset.seq_length=1024"], config_file=TINY_YAML),
+        Rung("tiny-256-mix", config_file=TINY_YAML, min_steps=SHORT_STEPS),
+        Rung("tiny-256-image", ["dataset.mock_image_fraction=1.0"], config_file=TINY_YAML, min_steps=SHORT_STEPS),
+        Rung("tiny-1k-mix", ["dataset.seq_length=1024"], config_file=TINY_YAML, min_steps=SHORT_STEPS),
     ]
-    digits = [Rung(name, overrides, config_file=DIGITS_VIDEO_YAML) for name, overrides in DIGITS_RUNGS.items()]
+    digits = [
+        Rung(name, overrides, config_file=DIGITS_VIDEO_YAML, min_steps=SHORT_STEPS)
+        for name, overrides in DIGITS_RUNGS.items()
+    ]
     small = model(256, 4, 4) + ["model.in_channels=4", "model.text_embed_dim=64"]
     # The mixed rung's samples come in four shapes; each also runs alone in 4k-token packs.
     fixed = [

@@ -73,12 +73,10 @@ def running_layout(cfg) -> ParallelLayout:
     return ParallelLayout.from_config(cfg.model, launched_world_size())
 
 
-def timed_side(label: str, timer, cfg, device, args, gpus_sharing: int, peak) -> dict:
+def timed_side(timer, cfg, device, args, steps: int, gpus_sharing: int, peak) -> dict:
     """Run one side; a failure (out of memory, say) becomes the row's entry, not the ladder's end."""
     try:
-        return side_metrics(
-            cfg, timer(cfg, device, args.warmup, args.steps, clock=CLOCKS[args.clock]), gpus_sharing, peak
-        )
+        return side_metrics(cfg, timer(cfg, device, args.warmup, steps, clock=CLOCKS[args.clock]), gpus_sharing, peak)
     except Exception as error:  # noqa: BLE001 - reported in the table, traceback on stderr
         return error_entry(error)
     finally:
@@ -96,9 +94,9 @@ def timed_together(rung: Rung, args, device, gpus_sharing: int, peak) -> tuple[d
     falls on both alike; no per-side peak memory to keep apart there)."""
     cfgs = rung_config(rung, args.set), rung_config(rung, args.set)
     try:
-        total = args.warmup + args.steps
-        sides = [DfmSide(cfgs[0], device, total), ReferenceSide(cfgs[1], device, total)]
-        dfm, reference = time_sides(sides, device, args.warmup, args.steps, clock=CLOCKS[args.clock])
+        steps = rung.timed_steps(args.steps)
+        sides = [DfmSide(cfgs[0], device, args.warmup + steps), ReferenceSide(cfgs[1], device, args.warmup + steps)]
+        dfm, reference = time_sides(sides, device, args.warmup, steps, clock=CLOCKS[args.clock])
     except Exception as error:  # noqa: BLE001 - reported in the table, traceback on stderr
         return error_entry(error), error_entry(error)
     return side_metrics(cfgs[0], dfm, gpus_sharing, peak), side_metrics(cfgs[1], reference, 1, peak)
@@ -107,16 +105,18 @@ def timed_together(rung: Rung, args, device, gpus_sharing: int, peak) -> tuple[d
 def run_rung(rung: Rung, args, device, peak) -> dict:
     cfg = rung_config(rung, args.set)
     row = {"config": rung.name, "variant": rung.variant, "overrides": rung.overrides + args.set, "mix_of": rung.mix_of}
+    row["timed_steps"] = rung.timed_steps(args.steps)
     with_reference = rung.reference and not args.no_reference
     sharing = running_layout(cfg).model_parallel
     with apply_variant(rung.variant):  # variants patch dfm's model code, which the reference never calls
         if with_reference and device.type == "cpu":
             row["dfm"], row["reference"] = timed_together(rung, args, device, sharing, peak)
         else:
-            row["dfm"] = timed_side("dfm", time_dfm, cfg, device, args, sharing, peak)
+            row["dfm"] = timed_side(time_dfm, cfg, device, args, rung.timed_steps(args.steps), sharing, peak)
     if with_reference and "reference" not in row:
         # Every process runs its own copy on its own packs: a single-device reference, per GPU.
-        row["reference"] = timed_side("reference", time_reference, rung_config(rung, args.set), device, args, 1, peak)
+        ref_cfg = rung_config(rung, args.set)
+        row["reference"] = timed_side(time_reference, ref_cfg, device, args, rung.timed_steps(args.steps), 1, peak)
     row["ratio"] = ratio(row["dfm"], row.get("reference"))
     tokens = row["dfm"].get("tokens_per_sec_per_gpu"), row["dfm"].get("samples_per_sec_per_gpu")
     row["tokens_per_sample"] = round(tokens[0] / tokens[1]) if None not in tokens else None
