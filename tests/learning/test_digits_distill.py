@@ -15,12 +15,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from digits.data import load_digits
-from digits.distill import STUDENTS, DistillRun, distil_and_score, trained_teacher
+from digits.distill import STUDENTS, DistillRun, distil_and_score
 from digits.diversity import NEAR_COPY_RMS, diversity_scores
-from digits.evaluate import DigitSampling
-from digits.run import prepare_digits, score_digits
+from shared_runs import CI_SAMPLING, digits_root, flow_run
 
-TEACHER_SAMPLING = DigitSampling(samples_per_caption=10, steps=12, guidance_scale=3.0, seed=0)
+TEACHER_SAMPLING = CI_SAMPLING  # the flow model test_digits_learn.py trains and scores is the teacher
 CI_RUN = DistillRun(iterations=100, save_interval=100, lr=5e-4, critic_steps=5, guidance_scale=3.0)
 RELATIVE_THRESHOLD = 0.9  # of the teacher's accuracy; measured figures in docs/distillation.md
 
@@ -28,10 +27,9 @@ RELATIVE_THRESHOLD = 0.9  # of the teacher's accuracy; measured figures in docs/
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory) -> tuple[dict, dict]:
     """(the teacher's scores, the 4-step student's after the run)."""
-    root = tmp_path_factory.mktemp("digits_distill")
-    prepare_digits(root)
-    teacher = trained_teacher(root)
-    teacher_score = score_digits([teacher], root, TEACHER_SAMPLING, root / "teacher" / "scores.json")[0]
+    root = digits_root(tmp_path_factory)
+    teacher_score = flow_run(root).scores[-1]  # made once per test run (shared_runs.py)
+    teacher = root / "flow" / "ckpt"
     name = "4-step"
     samples = TEACHER_SAMPLING.samples_per_caption
     # No start point (the teacher's weights): measured in docs/distillation.md, and a launch CI can spare.

@@ -8,15 +8,16 @@ CI-sized (conf/digits_tiny.yaml); the longer run and the measured figures are in
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 from digits.classifier import train_digit_classifier
 from digits.data import digit_caption, load_digits, to_uint8
-from digits.evaluate import DigitSampling
-from digits.run import CI_CONFIG, prepare_digits, train_and_score_pipelines
+from digits.run import CI_CONFIG, train_and_score
 from digits.validation_metric import digit_accuracy
+from shared_runs import CI_SAMPLING, digits_root, flow_run
 
 from dfm.config.loader import build_config
 
@@ -24,14 +25,17 @@ PIPELINES = ("edm", "flow")
 CHANCE = 0.1
 CONDITIONAL_THRESHOLD = 0.6  # the bar for the CI-sized run; measured figures in docs/learning.md
 UNCONDITIONAL_CEILING = 0.3  # null text, no guidance: near chance (0.1), with room for 100 samples' noise
-CI_SAMPLING = DigitSampling(samples_per_caption=10, steps=12, guidance_scale=3.0, seed=0)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("digits")
-    prepare_digits(root)
-    return train_and_score_pipelines(root, PIPELINES, CI_CONFIG, [], CI_SAMPLING)
+    """EDM and flow side by side (a single-threaded child each); the flow run is test_digits_distill.py's
+    teacher too, made once per test run (shared_runs.py)."""
+    root = digits_root(tmp_path_factory)
+    with ThreadPoolExecutor(len(PIPELINES)) as pool:
+        edm = pool.submit(train_and_score, root, "edm", CI_CONFIG, ["model.pipeline=edm"], CI_SAMPLING)
+        flow = pool.submit(flow_run, root)
+        return {"edm": edm.result(), "flow": flow.result()}
 
 
 def test_classifier_recognises_real_digits():
