@@ -14,7 +14,7 @@ import torch
 
 from dfm.platform import compat
 from dfm.platform.compat import registry
-from dfm.platform.compat.patch import MISSING, Patch, PatchSourceMismatch, _raw_attribute, _resolve
+from dfm.platform.compat.patch import MISSING, Patch, PatchSourceMismatch, _raw_attribute, _resolve, written_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,6 +104,27 @@ def test_changed_source_fails_naming_the_patch_and_target():
     assert "'example-renamed-site'" in message
     assert "megatron.core.tensor_parallel.random.CudaRNGStatesTracker.fork" in message
     assert "a line megatron never had" in message and "registry.py" in message
+
+
+def test_a_mismatch_names_the_package_the_patch_targets():
+    """A loader patch's message names multistorageclient's distribution and version, not megatron-core's."""
+    patch = Patch(
+        name="example-renamed-storage-site",
+        module="multistorageclient.providers.base",
+        attribute="BaseStorageProvider._emit_metrics",
+        why="example",
+        relies_on=("a line multistorageclient never had",),
+        replace=lambda original: original,
+    )
+    with pytest.raises(PatchSourceMismatch, match="written for multi-storage-client 1.3.1") as error:
+        patch.apply()
+    assert "megatron-core" not in str(error.value)
+
+
+def test_every_patch_names_the_package_it_was_written_for():
+    for patch in (*registry.PATCHES, *registry.LOADER_PATCHES):
+        distribution, version = written_for(patch.module)
+        assert distribution and version, patch.name
 
 
 def test_failed_install_leaves_megatron_untouched(monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import inspect
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +23,22 @@ import torch
 
 WRITTEN_FOR_MEGATRON_CORE = "0.16.1"
 WRITTEN_FOR_TORCH = "2.13"  # the safe-loading patches target torch's distributed checkpoint
+# (module prefix, distribution, version the patches of its modules were written for): the first match names
+# the package in a mismatch's message.
+WRITTEN_FOR = (
+    ("megatron.energon", "megatron-energon", "7.4.1"),
+    ("multistorageclient", "multi-storage-client", "1.3.1"),
+    ("megatron.core", "megatron-core", WRITTEN_FOR_MEGATRON_CORE),
+    ("torch", "torch", WRITTEN_FOR_TORCH),
+)
+
+
+def written_for(module: str) -> tuple[str, str]:
+    """The distribution that holds ``module`` and the version dfm's patches of it were written for."""
+    for prefix, distribution, version in WRITTEN_FOR:
+        if module == prefix or module.startswith(prefix + "."):
+            return distribution, version
+    raise ValueError(f"no entry in WRITTEN_FOR holds {module}")
 
 
 class _Missing:
@@ -35,7 +52,7 @@ MISSING: Any = _Missing()
 
 
 class PatchSourceMismatch(RuntimeError):
-    """The installed megatron-core no longer has the code a patch was written against."""
+    """The installed package (megatron-core, energon, ...) no longer has the code a patch was written against."""
 
 
 class TargetChanged(Exception):
@@ -44,7 +61,8 @@ class TargetChanged(Exception):
 
 @dataclass(frozen=True)
 class Patch:
-    """One replaced attribute of a megatron-core module.
+    """One replaced attribute of a module of megatron-core (or of torch, energon or multistorageclient:
+    ``WRITTEN_FOR``).
 
     ``replace(original)`` builds the new value from the original one (the raw class attribute,
     e.g. a ``classmethod`` object, or ``MISSING``). ``also_bound_in`` lists modules that imported
@@ -96,13 +114,12 @@ class Patch:
         return Applied(self, name, original, replacement, holders=(owner, *aliases))
 
     def _mismatch(self, problem: str) -> PatchSourceMismatch:
-        from megatron.core.package_info import __version__
-
+        distribution, version = written_for(self.module)
         on_cuda = " (or run on CUDA, where it is not applied)" if self.cpu_only else ""
         return PatchSourceMismatch(
             f"compat patch '{self.name}' (target {self.target}): {problem}. "
-            f"The patch was written for megatron-core {WRITTEN_FOR_MEGATRON_CORE} (torch {WRITTEN_FOR_TORCH}), "
-            f"{__version__} (torch {torch.__version__}) is installed. "
+            f"The patch was written for {distribution} {version} (torch {WRITTEN_FOR_TORCH}), "
+            f"{importlib.metadata.version(distribution)} (torch {torch.__version__}) is installed. "
             f"Re-read the target, then update or drop the patch and its relies_on snippets in "
             f"dfm/platform/compat/registry.py (docs/device_layer.md){on_cuda}."
         )

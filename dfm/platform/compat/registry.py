@@ -574,8 +574,8 @@ DYNAMO_ON_DEMAND = (
 )
 
 # Not about the device: energon's loader, applied by ``install_loader_patches()`` when a loader is built
-# (importing energon costs ~0.5 s that a --mock run does not pay). Written for megatron-energon 7.4.1 and
-# multi-storage-client 1.3.1.
+# (importing energon costs ~0.5 s that a --mock run does not pay). Written for the versions in
+# patch.WRITTEN_FOR (megatron-energon 7.4.1, multi-storage-client 1.3.1), which a mismatch names.
 LOADER_PATCHES = (
     Patch(
         name="energon-tar-headers-forgotten",
