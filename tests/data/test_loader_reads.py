@@ -13,8 +13,8 @@ from multistorageclient.providers.base import BaseStorageProvider
 from multistorageclient.telemetry import Telemetry
 
 from dfm.data.energon.data_module import build_train_loader
+from dfm.platform.compat.loader_reads import LOADER_PATCHES
 from dfm.platform.compat.patch import patches_applied
-from dfm.platform.compat.registry import LOADER_PATCHES
 from tests.data.synthetic_data import small_settings
 
 PACKS = 30

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dfm.platform import compat
-from dfm.platform.compat import registry
+from dfm.platform.compat import loader_reads, registry
 from dfm.platform.compat.patch import MISSING, Patch, PatchSourceMismatch, _raw_attribute, _resolve, written_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -69,14 +69,14 @@ def test_install_is_idempotent():
 
 
 def test_loader_patches_apply_once_and_uninstall_restores_them():
-    before = _bound_objects(registry.LOADER_PATCHES)
+    before = _bound_objects(loader_reads.LOADER_PATCHES)
     compat.install_loader_patches()
-    patched = _bound_objects(registry.LOADER_PATCHES)
+    patched = _bound_objects(loader_reads.LOADER_PATCHES)
     assert not any(_same_objects(before, patched).values())
     compat.install_loader_patches()
-    assert all(_same_objects(patched, _bound_objects(registry.LOADER_PATCHES)).values())
+    assert all(_same_objects(patched, _bound_objects(loader_reads.LOADER_PATCHES)).values())
     compat.uninstall()
-    assert all(_same_objects(before, _bound_objects(registry.LOADER_PATCHES)).values())
+    assert all(_same_objects(before, _bound_objects(loader_reads.LOADER_PATCHES)).values())
 
 
 def test_context_manager_restores():
@@ -122,7 +122,7 @@ def test_a_mismatch_names_the_package_the_patch_targets():
 
 
 def test_every_patch_names_the_package_it_was_written_for():
-    for patch in (*registry.PATCHES, *registry.LOADER_PATCHES):
+    for patch in (*registry.PATCHES, *loader_reads.LOADER_PATCHES):
         distribution, version = written_for(patch.module)
         assert distribution and version, patch.name
 

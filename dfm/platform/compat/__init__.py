@@ -62,11 +62,11 @@ def install() -> None:
 
 
 def install_loader_patches() -> None:
-    """Apply ``registry.LOADER_PATCHES`` (energon's) once per process; loader workers forked later inherit them."""
+    """Apply ``loader_reads.LOADER_PATCHES`` (energon's) once per process; loader workers forked later inherit them."""
     global _loader_patched
     if _loader_patched:
         return
-    from dfm.platform.compat.registry import LOADER_PATCHES
+    from dfm.platform.compat.loader_reads import LOADER_PATCHES
 
     for patch in LOADER_PATCHES:
         _applied.append(patch.apply())

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 
+from dfm.platform.compat.patch import Patch
+
 
 def forgetting_read_headers(original):
     """Wraps ``ITarFile.next``: the header is returned, not kept in ``members``."""
@@ -43,3 +45,35 @@ def without_instruments_just_call(original):
         return original(self, operation, f)
 
     return _emit_metrics
+
+
+# Not about the device: energon's loader, applied by ``install_loader_patches()`` when a loader is built
+# (importing energon costs ~0.5 s that a --mock run does not pay). Written for the versions in
+# patch.WRITTEN_FOR (megatron-energon 7.4.1, multi-storage-client 1.3.1), which a mismatch names.
+LOADER_PATCHES = (
+    Patch(
+        name="energon-tar-headers-forgotten",
+        module="megatron.energon.flavors.webdataset.itar",
+        attribute="ITarFile.next",
+        why="an open shard keeps every tar header it reads (tarfile's members list): a loader's memory "
+        "and its garbage collections grow with every sample read",
+        relies_on=("if self.in_init:", "return super().next()"),
+        replace=forgetting_read_headers,
+        cpu_only=False,
+    ),
+    Patch(
+        name="storage-metrics-without-instruments",
+        module="multistorageclient.providers.base",
+        attribute="BaseStorageProvider._emit_metrics",
+        why="every shard read, seek and tell builds metric attributes even when no telemetry instrument "
+        "is configured to record them",
+        relies_on=(
+            "metric_latency = self._metric_gauges.get(Telemetry.GaugeName.LATENCY)",
+            "metric_data_size_sum = self._metric_counters.get(Telemetry.CounterName.DATA_SIZE_SUM)",
+            "attributes = self._build_base_attributes(operation)",
+        ),
+        replace=without_instruments_just_call,
+        site="BaseStorageProvider._record_metrics",
+        cpu_only=False,
+    ),
+)

@@ -12,7 +12,6 @@ from dfm.platform.compat import (
     dynamo_on_demand,
     fsdp,
     gloo_reduce,
-    loader_reads,
     moe,
     optimizer,
     p2p,
@@ -571,37 +570,6 @@ DYNAMO_ON_DEMAND = (
     *(_until_dynamo(name) for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict")),
     _step_until_dynamo("torch.optim.adam", "Adam"),
     _step_until_dynamo("torch.optim.sgd", "SGD"),
-)
-
-# Not about the device: energon's loader, applied by ``install_loader_patches()`` when a loader is built
-# (importing energon costs ~0.5 s that a --mock run does not pay). Written for the versions in
-# patch.WRITTEN_FOR (megatron-energon 7.4.1, multi-storage-client 1.3.1), which a mismatch names.
-LOADER_PATCHES = (
-    Patch(
-        name="energon-tar-headers-forgotten",
-        module="megatron.energon.flavors.webdataset.itar",
-        attribute="ITarFile.next",
-        why="an open shard keeps every tar header it reads (tarfile's members list): a loader's memory "
-        "and its garbage collections grow with every sample read",
-        relies_on=("if self.in_init:", "return super().next()"),
-        replace=loader_reads.forgetting_read_headers,
-        cpu_only=False,
-    ),
-    Patch(
-        name="storage-metrics-without-instruments",
-        module="multistorageclient.providers.base",
-        attribute="BaseStorageProvider._emit_metrics",
-        why="every shard read, seek and tell builds metric attributes even when no telemetry instrument "
-        "is configured to record them",
-        relies_on=(
-            "metric_latency = self._metric_gauges.get(Telemetry.GaugeName.LATENCY)",
-            "metric_data_size_sum = self._metric_counters.get(Telemetry.CounterName.DATA_SIZE_SUM)",
-            "attributes = self._build_base_attributes(operation)",
-        ),
-        replace=loader_reads.without_instruments_just_call,
-        site="BaseStorageProvider._record_metrics",
-        cpu_only=False,
-    ),
 )
 
 PATCHES = (
