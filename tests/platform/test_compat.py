@@ -86,11 +86,14 @@ def test_context_manager_restores():
     assert all(_same_objects(before, _bound_objects()).values())
 
 
-def _changed_source_patch():
+def _changed_source_patch(
+    module: str = "megatron.core.tensor_parallel.random", attribute: str = "CudaRNGStatesTracker.fork"
+) -> Patch:
+    """A patch of ``module.attribute`` relying on a line its source never had."""
     return Patch(
         name="example-renamed-site",
-        module="megatron.core.tensor_parallel.random",
-        attribute="CudaRNGStatesTracker.fork",
+        module=module,
+        attribute=attribute,
         why="example",
         relies_on=("a line megatron never had",),
         replace=lambda original: original,
@@ -108,14 +111,7 @@ def test_changed_source_fails_naming_the_patch_and_target():
 
 def test_a_mismatch_names_the_package_the_patch_targets():
     """A loader patch's message names multistorageclient's distribution and version, not megatron-core's."""
-    patch = Patch(
-        name="example-renamed-storage-site",
-        module="multistorageclient.providers.base",
-        attribute="BaseStorageProvider._emit_metrics",
-        why="example",
-        relies_on=("a line multistorageclient never had",),
-        replace=lambda original: original,
-    )
+    patch = _changed_source_patch("multistorageclient.providers.base", "BaseStorageProvider._emit_metrics")
     with pytest.raises(PatchSourceMismatch, match="written for multi-storage-client 1.3.1") as error:
         patch.apply()
     assert "megatron-core" not in str(error.value)
