@@ -114,13 +114,16 @@ def test_a_mismatch_names_the_package_the_patch_targets():
     patch = _changed_source_patch("multistorageclient.providers.base", "BaseStorageProvider._emit_metrics")
     with pytest.raises(PatchSourceMismatch, match="written for multi-storage-client 1.3.1") as error:
         patch.apply()
-    assert "megatron-core" not in str(error.value)
+    assert "megatron-core" not in str(error.value) and "compat/loader_reads.py" in str(error.value)
 
 
 def test_every_patch_names_the_package_it_was_written_for():
-    for patch in (*registry.PATCHES, *loader_reads.LOADER_PATCHES):
-        distribution, version = written_for(patch.module)
-        assert distribution and version, patch.name
+    compat_dir = REPO_ROOT / "dfm" / "platform" / "compat"
+    for records, patches in (("registry.py", registry.PATCHES), ("loader_reads.py", loader_reads.LOADER_PATCHES)):
+        for patch in patches:
+            target = written_for(patch.module)
+            assert target.distribution and target.version and target.records == records, patch.name
+            assert (compat_dir / target.records).is_file()
 
 
 def test_failed_install_leaves_megatron_untouched(monkeypatch):

@@ -17,27 +17,35 @@ import inspect
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 WRITTEN_FOR_MEGATRON_CORE = "0.16.1"
 WRITTEN_FOR_TORCH = "2.13"  # the safe-loading patches target torch's distributed checkpoint
-# (module prefix, distribution, version the patches of its modules were written for): the first match names
-# the package in a mismatch's message.
+
+
+class WrittenFor(NamedTuple):
+    distribution: str
+    version: str  # the version dfm's patches of it were written for
+    records: str  # the file that declares those patches
+
+
+# (module prefix, what its patches were written for): the first match names them in a mismatch's message.
 WRITTEN_FOR = (
-    ("megatron.energon", "megatron-energon", "7.4.1"),
-    ("multistorageclient", "multi-storage-client", "1.3.1"),
-    ("megatron.core", "megatron-core", WRITTEN_FOR_MEGATRON_CORE),
-    ("torch", "torch", WRITTEN_FOR_TORCH),
+    ("megatron.energon", WrittenFor("megatron-energon", "7.4.1", "loader_reads.py")),
+    ("multistorageclient", WrittenFor("multi-storage-client", "1.3.1", "loader_reads.py")),
+    ("megatron.core", WrittenFor("megatron-core", WRITTEN_FOR_MEGATRON_CORE, "registry.py")),
+    ("torch", WrittenFor("torch", WRITTEN_FOR_TORCH, "registry.py")),
 )
 
 
-def written_for(module: str) -> tuple[str, str]:
-    """The distribution that holds ``module`` and the version dfm's patches of it were written for."""
-    for prefix, distribution, version in WRITTEN_FOR:
+def written_for(module: str) -> WrittenFor:
+    """The distribution that holds ``module``, the version dfm's patches of it were written for, and the
+    file that declares them."""
+    for prefix, target in WRITTEN_FOR:
         if module == prefix or module.startswith(prefix + "."):
-            return distribution, version
+            return target
     raise ValueError(f"no entry in WRITTEN_FOR holds {module}")
 
 
@@ -114,14 +122,14 @@ class Patch:
         return Applied(self, name, original, replacement, holders=(owner, *aliases))
 
     def _mismatch(self, problem: str) -> PatchSourceMismatch:
-        distribution, version = written_for(self.module)
+        target = written_for(self.module)
         on_cuda = " (or run on CUDA, where it is not applied)" if self.cpu_only else ""
         return PatchSourceMismatch(
             f"compat patch '{self.name}' (target {self.target}): {problem}. "
-            f"The patch was written for {distribution} {version} (torch {WRITTEN_FOR_TORCH}), "
-            f"{importlib.metadata.version(distribution)} (torch {torch.__version__}) is installed. "
+            f"The patch was written for {target.distribution} {target.version} (torch {WRITTEN_FOR_TORCH}), "
+            f"{importlib.metadata.version(target.distribution)} (torch {torch.__version__}) is installed. "
             f"Re-read the target, then update or drop the patch and its relies_on snippets in "
-            f"dfm/platform/compat/registry.py (docs/device_layer.md){on_cuda}."
+            f"dfm/platform/compat/{target.records} (docs/device_layer.md){on_cuda}."
         )
 
 
