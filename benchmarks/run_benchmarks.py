@@ -89,12 +89,11 @@ def error_entry(error: Exception) -> dict:
     return {"error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
 
 
-def timed_together(rung: Rung, args, device, gpus_sharing: int, peak) -> tuple[dict, dict]:
+def timed_together(rung: Rung, args, device, steps: int, gpus_sharing: int, peak) -> tuple[dict, dict]:
     """dfm and the reference built side by side, then stepped in turns (the CPU: shared cores' load
     falls on both alike; no per-side peak memory to keep apart there)."""
     cfgs = rung_config(rung, args.set), rung_config(rung, args.set)
     try:
-        steps = rung.timed_steps(args.steps)
         sides = [DfmSide(cfgs[0], device, args.warmup + steps), ReferenceSide(cfgs[1], device, args.warmup + steps)]
         dfm, reference = time_sides(sides, device, args.warmup, steps, clock=CLOCKS[args.clock])
     except Exception as error:  # noqa: BLE001 - reported in the table, traceback on stderr
@@ -105,18 +104,17 @@ def timed_together(rung: Rung, args, device, gpus_sharing: int, peak) -> tuple[d
 def run_rung(rung: Rung, args, device, peak) -> dict:
     cfg = rung_config(rung, args.set)
     row = {"config": rung.name, "variant": rung.variant, "overrides": rung.overrides + args.set, "mix_of": rung.mix_of}
-    row["timed_steps"] = rung.timed_steps(args.steps)
+    row["timed_steps"] = steps = rung.timed_steps(args.steps)
     with_reference = rung.reference and not args.no_reference
     sharing = running_layout(cfg).model_parallel
     with apply_variant(rung.variant):  # variants patch dfm's model code, which the reference never calls
         if with_reference and device.type == "cpu":
-            row["dfm"], row["reference"] = timed_together(rung, args, device, sharing, peak)
+            row["dfm"], row["reference"] = timed_together(rung, args, device, steps, sharing, peak)
         else:
-            row["dfm"] = timed_side(time_dfm, cfg, device, args, rung.timed_steps(args.steps), sharing, peak)
+            row["dfm"] = timed_side(time_dfm, cfg, device, args, steps, sharing, peak)
     if with_reference and "reference" not in row:
         # Every process runs its own copy on its own packs: a single-device reference, per GPU.
-        ref_cfg = rung_config(rung, args.set)
-        row["reference"] = timed_side(time_reference, ref_cfg, device, args, rung.timed_steps(args.steps), 1, peak)
+        row["reference"] = timed_side(time_reference, rung_config(rung, args.set), device, args, steps, 1, peak)
     row["ratio"] = ratio(row["dfm"], row.get("reference"))
     tokens = row["dfm"].get("tokens_per_sec_per_gpu"), row["dfm"].get("samples_per_sec_per_gpu")
     row["tokens_per_sample"] = round(tokens[0] / tokens[1]) if None not in tokens else None
