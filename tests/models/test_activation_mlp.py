@@ -76,8 +76,9 @@ def test_recompute_activation_trains_the_same(dist, name, extra):
 
 
 def test_tanh_gelu_writes_its_gradient_into_the_incoming_one_with_f_gelus_values():
-    """Bit for bit F.gelu's forward and backward; the backward's result is the incoming gradient's memory
-    when that is a plain dense tensor, a new tensor for an expanded one (a sum's gradient)."""
+    """F.gelu's forward (through one sigmoid on the CPU: to float32 rounding) and bit for bit its backward;
+    the backward's result is the incoming gradient's memory when that is a plain dense tensor, a new
+    tensor for an expanded one (a sum's gradient)."""
     from dfm.models.common.fused import gelu_tanh_grad_in_place
 
     x = torch.randn(64, 1, 48, requires_grad=True)
@@ -87,9 +88,27 @@ def test_tanh_gelu_writes_its_gradient_into_the_incoming_one_with_f_gelus_values
     out = gelu_tanh_grad_in_place(x)
     incoming = grad.clone()
     (got,) = torch.autograd.grad(out, x, incoming)
-    assert torch.equal(out, expected_out) and torch.equal(got, expected)
+    torch.testing.assert_close(out, expected_out, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got, expected)
     assert got.data_ptr() == incoming.data_ptr()  # written in place: no new [s, b, f] tensor
     (from_sum,) = torch.autograd.grad(gelu_tanh_grad_in_place(x).sum(), x)
     torch.testing.assert_close(from_sum, torch.autograd.grad(F.gelu(x, approximate="tanh").sum(), x)[0])
     xd = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradgradcheck(gelu_tanh_grad_in_place, (xd,))  # a graph of the backward: not in place
+
+
+def test_one_sigmoid_kernels_equal_torchs_own():
+    """one_sigmoid.py against F.gelu and silu's own kernels: float64 to rounding, float32 as close as
+    F.gelu itself is to float64; bfloat16 is not routed there."""
+    from dfm.models.common.one_sigmoid import gelu_tanh_one_sigmoid, swiglu_grad_one_sigmoid, transcendental_bound
+
+    x = torch.linspace(-12, 12, 4001, dtype=torch.float64)
+    exact = F.gelu(x, approximate="tanh")
+    torch.testing.assert_close(gelu_tanh_one_sigmoid(x), exact, rtol=1e-14, atol=1e-14)
+    ours, torchs = gelu_tanh_one_sigmoid(x.float()).double(), F.gelu(x.float(), approximate="tanh").double()
+    assert (ours - exact).abs().max() <= 2 * (torchs - exact).abs().max()
+    y = torch.randn(7, 2, 12, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(7, 2, 6, dtype=torch.float64)
+    (expected,) = torch.autograd.grad(unfused_swiglu(y), y, grad)
+    torch.testing.assert_close(swiglu_grad_one_sigmoid(grad, y.detach()), expected, rtol=1e-13, atol=1e-13)
+    assert transcendental_bound(x) and not transcendental_bound(x.bfloat16())

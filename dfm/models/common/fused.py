@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dfm.models.common.norm_recompute import norm_modulate_rows
+from dfm.models.common.one_sigmoid import gelu_tanh_one_sigmoid, swiglu_grad_one_sigmoid, transcendental_bound
 from dfm.models.common.row_modulation import gated_residual_rows
 
 
@@ -37,12 +38,13 @@ def gelu_tanh(x: Tensor) -> Tensor:
 class _GeluTanhGradInPlace(torch.autograd.Function):
     """tanh-GELU whose backward writes the input's gradient into the incoming one: no new [s, b, f]
     tensor in backward. On the CPU such a tensor (the MLP's widest) is a fresh mapping every step,
-    faulted in page by page (small-4k-mix: ~2 % of its step, 2026-11-30). Values are F.gelu's."""
+    faulted in page by page (small-4k-mix: ~2 % of its step, 2026-11-30). Values are F.gelu's, through
+    one sigmoid on the CPU (one_sigmoid.py)."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
         ctx.save_for_backward(x)
-        return F.gelu(x, approximate="tanh")
+        return gelu_tanh_one_sigmoid(x) if transcendental_bound(x) else F.gelu(x, approximate="tanh")
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
@@ -66,13 +68,16 @@ def silu(x: Tensor) -> Tensor:
 def swiglu(y: Tensor) -> Tensor:
     """silu(y1) * y2 of y = [y1, y2] [..., 2f] (fc1's output, gate half first) -> [..., f]."""
     y1, y2 = y.chunk(2, dim=-1)
-    return F.silu(y1) * y2
+    return F.silu(y1).mul_(y2)
 
 
 def swiglu_grad(grad: Tensor, y: Tensor) -> Tensor:
     """d swiglu(y) given grad [..., f] of its output -> [..., 2f]; silu recomputed from y. SiLU's own
     backward kernel for the gate half, both halves written in place into one output: four passes over
-    [..., f], no temporary and no concatenation (a copy of [..., 2f])."""
+    [..., f], no temporary and no concatenation (a copy of [..., 2f]). On the CPU, silu's sigmoid
+    computed once instead (one_sigmoid.py)."""
+    if transcendental_bound(y):
+        return swiglu_grad_one_sigmoid(grad, y)
     y1, y2 = y.chunk(2, dim=-1)
     d_y = torch.empty_like(y, memory_format=torch.contiguous_format)
     d_gate, d_up = d_y.chunk(2, dim=-1)
