@@ -100,13 +100,19 @@ def test_tanh_gelu_writes_its_gradient_into_the_incoming_one_with_f_gelus_values
 def test_one_sigmoid_kernels_equal_torchs_own():
     """one_sigmoid.py against F.gelu and silu's own kernels: float64 to rounding, float32 as close as
     F.gelu itself is to float64; bfloat16 is not routed there."""
-    from dfm.models.common.one_sigmoid import gelu_tanh_one_sigmoid, swiglu_grad_one_sigmoid, transcendental_bound
+    from dfm.models.common.one_sigmoid import (
+        gelu_tanh_one_sigmoid,
+        gelu_tanh_one_sigmoid_differentiable,
+        swiglu_grad_one_sigmoid,
+        transcendental_bound,
+    )
 
     x = torch.linspace(-12, 12, 4001, dtype=torch.float64)
     exact = F.gelu(x, approximate="tanh")
     torch.testing.assert_close(gelu_tanh_one_sigmoid(x), exact, rtol=1e-14, atol=1e-14)
     ours, torchs = gelu_tanh_one_sigmoid(x.float()).double(), F.gelu(x.float(), approximate="tanh").double()
     assert (ours - exact).abs().max() <= 2 * (torchs - exact).abs().max()
+    assert torch.equal(gelu_tanh_one_sigmoid_differentiable(x.float()), gelu_tanh_one_sigmoid(x.float()))  # compiled
     y = torch.randn(7, 2, 12, dtype=torch.float64, requires_grad=True)
     grad = torch.randn(7, 2, 6, dtype=torch.float64)
     (expected,) = torch.autograd.grad(unfused_swiglu(y), y, grad)

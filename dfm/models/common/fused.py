@@ -22,7 +22,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dfm.models.common.norm_recompute import norm_modulate_rows
-from dfm.models.common.one_sigmoid import gelu_tanh_one_sigmoid, swiglu_grad_one_sigmoid, transcendental_bound
+from dfm.models.common.one_sigmoid import (
+    gelu_tanh_one_sigmoid,
+    gelu_tanh_one_sigmoid_differentiable,
+    swiglu_grad_one_sigmoid,
+    transcendental_bound,
+)
 from dfm.models.common.row_modulation import gated_residual_rows
 
 
@@ -32,6 +37,10 @@ def residual(x: Tensor, out: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
+    """tanh-GELU as autograd differentiates it (the compiled region's): through one sigmoid on the CPU, as
+    the eager Function below computes it."""
+    if transcendental_bound(x):
+        return gelu_tanh_one_sigmoid_differentiable(x)
     return F.gelu(x, approximate="tanh")
 
 

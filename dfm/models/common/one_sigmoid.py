@@ -27,10 +27,17 @@ def transcendental_bound(x: Tensor) -> bool:
 
 
 def gelu_tanh_one_sigmoid(x: Tensor) -> Tensor:
-    """tanh-GELU of ``x`` [..., f] as x * sigmoid(2c (x + a x^3)): one new tensor, the output."""
+    """tanh-GELU of ``x`` [..., f] as x * sigmoid(2c (x + a x^3)): one new tensor, the output, worked on in
+    place (not for autograd to differentiate)."""
     out = x * x
     out.mul_(_TWO_C * _CUBIC).add_(_TWO_C).mul_(x)
     return out.sigmoid_().mul_(x)
+
+
+def gelu_tanh_one_sigmoid_differentiable(x: Tensor) -> Tensor:
+    """The same, the same operations in the same order, out of place: for autograd and compiled regions
+    (where inductor fuses them into one pass)."""
+    return torch.sigmoid((x * x * (_TWO_C * _CUBIC) + _TWO_C) * x) * x
 
 
 def swiglu_grad_one_sigmoid(grad: Tensor, y: Tensor) -> Tensor:
