@@ -24,6 +24,7 @@ from pathlib import Path
 from dfm.checkpoint.collective import barrier, maxima, rank
 from dfm.checkpoint.files import read_latest, remove_partial
 from dfm.platform.child_stacks import ask_children_for_stacks, live_children
+from dfm.platform.watchdog import one_dump_at_a_time
 
 logger = logging.getLogger("dfm.checkpoint")
 
@@ -129,14 +130,15 @@ def abandon(saves, target: Path | None, reason: str | None) -> None:
     rank's writer stalled (None: another rank's did)."""
     process = writer(saves)
     if process is not None and process.is_alive():
-        logger.error(
-            "rank %d: the checkpoint writer (pid %d) for %s %s; its stacks follow, then it is stopped",
-            rank(),
-            process.pid,
-            target,
-            reason or "is stopped with the save (another rank's writer stalled)",
-        )
-        ask_children_for_stacks(STACKS_WAIT_S)
+        with one_dump_at_a_time():  # every rank's writer dumps now: whole, one after another, not interleaved
+            logger.error(
+                "rank %d: the checkpoint writer (pid %d) for %s %s; its stacks follow, then it is stopped",
+                rank(),
+                process.pid,
+                target,
+                reason or "is stopped with the save (another rank's writer stalled)",
+            )
+            ask_children_for_stacks(STACKS_WAIT_S)
         process.kill()
         process.join()
     saves.async_calls.popleft().async_caller.process = None
