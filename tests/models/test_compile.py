@@ -124,3 +124,25 @@ def test_inductor_fused_regions_equal_eager():
         for a, b in zip(g_compiled, g_eager):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gated", [True, False])
+def test_inductor_activation_regions_equal_eager(gated):
+    """The MLP's activation region through inductor's CPU code generation (model.compile=true on the CPU):
+    it compiles, and equals the eager region (one sigmoid there, torch's kernels or its own fusion here)."""
+    from dfm.models.common.activation_mlp import activation_region
+
+    torch._dynamo.reset()
+    fused.compiled_activation.cache_clear()
+    gen = torch.Generator().manual_seed(0)
+    y = torch.randn(37, 1, 24 if gated else 12, generator=gen, requires_grad=True)
+    grad = torch.randn(37, 1, 12, generator=gen)
+    results = []
+    for compile in (False, True):
+        out = activation_region(gated, compile)(y)
+        results.append((out, *torch.autograd.grad(out, y, grad.clone())))  # eager GELU writes into it
+    for compiled, eager in zip(results[1], results[0]):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    fused.compiled_activation.cache_clear()
+    torch._dynamo.reset()

@@ -83,9 +83,10 @@ def swiglu(y: Tensor) -> Tensor:
 def swiglu_grad(grad: Tensor, y: Tensor) -> Tensor:
     """d swiglu(y) given grad [..., f] of its output -> [..., 2f]; silu recomputed from y. SiLU's own
     backward kernel for the gate half, both halves written in place into one output: four passes over
-    [..., f], no temporary and no concatenation (a copy of [..., 2f]). On the CPU, silu's sigmoid
-    computed once instead (one_sigmoid.py)."""
-    if transcendental_bound(y):
+    [..., f], no temporary and no concatenation (a copy of [..., 2f]). Eager on the CPU, silu's sigmoid
+    computed once instead (one_sigmoid.py); inductor fuses these passes into one kernel anyway, and fails to
+    trace that version's in-place chain on output views."""
+    if transcendental_bound(y) and not torch.compiler.is_compiling():
         return swiglu_grad_one_sigmoid(grad, y)
     y1, y2 = y.chunk(2, dim=-1)
     d_y = torch.empty_like(y, memory_format=torch.contiguous_format)
