@@ -70,6 +70,7 @@ def data(seq_length: int, images: list, videos: list, image_fraction: float, pac
 
 
 BF16 = ["mixed_precision.precision=bf16"]
+FP8 = ["mixed_precision.fp8=hybrid"]  # the block linears' products in FP8 (dfm/models/common/fp8_linear.py)
 LATENT = ["model.in_channels=4", "model.text_embed_dim=4096", "dataset.mock_text_len_range=[64,128]"]
 # The DiT-7B preset's block (NeMo's DiT7BConfig): low-rank adaLN, 1024-wide text context, RMSNorm, no
 # linear biases, q/k norm. The plain-PyTorch reference has none of these, so its rungs time dfm alone.
@@ -175,6 +176,9 @@ def gpu_ladder() -> list[Rung]:
         ),
         *variant_pair("rows-index-add", "rows_index_add"),
         *variant_pair("uniform-varlen", "uniform_packs_varlen"),
+        # FP8 products on the acceptance rungs (bf16 parameters and attention), against their bf16 runs.
+        Rung("h4096-8k-L6-fp8", model(4096, 32, 6) + h4096 + FP8 + one_8k_video, reference=False),
+        Rung("xl2-256-img-fp8", xl2 + FP8, reference=False),
         Rung("cross-64k-video", cross + data(65536, [], [[16, 128, 128]], 0.0, packs_per_step=1)),
         Rung(
             "cross-64k-video-L12",

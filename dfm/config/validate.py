@@ -123,11 +123,15 @@ def _check_precision(cfg: ConfigContainer) -> None:
             "model.attention_backend=varlen runs torch's flash kernel, which takes bf16 or fp16, not "
             f"mixed_precision.precision={cfg.mixed_precision.precision}: set model.attention_backend=auto or flex"
         )
-    if cfg.mixed_precision.fp8 is not None:
-        # Refused rather than ignored: fp8 needs TE's fp8_autocast around the DiT layers, which
-        # is not wired (no GPU with Transformer Engine to prove it on).
+    fp8 = cfg.mixed_precision.fp8
+    if fp8 is not None and cfg.mixed_precision.precision == "fp16":
+        # FP8 products come out in the run's dtype: fp16's range would need a loss scale around them too.
+        raise ConfigError(f"mixed_precision.fp8={fp8!r} runs with precision bf16 or fp32, not fp16")
+    if fp8 is not None and cfg.model.attention_backend == "te":
+        # dfm's FP8 products live in its own linears; TE's modules would need TE's fp8_autocast, not wired.
         raise ConfigError(
-            f"mixed_precision.fp8={cfg.mixed_precision.fp8!r} is not supported yet; use mixed_precision.precision=bf16"
+            f"mixed_precision.fp8={fp8!r} runs on dfm's linears (model.attention_backend varlen, flex, sdpa "
+            "or auto without Transformer Engine), not model.attention_backend=te"
         )
 
 

@@ -11,6 +11,7 @@ from megatron.core import parallel_state
 from dfm.config.container import HALF_PRECISIONS
 from dfm.models.attention.modules import backend_modules
 from dfm.models.attention.varlen import varlen_available
+from dfm.models.common.fp8_linear import check_fp8_device
 from dfm.models.common.init import init_params
 from dfm.models.common.materialise import materialise_
 from dfm.models.common.transformer_config import build_transformer_config
@@ -56,14 +57,16 @@ def build_model(
     vp_stage: int | None = None,
     layout: ParallelLayout | None = None,
     device: torch.device | str = "cpu",
+    fp8: str | None = None,
 ):
     """One (virtual) pipeline stage, parameters allocated on the CPU but not initialised (use under
     ``torch.device('meta')`` to count parameters without memory). ``layout`` None: the layout of
     ``model_cfg`` on the running world. ``device``: where the model will run; it picks the
-    attention backend of ``auto`` (the caller moves the model there)."""
+    attention backend of ``auto`` (the caller moves the model there). ``fp8``: ``mixed_precision.fp8``."""
+    check_fp8_device(fp8, device)
     layout = layout or ParallelLayout.from_config(model_cfg, torch.distributed.get_world_size())
     family = family_of(model_cfg)
-    tconfig = build_transformer_config(model_cfg, layout, precision, family.transformer_settings(model_cfg))
+    tconfig = build_transformer_config(model_cfg, layout, precision, family.transformer_settings(model_cfg), fp8)
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = family.model(
@@ -84,12 +87,13 @@ def build_model_chunk(
     vp_stage: int | None = None,
     layout: ParallelLayout | None = None,
     device: torch.device | str = "cpu",
-    params_dtype_everywhere: bool = False,
+    **meta_options,
 ):
     """One (virtual) pipeline stage of the model on ``device``, initialised layout-independently from
     ``seed``. Built on the meta device, then only this rank's parameters are allocated and drawn, a
-    chunk at a time (dfm.models.common.init). ``params_dtype_everywhere``: see ``build_meta_chunk``."""
-    model, tconfig = build_meta_chunk(model_cfg, precision, vp_stage, layout, params_dtype_everywhere, device)
+    chunk at a time (dfm.models.common.init). ``meta_options``: ``build_meta_chunk``'s
+    ``params_dtype_everywhere`` and ``fp8``."""
+    model, tconfig = build_meta_chunk(model_cfg, precision, vp_stage, layout, device=device, **meta_options)
     materialise_(model, torch.device(device))
     init_params(model, seed, model.global_param_name, std=model_cfg.init_method_std)
     return model, tconfig
@@ -102,11 +106,12 @@ def build_meta_chunk(
     layout: ParallelLayout | None = None,
     params_dtype_everywhere: bool = False,
     device: torch.device | str = "cpu",
+    fp8: str | None = None,
 ):
     """One (virtual) pipeline stage on the meta device: shapes and attributes, no memory.
     ``params_dtype_everywhere``: the plain torch layers (embedders, final layer) in the precision's
     dtype too, as megatron's Float16Module casts them, not only megatron's layers. ``device``: where
     the parameters will live, which picks the attention backend (meta itself never does)."""
     with torch.device("meta"):
-        model, tconfig = build_model(model_cfg, precision, vp_stage, layout, device)
+        model, tconfig = build_model(model_cfg, precision, vp_stage, layout, device, fp8)
     return (model.to(dtype=tconfig.params_dtype) if params_dtype_everywhere else model), tconfig

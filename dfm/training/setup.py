@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,12 +16,15 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from dfm.config.container import ConfigContainer
 from dfm.config.validate import micro_batches_per_step
 from dfm.models.build import build_meta_chunk, build_model_chunk
+from dfm.models.common.fp8_linear import fp8_coverage
 from dfm.models.common.materialise import defer_to_fsdp, init_fsdp_shards
 from dfm.models.common.sample_classifier import add_classifier
 from dfm.parallel.layout import ParallelLayout
 from dfm.platform.distributed import alone
 from dfm.platform.optimizer_steps import step_parameters_together
 from dfm.training.buffer_grads import accumulate_into_buffers, skip_sync_alone
+
+logger = logging.getLogger("dfm.train")
 
 
 @dataclass
@@ -44,7 +48,9 @@ def build_model(
     ``classifier``: with a GAN classifier (a distillation's critic with the GAN loss on)."""
     ddp_config = megatron_ddp_config(cfg, device)
     if cfg.ddp.use_megatron_fsdp:
-        return fully_sharded_chunks(cfg, layout, ddp_config, device, classifier)
+        chunks, tconfig = fully_sharded_chunks(cfg, layout, ddp_config, device, classifier)
+        log_fp8_coverage(cfg, chunks)
+        return chunks, tconfig
     chunks, tconfig = [], None
     for vp_stage in vp_stages(layout):
         # bf16/fp16 runs: the plain nn.Linear embedders and final layer too (as megatron's Float16Module
@@ -57,17 +63,34 @@ def build_model(
             layout,
             device,
             params_dtype_everywhere=True,
+            fp8=cfg.mixed_precision.fp8,
         )
         chunks.append(with_extras(chunk, cfg, classifier))
     wrapped = [
         DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
+    log_fp8_coverage(cfg, chunks)
     for chunk in wrapped:
         chunk.broadcast_params()
         chunk.buffer_grad_params = accumulate_into_buffers(chunk, ddp_config, tconfig)  # buffer_grads.py
         skip_sync_alone(chunk)
     return wrapped, tconfig
+
+
+def log_fp8_coverage(cfg: ConfigContainer, chunks) -> None:
+    """Rank 0, with ``mixed_precision.fp8``: how many linears run their products in FP8, which keep theirs."""
+    if cfg.mixed_precision.fp8 is None or torch.distributed.get_rank() != 0:
+        return
+    in_fp8, kept = fp8_coverage(chunks)
+    logger.info(
+        "mixed_precision.fp8=%s: %d linears' products in FP8; %d keep %s (adaLN rows, sizes off 16, experts): %s",
+        cfg.mixed_precision.fp8,
+        len(in_fp8),
+        len(kept),
+        cfg.mixed_precision.precision,
+        ", ".join(kept[:8]) + (" ..." if len(kept) > 8 else ""),
+    )
 
 
 def with_adapters(chunk, cfg: ConfigContainer):
@@ -101,7 +124,13 @@ def fully_sharded_chunks(
     chunks, tconfig = [], None
     for index, vp_stage in enumerate(vp_stages(layout)):
         meta, tconfig = build_meta_chunk(
-            cfg.model, cfg.mixed_precision.precision, vp_stage, layout, params_dtype_everywhere=True, device=device
+            cfg.model,
+            cfg.mixed_precision.precision,
+            vp_stage,
+            layout,
+            params_dtype_everywhere=True,
+            device=device,
+            fp8=cfg.mixed_precision.fp8,
         )
         tconfig.init_model_with_meta_device = True
         chunk = fully_sharded(defer_to_fsdp(with_extras(meta, cfg, classifier)), tconfig, ddp_config, device, index > 0)

@@ -13,7 +13,7 @@
 #       (the CPU: the GPU tests with DFM_GPU_TESTS_ON_CPU=1, the gpu ladder's rungs at CPU size, caps x3)
 #
 # Parts: env (wheels, versions, GPU, torch API probes) | tests (pytest -m gpu) | accept (h4096-8k-L6 and
-# xl2-256-img, dfm vs reference) | mix (mixed/fixed rungs) | backends (flex, sdpa) | compiled |
+# xl2-256-img, dfm vs reference) | fp8 (the same two with mixed_precision.fp8=hybrid) | mix (mixed/fixed rungs) | backends (flex, sdpa) | compiled |
 # variants (rows summed by index_add instead of the one-hot GEMM, uniform packs through varlen instead of one
 # batched SDPA call: before/after pairs with accept's rungs) |
 # recompiles | profile (the default order: profile right after accept). Parts run in the order PARTS names them; some only, or
@@ -22,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
 BUDGET=${LEASE_BUDGET_S:-540}
-PARTS=${PARTS:-env tests accept profile mix digits backends compiled variants recompiles}
+PARTS=${PARTS:-env tests accept profile fp8 mix digits backends compiled variants recompiles}
 WORK=$(mktemp -d /tmp/lease.XXXXXX)
 mkdir -p "$OUT"
 rm -f "$OUT/parts.tar" "$OUT/summary.txt"
@@ -95,6 +95,7 @@ run_part() {
         compiled) part compiled 150 bench compiled 3 2 h4096-8k-L6-compiled,xl2-256-img-compiled ;;
         variants) part variants 150 bench variants 3 2 h4096-8k-L6-rows-index-add,xl2-256-img-rows-index-add,h4096-8k-L6-uniform-varlen,xl2-256-img-uniform-varlen ;;
         digits) part digits 90 bench digits 4 2 digits-video-x16,digits-video-moviegen-x16 ;;
+        fp8) part fp8 120 bench fp8 3 2 h4096-8k-L6-fp8,xl2-256-img-fp8 ;;
         recompiles) part recompiles 90 python3 -m benchmarks.recompiles --packs 50 ;;
         profile) part profile 120 python3 -m benchmarks.profile_rung --ladder "$LADDER" --rung h4096-8k-L6 --out "$WORK/profile" ;;
         *) echo "$1: no such part" | tee -a "$OUT/summary.txt" ;;

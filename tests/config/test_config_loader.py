@@ -190,7 +190,7 @@ def test_whole_section_override_with_a_mapping():
             r"model\.num_layers \(2\) must be a multiple of the pipeline "
             r"stages: pipeline_model_parallel_size \(4\) x virtual_pipeline_model_parallel_size \(1\) = 4",
         ),
-        ("mixed_precision.fp8=e4m3", r"mixed_precision\.fp8='e4m3' is not supported yet"),
+        ("mixed_precision.fp8=e5m2", r"config key 'mixed_precision\.fp8' expects one of 'e4m3', 'hybrid'"),
         ("optimizer.ema_decay=1.0", r"optimizer\.ema_decay must be in \(0, 1\), got 1\.0"),
     ],
 )

@@ -66,6 +66,7 @@ DIST_OPT = "ddp.use_distributed_optimizer=true"
 VPP = ["model.num_layers=4", PP2, "model.virtual_pipeline_model_parallel_size=2", *ACCUMULATE]
 CP2 = "model.context_parallel_size=2"
 EP2 = "model.expert_model_parallel_size=2"
+FP8 = "mixed_precision.fp8=hybrid"  # the block linears' products in FP8: each amax reduced as one process's
 FSDP = ["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params"]
 FLUX_TINY = "../../flux/conf/flux_tiny"  # conf paths are relative to the DiT recipe's conf/
 HUNYUAN_TINY = "../../hunyuan/conf/hunyuan_tiny"

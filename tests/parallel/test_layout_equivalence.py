@@ -13,6 +13,7 @@ from tests.parallel.equivalence import (
     DP_DATA,
     EP2,
     FLUX_TINY,
+    FP8,
     HUNYUAN_TINY,
     PP2,
     SP,
@@ -71,6 +72,11 @@ CASES = [
     (HUNYUAN_TINY, [TP2, SP], []),
     (HUNYUAN_TINY, [CP2], []),
     (HUNYUAN_TINY, [PP2], []),
+    # FP8 products: every amax taken over the ranks that split its tensor (TP's weight and feature shards,
+    # SP and CP's tokens), so the quantized operands are one process's; DP ranks quantize their own
+    # micro-batches, as one process accumulating the same micro-batches does.
+    ("dit_tiny", [FP8, TP2, SP, CP2], [FP8]),
+    ("dit_tiny", [FP8, *ACCUMULATE], [FP8, *ACCUMULATE]),
 ]
 
 

@@ -65,6 +65,13 @@ def _zeros(weight: Tensor) -> None:
     nn.init.zeros_(weight)
 
 
+class ModulationLinear(LocalColumnLinear):
+    """The adaLN projection's linear: its products stay in the run's precision under ``mixed_precision.fp8``
+    (one row per sample, so few FLOPs, and every token's shift, scale and gate come from it)."""
+
+    fp8_capable = False
+
+
 class AdaLNModulation(MegatronModule):
     """cond [N, h] -> [N, num_chunks * h] (``rows``): the modulation, one row per sample.
 
@@ -80,7 +87,7 @@ class AdaLNModulation(MegatronModule):
         # Low-rank adaLN (Cosmos / NeMo's DiT-7B): h -> rank, replicated and tiny, then rank -> chunks x h;
         # 7 rank h parameters per block instead of 6 h^2.
         self.down = nn.Linear(config.hidden_size, rank, bias=False) if rank else None
-        self.linear = LocalColumnLinear(
+        self.linear = ModulationLinear(
             rank or config.hidden_size,
             num_chunks * config.hidden_size,
             config=config,

@@ -9,14 +9,19 @@ fused, autograd's own backward, and the bias never handed back (the caller's ``b
 each parameter's grad-accumulation hook.
 
 Same classes (subclasses), parameters, names and sharding: checkpoints and TP > 1 are unchanged.
+With ``mixed_precision.fp8`` both run their products in FP8 instead, at any TP (fp8_linear.py).
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.utils import get_pg_size
 from torch import Tensor
+
+from dfm.models.common.fp8_linear import fp8_column_forward, fp8_recipe_of, fp8_row_forward
 
 
 def runs_alone(linear) -> bool:
@@ -45,7 +50,12 @@ def nothing_parallel(linear) -> bool:
 class LocalColumnLinear(ColumnParallelLinear):
     """ColumnParallelLinear; input [s, b, in] -> ([s, b, out], None) by ``F.linear`` on one rank."""
 
+    fp8_capable: ClassVar[bool] = True  # under mixed_precision.fp8 (adaLN's rows: no)
+
     def forward(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None):
+        recipe = fp8_recipe_of(self) if weight is None and runtime_gather_output is None else None
+        if recipe is not None:
+            return fp8_column_forward(self, input_, recipe), None
         if weight is None and runs_alone(self):
             return F.linear(input_, self.weight, self.bias), None
         return super().forward(input_, weight, runtime_gather_output)
@@ -54,7 +64,12 @@ class LocalColumnLinear(ColumnParallelLinear):
 class LocalRowLinear(RowParallelLinear):
     """RowParallelLinear; input [s, b, in] -> ([s, b, out], None) by ``F.linear`` on one rank."""
 
+    fp8_capable: ClassVar[bool] = True
+
     def forward(self, input_: Tensor):
+        recipe = fp8_recipe_of(self)
+        if recipe is not None:
+            return fp8_row_forward(self, input_, recipe), None
         if runs_alone(self):
             return F.linear(input_, self.weight, self.bias), None
         return super().forward(input_)

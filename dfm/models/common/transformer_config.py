@@ -41,12 +41,19 @@ class DfmTransformerConfig(TransformerConfig):
     has_cond_embedder: bool = True
     # The MLP's activation output recomputed in backward, not kept (dfm/models/common/activation_mlp.py).
     recompute_activation: bool = False
+    # mixed_precision.fp8: the block linears' products in FP8 (dfm/models/common/fp8_linear.py); None: off.
+    fp8_linears: str | None = None
 
 
 def build_transformer_config(
-    model, layout: ParallelLayout, precision: str = "fp32", family_settings: dict[str, Any] | None = None
+    model,
+    layout: ParallelLayout,
+    precision: str = "fp32",
+    family_settings: dict[str, Any] | None = None,
+    fp8: str | None = None,
 ) -> DfmTransformerConfig:
-    """``model`` is a dfm.config ModelConfig; ``precision`` in fp32 | bf16 | fp16. The config
+    """``model`` is a dfm.config ModelConfig; ``precision`` in fp32 | bf16 | fp16; ``fp8``: the recipe of
+    the block linears' products (``mixed_precision.fp8``), None for none. The config
     carries ``layout`` for the model's modules (`dfm.parallel.layout_of`); ``family_settings``:
     the block fields the model's family sets otherwise (``Family.transformer_settings``)."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -96,4 +103,5 @@ def build_transformer_config(
         recompute_activation=model.recompute_activation,
         adaln_lora_dim=model.adaln_lora_dim,
         cross_attention_dim=model.context_width,
+        fp8_linears=fp8,
     )
