@@ -120,6 +120,25 @@ def acceptance(rows: dict[str, dict]) -> list[str]:
         lines.append(f"xl2-256-img: dfm/ref images/s {_fmt(xl2.get('ratio'), 2)} (target >= 1.5)")
     if mix:
         lines.append(f"cross-16k-mix-packed: mixed/fixed {_fmt(mix.get('mixed_vs_fixed'), 2)} (target >= 0.95)")
+    return lines + fp8_lines(rows)
+
+
+def fp8_lines(rows: dict[str, dict]) -> list[str]:
+    """The FP8 rungs against their bf16 runs: TFLOP/s, and step-time ratios to dfm's bf16 and the reference."""
+    from benchmarks.report import _fmt
+
+    lines = []
+    for name in ("h4096-8k-L6", "xl2-256-img"):
+        fp8, bf16 = rows.get(f"{name}-fp8"), rows.get(name)
+        if not fp8 or "error" in fp8["dfm"]:
+            continue
+        step = fp8["dfm"]["step_time_s"]
+        line = f"{name}-fp8: {_fmt(fp8['dfm']['tflops_per_gpu'])} TFLOP/s/GPU"
+        if bf16 and "error" not in bf16["dfm"]:
+            line += f", {_fmt(bf16['dfm']['step_time_s'] / step, 2)}x dfm bf16's steps"
+            if bf16.get("reference") and "error" not in bf16["reference"]:
+                line += f", {_fmt(bf16['reference']['step_time_s'] / step, 2)}x the bf16 reference's"
+        lines.append(line)
     return lines
 
 

@@ -23,8 +23,10 @@ def test_unpack_puts_the_parts_under_results_and_reports_the_targets(tmp_path):
     side = {"flops_by_tokens": {"8192": 1e15}, "tflops_per_gpu": 300.0, "peak_mem_gib": 50.0}
     side |= {"step_time_s": 0.5, "tokens_per_sec_per_gpu": 3e4, "samples_per_sec_per_gpu": 4.0, "mfu": 0.3}
     row = {"config": "h4096-8k-L6", "variant": "default", "mix_of": [], "dfm": side, "reference": side, "ratio": 1.0}
+    fp8_side = side | {"step_time_s": 0.4, "tflops_per_gpu": 375.0}
+    fp8_row = {"config": "h4096-8k-L6-fp8", "variant": "default", "mix_of": [], "dfm": fp8_side, "reference": None}
     env = {"date": "2026-11-28T10:00:00+00:00", "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "command": "c"}
-    (part / "results.json").write_text(json.dumps({"environment": env, "rows": [row]}))
+    (part / "results.json").write_text(json.dumps({"environment": env, "rows": [row, fp8_row]}))
     returned = tmp_path / "returned"
     returned.mkdir()
     with tarfile.open(returned / "parts.tar", "w") as archive:
@@ -35,6 +37,7 @@ def test_unpack_puts_the_parts_under_results_and_reports_the_targets(tmp_path):
     assert (target / "accept" / "results.json").exists() and (target / "environment.json").exists()
     printed = lease.report(target)
     assert "h4096-8k-L6: 300.0 TFLOP/s/GPU (target >= 520), dfm/ref 1.00" in printed
+    assert "h4096-8k-L6-fp8: 375.0 TFLOP/s/GPU, 1.25x dfm bf16's steps, 1.25x the bf16 reference's" in printed
     assert "| h4096-8k-L6 | default |" in printed and "GPU tests: not run" in printed
 
 
