@@ -55,11 +55,14 @@ def quantize(x: Tensor, dtype: torch.dtype, group: dist.ProcessGroup | None) -> 
     """``x`` -> (x in ``dtype`` scaled so that amax maps to the format's largest value, the fp32 [] inverse
     scale that undoes it). ``group``: the ranks whose pieces of ``x`` share one amax."""
     largest = torch.finfo(dtype).max
-    amax = x.detach().abs().amax().float()
+    x = x.detach()
+    # Three passes over x's size, none in fp32: the max of |x| without an |x| tensor, the scaled copy in x's
+    # dtype, clamped in place (a value past the largest casts to inf in E5M2, and saturating is not promised).
+    amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     scale = largest / amax.clamp(min=AMAX_FLOOR)  # an all-zero tensor: zeros, not 0 * inf
-    quantized = (x.detach().float() * scale).clamp_(-largest, largest).to(dtype)
+    quantized = (x * scale).clamp_(-largest, largest).to(dtype)
     return quantized, scale.reciprocal()
 
 
