@@ -88,7 +88,7 @@ export OUT WORK LADDER
 run_part() {
     case $1 in
         env) part env 120 environment ;;
-        tests) part tests 200 gpu_tests ;;
+        tests) part tests 260 gpu_tests ;;
         accept) part accept 150 bench accept 5 3 h4096-8k-L6,xl2-256-img ;;
         mix) part mix 150 bench mix 4 2 cross-1k-img-fixed,cross-256-img-fixed,cross-2k-video-fixed,cross-4k-video-fixed,cross-16k-mix-packed ;;
         backends) part backends 150 bench backends 3 2 h4096-8k-L6-flex,xl2-256-img-flex,cross-16k-mix-flex,xl2-256-img-sdpa ;;
