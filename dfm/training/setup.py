@@ -84,7 +84,8 @@ def log_fp8_coverage(cfg: ConfigContainer, chunks) -> None:
         return
     in_fp8, kept = fp8_coverage(chunks)
     logger.info(
-        "mixed_precision.fp8=%s: %d linears' products in FP8; %d keep %s (adaLN rows, sizes off 16, experts): %s",
+        "mixed_precision.fp8=%s: %d linears' products in FP8; %d keep %s (adaLN rows, sizes off 16): %s; "
+        "MoE experts, embedders and the head keep it too",
         cfg.mixed_precision.fp8,
         len(in_fp8),
         len(kept),

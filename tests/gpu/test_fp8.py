@@ -34,12 +34,16 @@ def assert_close_to_scale(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert error <= TOLERANCE * expected.abs().max().item(), (error, expected.abs().max().item())
 
 
-@pytest.mark.parametrize("tokens", [256, 200])  # 200: the weight gradient's tokens padded to 208
-def test_fp8_products_on_the_device_are_those_of_the_quantized_operands(tokens):
+# 200 tokens: the weight gradient's padded to 208; a transposed view as the output gradient (cuBLAS takes
+# its first operand row-major only).
+@pytest.mark.parametrize(("tokens", "transposed_grad"), [(256, False), (200, False), (200, True)])
+def test_fp8_products_on_the_device_are_those_of_the_quantized_operands(tokens, transposed_grad):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, 256, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
     weight = (0.05 * torch.randn(512, 256, generator=gen)).to(DEVICE, torch.bfloat16).requires_grad_()
     grad = torch.randn(tokens, 512, generator=gen).to(DEVICE, torch.bfloat16)
+    if transposed_grad:
+        grad = grad.t().contiguous().t()
     recipe = Fp8Recipe.named("hybrid")
     out = fp8_linear(x, weight, None, recipe, None)
     out.backward(grad)

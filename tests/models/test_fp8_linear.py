@@ -74,6 +74,14 @@ def test_products_track_the_full_precision_linear(dtype):
     assert relative(weight.grad, w64.grad) < 0.1
 
 
+def test_a_transposed_gradient_is_quantized_row_major():
+    """The output gradient autograd hands over may be a transposed view; ``_scaled_mm`` on CUDA takes its first
+    operand row-major only (the CPU's reference kernel takes either), so the quantized copy is made row-major."""
+    gradient = torch.randn(48, 37).t()
+    quantized, _ = quantize(gradient, E5M2, None)
+    assert quantized.is_contiguous() and quantized.shape == (37, 48)
+
+
 def test_a_recipe_name_off_the_list_is_refused_by_name():
     with pytest.raises(ValueError, match=r"mixed_precision\.fp8='e5m2'"):
         Fp8Recipe.named("e5m2")

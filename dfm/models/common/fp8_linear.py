@@ -63,7 +63,8 @@ def quantize(x: Tensor, dtype: torch.dtype, group: dist.ProcessGroup | None) -> 
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     scale = largest / amax.clamp(min=AMAX_FLOOR)  # an all-zero tensor: zeros, not 0 * inf
     quantized = (x * scale).clamp_(-largest, largest).to(dtype)
-    return quantized, scale.reciprocal()
+    # Row-major whatever x's strides (an incoming gradient may be a transposed view): cuBLAS's first operand.
+    return quantized.contiguous(), scale.reciprocal()
 
 
 def column_major(x: Tensor) -> Tensor:
