@@ -185,7 +185,8 @@ def extra_state_as_data(value: Any, source: str) -> Any:
     ``set_extra_state`` would ``pickle.loads``) read as data, then dropped: the bytes are decoded with the
     array allow-list (anything else is refused naming ``source``) and an empty tensor is returned, so no
     checkpoint byte reaches a module's own unpickler. dfm's fp8 runs no TE module (refused with TE) and its
-    own FP8 products keep no scaling state, so TE's fp8 state is rebuilt, never needed from the file. ``None`` (megatron's local layers) stays."""
+    own FP8 products keep no scaling state, so TE's fp8 state is rebuilt, never needed from the file.
+    ``None`` (megatron's local layers) stays."""
     if value is None:
         return None
     if isinstance(value, (list, tuple)):  # megatron keeps some layers' extra state in a list

@@ -13,7 +13,8 @@
 #       (the CPU: the GPU tests with DFM_GPU_TESTS_ON_CPU=1, the gpu ladder's rungs at CPU size, caps x3)
 #
 # Parts: env (wheels, versions, GPU, torch API probes) | tests (pytest -m gpu) | accept (h4096-8k-L6 and
-# xl2-256-img, dfm vs reference) | fp8 (the same two with mixed_precision.fp8=hybrid) | mix (mixed/fixed rungs) | backends (flex, sdpa) | compiled |
+# xl2-256-img, dfm vs reference) | fp8 (the same two with mixed_precision.fp8=hybrid) | mix (mixed/fixed rungs) |
+# backends (flex, sdpa) | compiled |
 # variants (rows summed by index_add instead of the one-hot GEMM, uniform packs through varlen instead of one
 # batched SDPA call: before/after pairs with accept's rungs) |
 # recompiles | profile (the default order: profile right after accept). Parts run in the order PARTS names them; some only, or

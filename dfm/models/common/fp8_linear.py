@@ -53,13 +53,13 @@ def fp8_shapes_ok(in_features: int, out_features: int) -> bool:
 
 def quantize(x: Tensor, dtype: torch.dtype, group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor]:
     """``x`` -> (x in ``dtype`` scaled so that amax maps to the format's largest value, the fp32 [] inverse
-    scale that undoes it). ``group``: the ranks whose pieces of ``x`` share one amax."""
+    scale that undoes it). ``group``: the ranks whose pieces of ``x`` share one amax (None: this rank alone)."""
     largest = torch.finfo(dtype).max
     x = x.detach()
     # Three passes over x's size, none in fp32: the max of |x| without an |x| tensor, the scaled copy in x's
     # dtype, clamped in place (a value past the largest casts to inf in E5M2, and saturating is not promised).
     amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
-    if group is not None and dist.get_world_size(group) > 1:
+    if group is not None:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     scale = largest / amax.clamp(min=AMAX_FLOOR)  # an all-zero tensor: zeros, not 0 * inf
     quantized = (x * scale).clamp_(-largest, largest).to(dtype)
@@ -76,6 +76,8 @@ def tokens_padded_t(x: Tensor) -> Tensor:
     """[t, n] -> its transpose [n, t'] row-major, t' = t rounded up to 16 (zero columns): the weight
     gradient's shared dimension."""
     tokens = x.shape[0]
+    if tokens % FP8_MULTIPLE == 0:
+        return x.t().contiguous()
     padded = -(-tokens // FP8_MULTIPLE) * FP8_MULTIPLE
     out = x.new_zeros(x.shape[1], padded)
     out[:, :tokens] = x.t()
@@ -148,17 +150,16 @@ def fp8_recipe_for(linear) -> Fp8Recipe | None:
 
 
 def amax_group(linear) -> dist.ProcessGroup | None:
-    """The ranks holding pieces of one of the linear's tensors: TP, and CP's token shards with it (kept on
-    the module after the first call)."""
+    """The ranks holding pieces of one of the linear's tensors: TP, and CP's token shards with it; None when
+    that is this rank alone. Kept on the module after the first call: no group size asked per product."""
     if "_fp8_amax_group" not in linear.__dict__:
         from megatron.core import parallel_state
 
         split_tokens = (
             parallel_state.model_parallel_is_initialized() and parallel_state.get_context_parallel_world_size() > 1
         )
-        linear._fp8_amax_group = (
-            parallel_state.get_tensor_and_context_parallel_group() if split_tokens else linear.tp_group
-        )
+        group = parallel_state.get_tensor_and_context_parallel_group() if split_tokens else linear.tp_group
+        linear._fp8_amax_group = group if group is not None and dist.get_world_size(group) > 1 else None
     return linear._fp8_amax_group
 
 
